@@ -1,0 +1,75 @@
+"""Elementwise operators: one table that every stage reads.
+
+Each operator has its numpy implementation (used by the dense evaluator, the reference
+interpreter and the numpy backend), a flop count per element (used by the cost model), and a
+CUDA C expression template over float operands `{x}` / `{y}` (used by the CUDA backend).
+Adding an operator here makes it known to the whole pipeline.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class OpInfo:
+    name: str
+    numpy: Callable[..., np.ndarray]
+    flops: int
+    cuda: str
+
+
+def _sigmoid(x: np.ndarray) -> np.ndarray:
+    return 0.5 * (1.0 + np.tanh(0.5 * x))
+
+
+def _gelu(x: np.ndarray) -> np.ndarray:
+    # tanh approximation, as in GPT-2 and most inference stacks
+    return 0.5 * x * (1.0 + np.tanh(0.7978845608028654 * (x + 0.044715 * x * x * x)))
+
+
+def _unary(name: str, fn: Callable[[np.ndarray], np.ndarray], flops: int, cuda: str) -> OpInfo:
+    return OpInfo(name, fn, flops, cuda)
+
+
+UNARY: dict[str, OpInfo] = {
+    op.name: op
+    for op in (
+        _unary("exp", np.exp, 1, "expf({x})"),
+        _unary("log", np.log, 1, "logf({x})"),
+        _unary("sqrt", np.sqrt, 1, "sqrtf({x})"),
+        _unary("rsqrt", lambda x: 1.0 / np.sqrt(x), 1, "rsqrtf({x})"),
+        _unary("recip", lambda x: 1.0 / x, 1, "(1.0f / ({x}))"),
+        _unary("abs", np.abs, 1, "fabsf({x})"),
+        _unary("neg", np.negative, 1, "(-({x}))"),
+        _unary("square", np.square, 1, "(({x}) * ({x}))"),
+        _unary("relu", lambda x: np.maximum(x, 0.0), 1, "fmaxf({x}, 0.0f)"),
+        _unary("sigmoid", _sigmoid, 4, "(1.0f / (1.0f + expf(-({x}))))"),
+        _unary("silu", lambda x: x * _sigmoid(x), 5, "(({x}) / (1.0f + expf(-({x}))))"),
+        _unary("gelu", _gelu, 8,
+               "(0.5f * ({x}) * (1.0f + tanhf(0.7978845608f * (({x}) + 0.044715f * ({x}) * ({x}) * ({x})))))"),
+        _unary("tanh", np.tanh, 1, "tanhf({x})"),
+    )
+}
+
+BINARY: dict[str, OpInfo] = {
+    op.name: op
+    for op in (
+        OpInfo("add", np.add, 1, "(({x}) + ({y}))"),
+        OpInfo("sub", np.subtract, 1, "(({x}) - ({y}))"),
+        OpInfo("mul", np.multiply, 1, "(({x}) * ({y}))"),
+        OpInfo("div", np.divide, 1, "(({x}) / ({y}))"),
+        OpInfo("max", np.maximum, 1, "fmaxf({x}, {y})"),
+        OpInfo("min", np.minimum, 1, "fminf({x}, {y})"),
+    )
+}
+
+# In-tile reductions: numpy reducer and CUDA combine template.
+TILE_REDUCE: dict[str, OpInfo] = {
+    "sum": OpInfo("sum", np.sum, 1, "(({x}) + ({y}))"),
+    "max": OpInfo("max", np.max, 1, "fmaxf({x}, {y})"),
+    "min": OpInfo("min", np.min, 1, "fminf({x}, {y})"),
+}

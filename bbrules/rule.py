@@ -1,0 +1,161 @@
+"""Rules as data: what a `.bbr` file means once parsed and validated.
+
+A pattern is an IR term (`bbrules.ir` node classes) in which
+- a child may be a `PVar` (`?x`), matching any value;
+- an axis field (`Reduce.axis`, `Dot.axis`, `BlockReduce.axis`) or a monoid name may be a
+  string starting with `?` (`?a`), matching any axis / monoid;
+- a constant may be a `PConst` (`?c`), matching any constant (so rules can fold constants).
+
+The parser (`bbrules.rulefile`) builds these; the engine (`bbrules.engine`) compiles them to
+egglog; the soundness checker (`bbrules.soundness`) instantiates them on random tiles.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Union
+
+from .errors import Span
+from .ir import Monoid, Node
+
+
+@dataclass(frozen=True)
+class PVar:
+    """A pattern variable standing for any value (`?x`)."""
+
+    name: str
+
+
+@dataclass(frozen=True)
+class PConst:
+    """A pattern variable standing for any constant (`?c` in a constant position)."""
+
+    name: str
+
+
+@dataclass(frozen=True)
+class Stored:
+    """`load(store(?v))`: reading back a block that a kernel of this program stored.
+
+    In the e-graph a load of an intermediate tensor carries the value its kernel stores (with
+    axes renamed to the load's), so store-to-load forwarding is an ordinary rule over it.
+    """
+
+    value: Pattern
+
+
+@dataclass(frozen=True)
+class AxisSize:
+    """`block(?a)`, `extent(?a)` or `trips(?a)`: a size of the axis bound to `?a`, as a constant."""
+
+    kind: str  # "block", "extent" or "trips"
+    axis: str
+
+
+@dataclass(frozen=True)
+class CExpr:
+    """Arithmetic on constant variables in a right-hand side: `const(?c * ?d)` folds constants."""
+
+    op: str  # a binary or unary operator name from bbrules.ops, over PConst / Const args
+    args: tuple[PConst | Const | AxisSize | CExpr, ...]
+
+
+Pattern = Union[Node, PVar, PConst, Stored, CExpr]
+
+
+# Guards -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AxisIn:
+    """`?a in shape(?x)` / `?a not in deps(?x)`: membership of an axis in an analysis."""
+
+    axis: str
+    analysis: str  # "shape" or "deps"
+    var: str
+    negated: bool = False
+
+
+@dataclass(frozen=True)
+class AxisEq:
+    """`?a == ?b` / `?a != ?b`: two axis variables bound to the same (different) axis."""
+
+    left: str
+    right: str
+    negated: bool = False
+
+
+@dataclass(frozen=True)
+class TripsEq:
+    """`trips(?a) == trips(?b)`: the two axes have the same number of blocks."""
+
+    left: str
+    right: str
+
+
+@dataclass(frozen=True)
+class ConstCmp:
+    """`?c > 0` or `?c == 1 / extent(?e)`: a comparison on a constant variable."""
+
+    var: str
+    op: str  # one of < <= > >= == !=
+    value: Const | AxisSize | CExpr
+
+
+Guard = Union[AxisIn, AxisEq, TripsEq, ConstCmp]
+
+
+@dataclass(frozen=True)
+class Rule:
+    """`rule name: lhs => rhs when guards` (one-way) or `<=>` (two-way)."""
+
+    name: str
+    lhs: Pattern
+    rhs: Pattern
+    guards: tuple[Guard, ...] = ()
+    bidirectional: bool = False
+    ruleset: str = "default"
+    doc: str = ""
+    span: Span | None = field(default=None, compare=False)
+
+
+@dataclass(frozen=True)
+class Check:
+    """A check case: `term` must (or must not, when `negated`) rewrite to `expect`.
+
+    Terms are ground IR terms over loads of tensors declared in the check's `dims`/`tensors`
+    header (see the rule-language docs); `expect` is None for a bare "must not change" check.
+    """
+
+    rule: str
+    term: Node
+    expect: Node | None
+    negated: bool = False
+    dims: dict[str, tuple[int, int]] = field(default_factory=dict)
+    span: Span | None = field(default=None, compare=False)
+
+
+@dataclass(frozen=True)
+class Stage:
+    """Rulesets run in order; each stage saturates (within budget) before the next."""
+
+    name: str
+    rulesets: tuple[str, ...]
+    iterations: int | None = None
+
+
+@dataclass
+class RulePack:
+    """Everything one pack (a directory of .bbr files) declares."""
+
+    name: str
+    rules: list[Rule] = field(default_factory=list)
+    monoids: list[Monoid] = field(default_factory=list)
+    checks: list[Check] = field(default_factory=list)
+    stages: list[Stage] = field(default_factory=list)
+    tolerances: dict[str, float] = field(default_factory=dict)
+
+    def merge(self, other: RulePack) -> RulePack:
+        return RulePack(f"{self.name}+{other.name}", self.rules + other.rules,
+                        self.monoids + other.monoids, self.checks + other.checks,
+                        self.stages + other.stages, {**self.tolerances, **other.tolerances})

@@ -1,0 +1,1 @@
+"""Code generators: numpy loops (CPU) and CUDA C for CuPy (GPU)."""

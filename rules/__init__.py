@@ -1,0 +1,1 @@
+"""The standard rule pack: the .bbr files in this directory."""

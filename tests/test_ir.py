@@ -1,0 +1,118 @@
+"""The block IR: types (shape/deps), well-formedness checks, validation, printing."""
+
+import pytest
+
+from bbrules.ir import (Binary, BlockProgram, BlockReduce, Const, Dim, Dot, Get, IRError, Load,
+                        Monoid, Reduce, Store, TensorDecl, Tuple, Unary, Var, deps, register_monoid,
+                        sched_deps, shape, show_kernel, show_node, type_of, validate)
+
+Q = Load("Q", ("q", "d"))
+K = Load("K", ("k", "d"))
+V = Load("V", ("k", "d"))
+S = Binary("mul", Reduce("d", "sum", Dot("d", Q, K)), Const(0.125))
+
+# online softmax over (running max, numerator): the numerator is rescaled as the max grows
+ONLINE = Monoid(
+    "test_online", ("m", "o"),
+    (Const(float("-inf")), Const(0.0)),
+    (Binary("max", Var("a.m"), Var("b.m")),
+     Binary("add",
+            Binary("mul", Var("a.o"), Unary("exp", Binary("sub", Var("a.m"),
+                                                          Binary("max", Var("a.m"), Var("b.m"))))),
+            Binary("mul", Var("b.o"), Unary("exp", Binary("sub", Var("b.m"),
+                                                          Binary("max", Var("a.m"), Var("b.m"))))))),
+    (Var("m"), Var("o")),
+)
+
+
+def test_load_spans_and_depends_on_its_axes():
+    assert shape(Q) == deps(Q) == {"q", "d"}
+
+
+def test_dot_contracts_the_axis_and_keeps_dependencies():
+    t = type_of(Dot("d", Q, K))
+    assert t.shape == {"q", "k"}
+    assert t.deps == {"q", "k", "d"}
+
+
+def test_reduce_removes_its_axis_from_dependencies():
+    assert deps(S) == {"q", "k"} and shape(S) == {"q", "k"}
+    m = Reduce("k", "max", BlockReduce("max", "k", S))
+    assert shape(m) == {"q"} and deps(m) == {"q"}
+
+
+def test_binary_broadcasts_by_axis_name():
+    m = Reduce("k", "max", BlockReduce("max", "k", S))
+    assert shape(Binary("sub", S, m)) == {"q", "k"}
+
+
+def test_tuple_components_are_typed_separately():
+    register_monoid(ONLINE)
+    s = BlockReduce("max", "k", S)
+    o = Dot("k", Unary("exp", Binary("sub", S, s)), V)
+    r = Reduce("k", "test_online", Tuple((s, o)))
+    assert deps(Get(0, r)) == {"q"}
+    assert deps(Get(1, r)) == {"q", "d"}
+    assert sched_deps(Get(0, r)) == {"q", "d"}
+
+
+@pytest.mark.parametrize("bad, message", [
+    (BlockReduce("sum", "x", Q), "does not span"),
+    (Dot("k", Q, K), "does not span"),
+    (Reduce("q", "sum", Q), "still spans"),
+    (Reduce("d", "nosuch", BlockReduce("sum", "d", Q)), "unknown monoid"),
+    (Get(0, Q), "no component"),
+    (Unary("frobnicate", Q), "unknown unary"),
+])
+def test_ill_formed_terms_are_rejected(bad, message):
+    with pytest.raises(IRError, match=message):
+        type_of(bad)
+
+
+def _program(*kernels: Store, outputs=("O",)) -> BlockProgram:
+    dims = {"q": Dim("q", 8, 4), "k": Dim("k", 8, 4), "d": Dim("d", 4, 4)}
+    tensors = {
+        "Q": TensorDecl("Q", ("q", "d"), role="input"),
+        "K": TensorDecl("K", ("k", "d"), role="input"),
+        "S": TensorDecl("S", ("q", "k")),
+        "O": TensorDecl("O", ("q", "k"), role="output"),
+    }
+    return BlockProgram(dims, tensors, kernels, outputs)
+
+
+def test_validate_accepts_a_well_formed_program():
+    validate(_program(Store("S", ("q", "k"), S),
+                      Store("O", ("q", "k"), Unary("exp", Load("S", ("q", "k"))))))
+
+
+@pytest.mark.parametrize("kernels, message", [
+    ((Store("O", ("q", "k"), Dot("d", Q, K)),), "shape == deps"),
+    ((Store("O", ("q", "k"), Unary("exp", Load("S", ("q", "k")))),), "before any kernel"),
+    ((Store("Q", ("q", "d"), Q),), "input tensor"),
+    ((Store("O", ("k", "q"), S),), "does not match"),
+    ((Store("S", ("q", "k"), S),), "never stored"),
+])
+def test_validate_names_the_violation(kernels, message):
+    with pytest.raises(IRError, match=message):
+        validate(_program(*kernels))
+
+
+def test_redefining_a_monoid_differently_is_an_error():
+    register_monoid(ONLINE)
+    with pytest.raises(IRError, match="already defined"):
+        register_monoid(Monoid("test_online", ("s",), (Const(0.0),),
+                               (Binary("add", Var("a.s"), Var("b.s")),), (Var("s"),)))
+
+
+def test_printing_uses_infix_with_minimal_parentheses():
+    e = Binary("mul", Binary("sub", Q, Const(1.0)), Binary("add", Q, Const(-2.0)))
+    assert show_node(e) == "(load(Q[q, d]) - 1.0) * (load(Q[q, d]) + (-2.0))"
+    assert show_node(Binary("sub", Q, Binary("sub", Q, Q))) == \
+        "load(Q[q, d]) - (load(Q[q, d]) - load(Q[q, d]))"
+
+
+def test_shared_subterms_print_once_as_let_bindings():
+    e = Unary("exp", Binary("sub", S, Reduce("k", "max", BlockReduce("max", "k", S))))
+    text = show_kernel(Store("E", ("q", "k"), e))
+    assert text.count("dot(d,") == 1
+    assert "let t0 = " in text
