@@ -1,0 +1,451 @@
+"""The `.bbp` frontend: text -> checked `Program`.
+
+Two passes.  Lark (LALR, grammar `grammar/bbp.lark`) parses the text and `_ToAst` turns the
+tree into declarations and `bbrules.program` expressions, each carrying its `Span`.  `_Checker`
+then walks the declarations in file order, resolving names against what is declared so far,
+so that every mistake is reported at the first place it can be seen, as a `SourceError` with
+the line and column of the offending token.
+
+Dimension overrides (`--dim q=256/64` on the command line) replace a declared extent and block
+before any check runs, so a program can be evaluated at small sizes without editing it.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from functools import cache
+from importlib.resources import files
+from pathlib import Path
+from typing import Union
+
+from lark import Lark, Token, Transformer, v_args
+from lark.tree import Meta
+from lark.exceptions import UnexpectedCharacters, UnexpectedInput, UnexpectedToken, VisitError
+
+from .errors import SourceError, Span, UsageError
+from .ir import DTYPE_BYTES, AxisSet, Dim, TensorDecl
+from .ops import UNARY
+from .program import Apply, Expr, Number, Program, Reduction, Ref, Statement, free_axes
+
+DimOverrides = dict[str, tuple[int, int | None]]
+
+# Functions callable by name, with their arity.  Infix arithmetic (`add`, `sub`, ...) is not
+# callable: it has its own syntax.
+FUNCTIONS: dict[str, int] = {**{name: 1 for name in UNARY}, "max": 2, "min": 2}
+
+
+@cache
+def _parser() -> Lark:
+    grammar = files("bbrules.grammar").joinpath("bbp.lark").read_text()
+    return Lark(grammar, parser="lalr", propagate_positions=True)
+
+
+# --------------------------------------------------------------------------------------------
+# Syntax: declarations as written, before names are resolved.
+
+
+@dataclass(frozen=True)
+class _Name:
+    """An identifier with its position."""
+
+    name: str
+    span: Span
+
+
+@dataclass(frozen=True)
+class _DimDecl:
+    name: _Name
+    extent: int
+    block: int
+    block_span: Span
+    one_block: bool  # declared without a block size: the whole extent is one block
+
+
+@dataclass(frozen=True)
+class _TensorSyntax:
+    name: _Name
+    axes: tuple[_Name, ...]
+
+
+@dataclass(frozen=True)
+class _InputDecl:
+    tensors: tuple[_TensorSyntax, ...]
+    dtype: _Name
+
+
+@dataclass(frozen=True)
+class _OutputDecl:
+    names: tuple[_Name, ...]
+
+
+_Item = Union[_DimDecl, _InputDecl, _OutputDecl, Statement]
+
+
+@v_args(meta=True)
+class _ToAst(Transformer):
+    """One method per grammar rule: parse tree -> declarations and program expressions."""
+
+    def __init__(self, path: str, text: str):
+        super().__init__()
+        self.path = path
+        self.text = text
+
+    def _span(self, where: Token | Meta) -> Span:
+        return Span(self.path, where.line, where.column)
+
+    def _name(self, tok: Token) -> _Name:
+        return _Name(str(tok), self._span(tok))
+
+    def _size(self, tok: Token, what: str) -> int:
+        if not tok.isdigit():
+            raise SourceError(self._span(tok), f"{what} must be a positive integer, got '{tok}'",
+                              self.text)
+        if int(tok) == 0:
+            raise SourceError(self._span(tok), f"{what} must be positive, got 0", self.text)
+        return int(tok)
+
+    def start(self, meta: Meta, items: list[_Item]) -> list[_Item]:
+        return items
+
+    def dim_decl(self, meta: Meta, children: list[Token]) -> _DimDecl:
+        name, extent_tok, *rest = children
+        extent = self._size(extent_tok, "a dimension's extent")
+        block_tok = rest[0] if rest else extent_tok
+        block = self._size(block_tok, "a block size") if rest else extent
+        return _DimDecl(self._name(name), extent, block, self._span(block_tok), not rest)
+
+    def input_decl(self, meta: Meta, children: list) -> _InputDecl:
+        *tensors, dtype = children
+        return _InputDecl(tuple(tensors), self._name(dtype))
+
+    def tensor_decl(self, meta: Meta, children: list) -> _TensorSyntax:
+        name, axes = children
+        return _TensorSyntax(self._name(name), axes)
+
+    def output_decl(self, meta: Meta, names: list[Token]) -> _OutputDecl:
+        return _OutputDecl(tuple(self._name(n) for n in names))
+
+    def statement(self, meta: Meta, children: list) -> Statement:
+        name, axes, expr = children
+        return Statement(str(name), tuple(a.name for a in axes), expr, self._span(name),
+                         tuple(a.span for a in axes))
+
+    def axes(self, meta: Meta, names: list[Token]) -> tuple[_Name, ...]:
+        return tuple(self._name(n) for n in names)
+
+    def _apply(self, op: str, meta: Meta, args: list[Expr]) -> Apply:
+        return Apply(op, tuple(args), self._span(meta))
+
+    def add(self, meta: Meta, args: list[Expr]) -> Apply:
+        return self._apply("add", meta, args)
+
+    def sub(self, meta: Meta, args: list[Expr]) -> Apply:
+        return self._apply("sub", meta, args)
+
+    def mul(self, meta: Meta, args: list[Expr]) -> Apply:
+        return self._apply("mul", meta, args)
+
+    def div(self, meta: Meta, args: list[Expr]) -> Apply:
+        return self._apply("div", meta, args)
+
+    def neg(self, meta: Meta, args: list[Expr]) -> Apply:
+        return self._apply("neg", meta, args)
+
+    def number(self, meta: Meta, children: list[Token]) -> Number:
+        return Number(float(children[0]), self._span(meta))
+
+    def ref(self, meta: Meta, children: list) -> Ref:
+        name, axes = children
+        return Ref(str(name), tuple(a.name for a in axes), self._span(name),
+                   tuple(a.span for a in axes))
+
+    def call(self, meta: Meta, children: list) -> Apply:
+        name, *args = children
+        fn = str(name)
+        if fn not in FUNCTIONS:
+            hint = f" (reduce with {fn}[axis] ...)" if fn == "sum" else ""
+            raise SourceError(self._span(name), f"unknown function '{fn}'{hint}; known: "
+                              f"{', '.join(sorted(FUNCTIONS))}", self.text)
+        want = FUNCTIONS[fn]
+        if len(args) != want:
+            plural = "s" if want > 1 else ""
+            raise SourceError(self._span(name), f"function '{fn}' takes {want} argument{plural},"
+                              f" got {len(args)}", self.text)
+        return self._apply(fn, meta, args)
+
+    def reduction(self, meta: Meta, children: list) -> Reduction:
+        op, axis, body = children
+        return Reduction(str(op), str(axis), body, self._span(op), self._span(axis))
+
+
+# --------------------------------------------------------------------------------------------
+# Syntax errors
+
+
+_TOKEN_WORDS = {"NAME": "a name", "NUMBER": "a number", "_NL": "end of line", "$END": "end of file"}
+
+
+def _describe_terminal(name: str) -> str:
+    if name in _TOKEN_WORDS:
+        return _TOKEN_WORDS[name]
+    term = _parser().get_terminal(name)
+    return f"'{term.pattern.value}'"
+
+
+def _syntax_error(err: UnexpectedInput, path: str, text: str) -> SourceError:
+    span = Span(path, err.line, err.column)
+    if isinstance(err, UnexpectedToken):
+        tok = err.token
+        found = _TOKEN_WORDS[tok.type] if tok.type in ("_NL", "$END") else f"'{tok}'"
+        expected = sorted({_describe_terminal(t) for t in err.accepts or err.expected})
+        choice = expected[0] if len(expected) == 1 else "one of " + ", ".join(expected)
+        return SourceError(span, f"syntax error: unexpected {found}; expected {choice}", text)
+    if isinstance(err, UnexpectedCharacters):
+        return SourceError(span, f"syntax error: unexpected character '{err.char}'", text)
+    return SourceError(span, f"syntax error: {err}", text)
+
+
+# --------------------------------------------------------------------------------------------
+# Names, axes and roles
+
+
+class _Checker:
+    """Resolves declarations in file order and builds the `Program`."""
+
+    def __init__(self, path: str, text: str, overrides: DimOverrides):
+        self.path = path
+        self.text = text
+        self.overrides = overrides
+        self.dims: dict[str, Dim] = {}
+        self.inputs: dict[str, TensorDecl] = {}
+        self.defined: dict[str, Span] = {}
+        self.axes_of: dict[str, tuple[str, ...]] = {}
+        self.statements: list[Statement] = []
+        self.outputs: dict[str, Span] = {}
+        self.targets: dict[str, Span] = {}
+
+    def error(self, span: Span, message: str) -> SourceError:
+        return SourceError(span, message, self.text)
+
+    def run(self, items: list[_Item]) -> Program:
+        for item in items:
+            if isinstance(item, Statement):
+                self.targets.setdefault(item.target, item.span)
+        for item in items:
+            match item:
+                case _DimDecl():
+                    self.dim(item)
+                case _InputDecl():
+                    self.input(item)
+                case Statement():
+                    self.statement(item)
+                case _OutputDecl():
+                    self.output(item)
+        unknown = sorted(set(self.overrides) - set(self.dims))
+        if unknown:
+            raise UsageError(f"dimension override for '{unknown[0]}': {self.path} declares no "
+                             f"dimension '{unknown[0]}' (it has {', '.join(self.dims) or 'none'})")
+        return self.program()
+
+    def program(self) -> Program:
+        if not self.outputs:
+            raise self.error(Span(self.path, 1, 1), "the program declares no outputs "
+                             "(add a line `output NAME`)")
+        for name, span in self.outputs.items():
+            if name in self.inputs:
+                raise self.error(span, f"input '{name}' cannot be an output; outputs are "
+                                 f"computed by statements")
+            if name not in self.defined:
+                raise self.error(span, f"output '{name}' is never defined")
+        out_dtype = next(iter(self.inputs.values())).dtype if self.inputs else "f32"
+        tensors = dict(self.inputs)
+        for s in self.statements:
+            role = "output" if s.target in self.outputs else "temp"
+            tensors[s.target] = TensorDecl(s.target, s.axes, out_dtype if role == "output"
+                                           else "f32", role)
+        return Program(self.path, dict(self.dims), tensors, tuple(self.statements),
+                       tuple(self.outputs), self.text)
+
+    # declarations ---------------------------------------------------------------------------
+
+    def dim(self, d: _DimDecl) -> None:
+        name = d.name.name
+        if name in self.dims:
+            raise self.error(d.name.span, f"dimension '{name}' is already declared")
+        extent, block = d.extent, d.block
+        if name in self.overrides:
+            extent, new_block = self.overrides[name]
+            if new_block is not None:
+                block = new_block
+            elif d.one_block:
+                block = extent
+            if extent <= 0 or block <= 0:
+                raise UsageError(f"dimension override {name}={extent}/{block}: sizes must be "
+                                 f"positive")
+            if extent % block:
+                raise self.error(d.name.span, f"block size {block} of dimension '{name}' does "
+                                 f"not divide its overridden extent {extent}")
+        elif extent % block:
+            raise self.error(d.block_span, f"block size {block} does not divide the extent "
+                             f"{extent} of dimension '{name}'")
+        self.dims[name] = Dim(name, extent, block)
+
+    def axes(self, names: tuple[_Name, ...]) -> None:
+        """Each axis of a declaration or target is a declared dimension, used once."""
+        seen: set[str] = set()
+        for a in names:
+            if a.name not in self.dims:
+                raise self.error(a.span, f"unknown axis '{a.name}' (declare it with "
+                                 f"`dim {a.name} = EXTENT / BLOCK`)")
+            if a.name in seen:
+                raise self.error(a.span, f"axis '{a.name}' appears twice")
+            seen.add(a.name)
+
+    def new_tensor(self, name: _Name) -> None:
+        if name.name in self.defined:
+            where = self.defined[name.name]
+            raise self.error(name.span, f"'{name.name}' is already defined (line {where.line})")
+
+    def input(self, decl: _InputDecl) -> None:
+        dtype = decl.dtype.name
+        if dtype not in DTYPE_BYTES:
+            raise self.error(decl.dtype.span, f"unknown dtype '{dtype}' (expected one of "
+                             f"{', '.join(sorted(DTYPE_BYTES))})")
+        for t in decl.tensors:
+            self.new_tensor(t.name)
+            self.axes(t.axes)
+            axes = tuple(a.name for a in t.axes)
+            self.inputs[t.name.name] = TensorDecl(t.name.name, axes, dtype, "input")
+            self.defined[t.name.name] = t.name.span
+            self.axes_of[t.name.name] = axes
+
+    def output(self, decl: _OutputDecl) -> None:
+        for n in decl.names:
+            if n.name in self.outputs:
+                raise self.error(n.span, f"'{n.name}' is already listed as an output")
+            self.outputs[n.name] = n.span
+
+    def statement(self, s: Statement) -> None:
+        target = _Name(s.target, s.span)
+        if s.target in self.inputs:
+            raise self.error(s.span, f"cannot assign to input '{s.target}'")
+        self.new_tensor(target)
+        self.axes(tuple(_Name(a, sp) for a, sp in zip(s.axes, s.axis_spans)))
+        produced = self.expr(s.expr)
+        extra = [a for a in _free_occurrences(s.expr) if a[0] not in s.axes]
+        if extra:
+            axis, span = extra[0]
+            raise self.error(span, f"axis '{axis}' is neither reduced nor an axis of the "
+                             f"target {s.target}[{', '.join(s.axes)}]")
+        for a, span in zip(s.axes, s.axis_spans):
+            if a not in produced:
+                raise self.error(span, f"target axis '{a}' does not occur on the right-hand "
+                                 f"side (broadcasting to a new axis is not supported)")
+        self.defined[s.target] = s.span
+        self.axes_of[s.target] = s.axes
+        self.statements.append(s)
+
+    # expressions ----------------------------------------------------------------------------
+
+    def expr(self, e: Expr) -> AxisSet:
+        """Check an expression; return its free axes."""
+        match e:
+            case Ref():
+                self.ref(e)
+            case Apply(_, args):
+                for a in args:
+                    self.expr(a)
+            case Reduction(op, axis, body):
+                body_axes = self.expr(body)
+                if axis not in self.dims:
+                    raise self.error(e.axis_span, f"unknown axis '{axis}'")
+                if axis not in body_axes:
+                    have = ", ".join(sorted(body_axes)) or "none"
+                    raise self.error(e.axis_span, f"{op}[{axis}] reduces over an axis its "
+                                     f"operand does not have (its axes: {have})")
+        return free_axes(e)
+
+    def ref(self, r: Ref) -> None:
+        declared_axes = self.axes_of.get(r.tensor)
+        if declared_axes is None:
+            if r.tensor in self.targets:
+                raise self.error(r.span, f"'{r.tensor}' is used before it is defined "
+                                 f"(line {self.targets[r.tensor].line})")
+            raise self.error(r.span, f"unknown tensor '{r.tensor}'")
+        if len(r.axes) != len(declared_axes):
+            raise self.error(r.span, f"'{r.tensor}' has {len(declared_axes)} axes "
+                             f"({r.tensor}[{', '.join(declared_axes)}]), this reference gives "
+                             f"{len(r.axes)}")
+        self.axes(tuple(_Name(a, sp) for a, sp in zip(r.axes, r.axis_spans)))
+        for declared, used, span in zip(declared_axes, r.axes, r.axis_spans):
+            a, b = self.dims[declared], self.dims[used]
+            if (a.extent, a.block) != (b.extent, b.block):
+                raise self.error(span, f"cannot rename axis '{declared}' of '{r.tensor}' "
+                                 f"({a.extent}/{a.block}) to '{used}' ({b.extent}/{b.block}): "
+                                 f"extent and block must match")
+
+
+def _free_occurrences(e: Expr, bound: frozenset[str] = frozenset()) -> list[tuple[str, Span]]:
+    """Every axis use in `e` that no enclosing reduction binds, in source order."""
+    match e:
+        case Ref(_, axes, _, spans):
+            return [(a, sp) for a, sp in zip(axes, spans) if a not in bound]
+        case Apply(_, args):
+            return [o for a in args for o in _free_occurrences(a, bound)]
+        case Reduction(_, axis, body):
+            return _free_occurrences(body, bound | {axis})
+    return []
+
+
+# --------------------------------------------------------------------------------------------
+# Entry points
+
+
+def parse_program(text: str, path: str = "<string>",
+                  dims: DimOverrides | None = None) -> Program:
+    """Parse and check a `.bbp` program.  `dims` overrides declared dimensions:
+    name -> (extent, block), where block None keeps the declared blocking (see
+    `parse_dim_override`)."""
+    source = text if text.endswith("\n") else text + "\n"
+    try:
+        tree = _parser().parse(source)
+    except UnexpectedInput as err:
+        raise _syntax_error(err, path, text) from None
+    try:
+        items = _ToAst(path, text).transform(tree)
+    except VisitError as err:
+        if isinstance(err.orig_exc, SourceError):
+            raise err.orig_exc from None
+        raise
+    return _Checker(path, text, dims or {}).run(items)
+
+
+def load_program(path: str | Path, dims: DimOverrides | None = None) -> Program:
+    """Read and check a `.bbp` file."""
+    try:
+        text = Path(path).read_text()
+    except OSError as err:
+        raise UsageError(f"cannot read {path}: {err.strerror}") from None
+    return parse_program(text, str(path), dims)
+
+
+_OVERRIDE = re.compile(r"\s*([A-Za-z_][A-Za-z0-9_]*)\s*=\s*(\d+)\s*(?:/\s*(\d+)\s*)?")
+
+
+def parse_dim_override(s: str) -> tuple[str, int, int | None]:
+    """`q=256/64` -> ("q", 256, 64); `q=256` -> ("q", 256, None): keep the declared block
+    (the program check then requires it to divide 256), or one block where the program
+    declares one block (`dim d = 64`)."""
+    m = _OVERRIDE.fullmatch(s)
+    if m is None:
+        raise UsageError(f"bad dimension override '{s}': expected NAME=EXTENT or "
+                         f"NAME=EXTENT/BLOCK, e.g. q=256/64")
+    name, extent = m.group(1), int(m.group(2))
+    block = None if m.group(3) is None else int(m.group(3))
+    if extent == 0 or block == 0:
+        raise UsageError(f"bad dimension override '{s}': sizes must be positive")
+    if block is not None and extent % block:
+        raise UsageError(f"bad dimension override '{s}': block {block} does not divide "
+                         f"extent {extent}")
+    return name, extent, block

@@ -1,0 +1,112 @@
+"""Lowering: a checked `Program` -> the unfused block program, one kernel per statement.
+
+Each statement becomes a `Store` of one tile expression, over `Load`s of the tensors it reads
+(renamed references keep their use names).  Reductions become sequential `Reduce` loops over
+blocks with the in-tile work chosen so that the block program is the one a person would write
+before fusing: a sum of a product is a block matmul (`Dot`) when two or more factors span the
+reduced axis, factors that do not span it are applied once to the result (the sum is linear
+in them), and `max`/`min` reduce the whole body.  The fusion rules start from this form.
+"""
+
+from __future__ import annotations
+
+from itertools import combinations
+
+from .errors import SourceError
+from .ir import (BlockProgram, BlockReduce, Binary, Const, Dot, IRError, Load, Node, Reduce,
+                 Store, Unary, tile_type, validate)
+from .program import Apply, Expr, Number, Program, Reduction, Ref, Statement, factors, free_axes
+
+Factor = tuple[Expr, bool]  # an expression and whether it divides
+
+
+def lower(program: Program) -> BlockProgram:
+    """The unfused block program of `program`, validated."""
+    kernels = tuple(_kernel(program, s) for s in program.statements)
+    block = BlockProgram(dict(program.dims), dict(program.tensors), kernels, program.outputs)
+    validate(block)
+    return block
+
+
+def _kernel(program: Program, s: Statement) -> Store:
+    """The statement's kernel; a statement whose value cannot be stored as its target (only
+    possible in a hand-built `Program`: the frontend checks axes) is reported at its line."""
+    value = lower_expr(s.expr)
+    try:
+        t = tile_type(value)
+    except IRError as err:
+        problem = str(err)
+    else:
+        want = frozenset(s.axes)
+        if t.shape == t.deps == want:
+            return Store(s.target, s.axes, value)
+        problem = f"its value spans {sorted(t.shape)}, the target {sorted(want)}"
+    raise SourceError(s.span, f"statement '{s.target}' cannot be lowered to a block program: "
+                      f"{problem}", program.source)
+
+
+def lower_expr(e: Expr) -> Node:
+    """The tile expression computing `e` for one block of its free axes."""
+    match e:
+        case Number(v):
+            return Const(v)
+        case Ref(tensor, axes):
+            return Load(tensor, axes)
+        case Apply(op, (x,)):
+            return Unary(op, lower_expr(x))
+        case Apply(op, (x, y)):
+            return Binary(op, lower_expr(x), lower_expr(y))
+        case Reduction("sum", axis, body):
+            return _sum(axis, body)
+        case Reduction(op, axis, body):
+            return Reduce(axis, op, BlockReduce(op, axis, lower_expr(body)))
+    raise TypeError(f"not a program expression: {e!r}")
+
+
+def _sum(axis: str, body: Expr) -> Node:
+    fs = factors(body)
+    inside = [f for f in fs if axis in free_axes(f[0])]
+    outside = [f for f in fs if axis not in free_axes(f[0])]
+    if len(inside) == 1:
+        loop = Reduce(axis, "sum", BlockReduce("sum", axis, _product(inside)))
+    else:
+        left, right = _split(inside)
+        loop = Reduce(axis, "sum", Dot(axis, _product(left), _product(right)))
+    result: Node = loop
+    for f, divides in outside:
+        result = Binary("div" if divides else "mul", result, lower_expr(f))
+    return result
+
+
+def _split(fs: list[Factor]) -> tuple[list[Factor], list[Factor]]:
+    """Two non-empty groups of factors for the operands of a contraction.
+
+    The operands should be the tiles of a block matmul, each spanning as few axes as it can:
+    multiplying `Q[q, d] * K[k, d]` before contracting over `d` would build a [q, k, d] tile
+    where two 2-axis operands suffice.  The smallest largest operand wins, then the smallest
+    operands in total, then the first split in source order.
+    """
+    def cost(left: tuple[int, ...]) -> tuple[int, int]:
+        l_axes = frozenset().union(*(free_axes(fs[i][0]) for i in left))
+        r_axes = frozenset().union(*(free_axes(f[0]) for i, f in enumerate(fs) if i not in left))
+        return max(len(l_axes), len(r_axes)), len(l_axes) + len(r_axes)
+
+    # Factor 0 always goes left, so each split is listed once.
+    candidates = [(0, *rest) for n in range(len(fs) - 1)
+                  for rest in combinations(range(1, len(fs)), n)]
+    best = min(candidates, key=cost)
+    return [fs[i] for i in best], [f for i, f in enumerate(fs) if i not in best]
+
+
+def _product(fs: list[Factor]) -> Node:
+    """Multiply the factors in source order, dividing by divisors; 1/x when all divide."""
+    first = next((i for i, (_, divides) in enumerate(fs) if not divides), None)
+    if first is None:
+        out: Node = Unary("recip", lower_expr(fs[0][0]))
+        rest = fs[1:]
+    else:
+        out = lower_expr(fs[first][0])
+        rest = fs[:first] + fs[first + 1:]
+    for f, divides in rest:
+        out = Binary("div" if divides else "mul", out, lower_expr(f))
+    return out

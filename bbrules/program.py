@@ -1,0 +1,115 @@
+"""The checked syntax tree of a `.bbp` program: what the frontend hands to lowering and to the
+dense evaluator.
+
+A `Program` has passed every check of `bbrules.frontend`: names resolve, axes match, every
+statement's free axes are its target's axes.  Nodes keep a `Span` so that later stages (the
+lowering) can still point at the offending source; spans take no part in equality, so two
+programs that say the same thing compare equal wherever they were written.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Union
+
+from .errors import Span
+from .ir import Axis, AxisSet, Dim, TensorDecl
+
+
+@dataclass(frozen=True)
+class Number:
+    """A scalar constant: broadcasts over every axis."""
+
+    value: float
+    span: Span = field(compare=False, repr=False)
+
+
+@dataclass(frozen=True)
+class Ref:
+    """A use of a tensor, its dimensions named `axes` (renamed when they differ from the
+    declaration)."""
+
+    tensor: str
+    axes: tuple[Axis, ...]
+    span: Span = field(compare=False, repr=False)
+    axis_spans: tuple[Span, ...] = field(compare=False, repr=False, default=())
+
+
+@dataclass(frozen=True)
+class Apply:
+    """An elementwise operator of `bbrules.ops` (`add`, `exp`, `max`, ...) on one or two
+    operands; infix arithmetic and function calls both end up here."""
+
+    op: str
+    args: tuple[Expr, ...]
+    span: Span = field(compare=False, repr=False)
+
+
+@dataclass(frozen=True)
+class Reduction:
+    """`sum[axis] body`, `max[axis] body` or `min[axis] body` over the whole extent of `axis`."""
+
+    op: str
+    axis: Axis
+    body: Expr
+    span: Span = field(compare=False, repr=False)
+    axis_span: Span | None = field(compare=False, repr=False, default=None)
+
+
+Expr = Union[Number, Ref, Apply, Reduction]
+
+
+@dataclass(frozen=True)
+class Statement:
+    """`target[axes] = expr`: one operator, which defines a new tensor."""
+
+    target: str
+    axes: tuple[Axis, ...]
+    expr: Expr
+    span: Span = field(compare=False, repr=False)
+    axis_spans: tuple[Span, ...] = field(compare=False, repr=False, default=())
+
+
+@dataclass(frozen=True)
+class Program:
+    """A checked program.  `tensors` holds inputs, then statement targets in statement order
+    (role `temp` or `output`); `source` is the text, kept for carets in later errors."""
+
+    path: str
+    dims: dict[str, Dim]
+    tensors: dict[str, TensorDecl]
+    statements: tuple[Statement, ...]
+    outputs: tuple[str, ...]
+    source: str = field(default="", compare=False, repr=False)
+
+    @property
+    def inputs(self) -> tuple[str, ...]:
+        return tuple(t.name for t in self.tensors.values() if t.role == "input")
+
+
+def free_axes(e: Expr) -> AxisSet:
+    """The axes an expression's value spans: those of its references, less reduced ones."""
+    match e:
+        case Number():
+            return frozenset()
+        case Ref(_, axes):
+            return frozenset(axes)
+        case Apply(_, args):
+            return frozenset().union(*(free_axes(a) for a in args))
+        case Reduction(_, axis, body):
+            return free_axes(body) - {axis}
+    raise TypeError(f"not a program expression: {e!r}")
+
+
+def factors(e: Expr, inverted: bool = False) -> list[tuple[Expr, bool]]:
+    """A product as its factors, each with whether it divides (`a / (b * c)` -> a, 1/b, 1/c).
+
+    Reductions use this: a sum of a product is linear in every factor that does not span the
+    reduced axis, and a contraction pairs up the factors that do.
+    """
+    match e:
+        case Apply("mul", (x, y)):
+            return factors(x, inverted) + factors(y, inverted)
+        case Apply("div", (x, y)):
+            return factors(x, inverted) + factors(y, not inverted)
+    return [(e, inverted)]
