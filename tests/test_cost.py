@@ -1,0 +1,448 @@
+"""The exact cost model, checked against counts derived by hand (in the comments beside them).
+
+Sizes: every tensor here is f32 (4 bytes) unless a test says otherwise; for an axis a, N_a is
+its extent, B_a its block and n_a = N_a / B_a its number of blocks.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bbrules.cli import main
+from bbrules.cost import KernelCost, ProgramCost, cost_kernel, cost_program
+from bbrules.frontend import load_program
+from bbrules.ir import (Binary, BlockProgram, BlockReduce, Const, Dim, Dot, Get, Load, Monoid,
+                        Reduce, Store, TensorDecl, Tuple, Unary, Var)
+from bbrules.lower import lower
+from bbrules.targets import Target, get_target
+
+REPO = Path(__file__).resolve().parent.parent
+ATTENTION = REPO / "examples" / "attention.bbp"
+H100 = get_target("h100")
+F = 4  # bytes per f32
+
+
+def program(dims: dict[str, tuple[int, int]], inputs: dict[str, tuple[str, ...]],
+            kernels: list[Store], outputs: tuple[str, ...],
+            monoids: tuple[Monoid, ...] = (), dtype: str = "f32") -> BlockProgram:
+    """A block program whose stored tensors are declared by their kernels."""
+    tensors = {n: TensorDecl(n, axes, dtype, "input") for n, axes in inputs.items()}
+    for k in kernels:
+        tensors[k.tensor] = TensorDecl(k.tensor, k.axes, "f32",
+                                       "output" if k.tensor in outputs else "temp")
+    return BlockProgram({n: Dim(n, e, b) for n, (e, b) in dims.items()}, tensors,
+                        tuple(kernels), outputs, {m.name: m for m in monoids})
+
+
+def machine(capacity: int = 1 << 30, processors: int = 1, bandwidth: float = 1e9,
+            peak: float = 1e9, peak_f16: float = 1e9, launch: float = 0.0) -> Target:
+    return Target("test", bandwidth, capacity, processors, peak, peak_f16, launch)
+
+
+def add(x, y):
+    return Binary("add", x, y)
+
+
+def sub(x, y):
+    return Binary("sub", x, y)
+
+
+def mul(x, y):
+    return Binary("mul", x, y)
+
+
+def div(x, y):
+    return Binary("div", x, y)
+
+
+def matmul(a, b, axis: str) -> Reduce:
+    return Reduce(axis, "sum", Dot(axis, a, b))
+
+
+def bsum(axis: str, x):
+    return BlockReduce("sum", axis, x)
+
+
+def bmax(axis: str, x):
+    return BlockReduce("max", axis, x)
+
+
+# --------------------------------------------------------------------------------------------
+# The closed form of issue 2: unfused attention, as lowered from examples/attention.bbp
+
+
+def unfused_attention_traffic(nq_: int, bq: int, nk_: int, bk: int, d: int
+                              ) -> dict[str, tuple[int, int]]:
+    """(bytes read, bytes written) per kernel, with N_q = nq_ * bq, N_k = nk_ * bk, one d block.
+
+    S[q,k]  grid n_q*n_k: Q tile (B_q*d) and K tile (B_k*d) once per grid point, so Q is read
+            n_k times over and K n_q times; writes the N_q*N_k scores.
+    M[q]    grid n_q, loop over k: one S tile per iteration, S read once; writes N_q.
+    E[q,k]  grid n_q*n_k: S once, M tile (B_q) per grid point, so M is read n_k times.
+    L[q]    like M, over E.
+    P[q,k]  like E: E once, L read n_k times.
+    O[q,d]  grid n_q (d is one block), loop over k: P once, V tile (B_k*d) per iteration of
+            every query block, so V is read n_q times; writes N_q*d.
+    """
+    n_q, n_k = nq_ * bq, nk_ * bk
+    return {
+        "S": (F * (n_q * d * nk_ + n_k * d * nq_), F * n_q * n_k),
+        "M": (F * n_q * n_k, F * n_q),
+        "E": (F * (n_q * n_k + n_q * nk_), F * n_q * n_k),
+        "L": (F * n_q * n_k, F * n_q),
+        "P": (F * (n_q * n_k + n_q * nk_), F * n_q * n_k),
+        "O": (F * (n_q * n_k + n_k * d * nq_), F * n_q * d),
+    }
+
+
+@pytest.mark.parametrize("dims, blocks", [
+    (None, (64, 64, 64, 64)),  # the example as written: N = 4096, 64x64 blocks
+    ({"q": (512, 64), "k": (1024, 128)}, (8, 64, 8, 128)),
+])
+def test_unfused_attention_traffic_matches_the_closed_form(dims, blocks):
+    p = lower(load_program(ATTENTION, dims))
+    cost = cost_program(p, H100)
+    want = unfused_attention_traffic(*blocks, 64)
+    assert {k.tensor: (k.bytes_read, k.bytes_written) for k in cost.kernels} == want
+    assert cost.traffic == sum(r + w for r, w in want.values())
+    n_q, n_k = blocks[0] * blocks[1], blocks[2] * blocks[3]
+    assert cost.compulsory == F * (n_q * 64 + 2 * n_k * 64 + n_q * 64)  # Q, K, V in; O out
+    assert cost.legal
+
+
+def test_cost_command_prints_the_closed_form_traffic(capsys):
+    assert main(["cost", str(ATTENTION), "--dim", "q=512/64", "--dim", "k=1024/128",
+                 "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    want = unfused_attention_traffic(8, 64, 8, 128, 64)
+    assert report["traffic"] == sum(r + w for r, w in want.values())
+    assert report["target"] == "h100" and report["n_kernels"] == 6
+
+
+# --------------------------------------------------------------------------------------------
+# Flash Attention, built by hand
+
+
+def online_softmax() -> Monoid:
+    """State (running max m, denominator l, numerator o); identity (-inf, 0, 0); combine
+    rescales l and o by exp(a.m - max) and exp(b.m - max); finalize to o / l."""
+    am, bm, al, bl, ao, bo = (Var(v) for v in ("a.m", "b.m", "a.l", "b.l", "a.o", "b.o"))
+    new_m = Binary("max", am, bm)
+    sa, sb = Unary("exp", sub(am, new_m)), Unary("exp", sub(bm, new_m))
+    return Monoid("online_softmax_cost_test", ("m", "l", "o"),
+                  (Const(float("-inf")), Const(0.0), Const(0.0)),
+                  (new_m, add(mul(al, sa), mul(bl, sb)), add(mul(ao, sa), mul(bo, sb))),
+                  (div(Var("o"), Var("l")),))
+
+
+ATTN_INPUTS = {"Q": ("q", "d"), "K": ("k", "d"), "V": ("k", "d")}
+
+
+def flash_attention(n: int, block: int, d: int = 64, n_k: int | None = None) -> BlockProgram:
+    """One kernel over query blocks; one loop over key blocks carrying (m, l, o)."""
+    s = mul(matmul(Load("Q", ("q", "d")), Load("K", ("k", "d")), "d"), Const(0.125))
+    m = bmax("k", s)
+    e = Unary("exp", sub(s, m))
+    body = Tuple((m, bsum("k", e), Dot("k", e, Load("V", ("k", "d")))))
+    o = Get(0, Reduce("k", "online_softmax_cost_test", body))
+    dims = {"q": (n, block), "k": (n_k or n, block), "d": (d, d)}
+    return program(dims, ATTN_INPUTS, [Store("O", ("q", "d"), o)], ("O",), (online_softmax(),))
+
+
+def test_flash_attention_reads_k_and_v_once_per_query_block_and_fits():
+    n, d = 4096, 64
+    cost = cost_program(flash_attention(n, 64), H100)
+    (k,) = cost.kernels
+    # Q + O + blocks(q) * (K + V)
+    assert cost.traffic == F * (n * d + n * d + (n // 64) * (n * d + n * d))
+    assert (k.grid, k.grid_points, k.loops) == (("q", "d"), 64, 2)  # loops over k and over d
+    assert cost.legal and k.footprint <= H100.local_capacity
+    unfused = cost_program(lower(load_program(ATTENTION)), H100)
+    assert unfused.legal
+    assert unfused.traffic > 5 * cost.traffic
+    assert cost.key() < unfused.key() and cost.key("traffic") < unfused.key("traffic")
+
+
+def test_flash_attention_flops_count_the_monoid_combine_and_finalize():
+    bq = bk = 4
+    d, nq, nk = 8, 2, 3
+    cost = cost_program(flash_attention(nq * bq, bq, d, nk * bk), H100)
+    # one iteration of the k loop: S = dot over d (2*Bq*Bk*d) folded by the one-block d loop
+    # (an add per element), * 0.125, bmax, - m, exp, bsum (one flop per element each),
+    # and the P@V dot (2*Bq*d*Bk)
+    body = 2 * bq * bk * d + 6 * bq * bk + 2 * bq * d * bk
+    # online combine on states m, l: (Bq) and o: (Bq, d): max, two subs, two exps and the l
+    # update's two muls and an add, per row (shared subterms once); the o update's two muls
+    # and an add, per element
+    combine = 8 * bq + 3 * bq * d
+    finalize = bq * d  # o / l
+    assert cost.flops == nq * (nk * (body + combine) + finalize)
+
+
+def test_512_by_512_score_tiles_do_not_fit_local_memory():
+    cost = cost_program(lower(load_program(ATTENTION, {"q": (4096, 512), "k": (4096, 512)})),
+                        H100)
+    s = cost.kernels[0]
+    assert s.tensor == "S" and not s.legal and s.time == math.inf
+    assert s.footprint >= 512 * 512 * F > H100.local_capacity
+    assert not cost.legal and cost.time == math.inf
+
+
+# --------------------------------------------------------------------------------------------
+# The schedule, as priced
+
+
+def test_a_load_that_does_not_depend_on_the_loop_is_hoisted_out_of_it():
+    # Y[m] = sum_e X[m, e] * R[m]: R is read once per grid point, X once
+    dims = {"m": (32, 8), "e": (48, 16)}
+    y = Reduce("e", "sum", bsum("e", mul(Load("X", ("m", "e")), Load("R", ("m",)))))
+    p = program(dims, {"X": ("m", "e"), "R": ("m",)}, [Store("Y", ("m",), y)], ("Y",))
+    (k,) = cost_program(p, H100).kernels
+    assert k.bytes_read == F * (32 * 48 + 32) and k.bytes_written == F * 32
+    assert k.resident == ()
+
+
+def qk_rowsum(d_block: int) -> BlockProgram:
+    """Y[q] = sum_k sum_d Q[q, d] K[k, d]: the Q load sits inside the loop over k."""
+    dims = {"q": (64, 16), "k": (96, 16), "d": (64, d_block)}
+    s = matmul(Load("Q", ("q", "d")), Load("K", ("k", "d")), "d")
+    y = Reduce("k", "sum", bsum("k", s))
+    return program(dims, {"Q": ("q", "d"), "K": ("k", "d")}, [Store("Y", ("q",), y)], ("Y",))
+
+
+def test_a_one_block_axis_is_not_a_loop_for_placement():
+    # d has one block: Q[q, d] is invariant in the loop over k, read once per query block;
+    # K is read once per query block (n_q = 4 times)
+    (k,) = cost_program(qk_rowsum(64), machine(capacity=1 << 20)).kernels
+    assert k.bytes_read == F * (64 * 64 + 4 * 96 * 64)
+    assert k.resident == ()
+
+
+def test_a_load_in_a_loop_over_e_in_a_loop_over_f_runs_blocks_e_times_blocks_f():
+    # d has 2 blocks: Q[q, d] is loaded inside the d loop inside the k loop, so each grid
+    # point reads its Q tile (16 x 32) n_d * n_k = 2 * 6 times.  Resident slabs may use 3 KiB
+    # of this capacity: Q's (16 x 64) does not fit.
+    (k,) = cost_program(qk_rowsum(32), machine(capacity=12 * 1024)).kernels
+    assert k.resident == () and k.legal
+    assert k.bytes_read == F * (4 * (16 * 32) * 2 * 6 + 4 * 96 * 64)
+    assert k.loops == 2
+
+
+def test_a_re_read_input_stays_resident_when_its_slab_fits():
+    # same kernel with room: Q's slab (its row block over all of d, 16 x 64) is read once
+    (k,) = cost_program(qk_rowsum(32), machine(capacity=1 << 20)).kernels
+    assert k.resident == ("Q",)
+    assert k.bytes_read == F * (64 * 64 + 4 * 96 * 64)
+
+
+def test_a_re_read_temporary_is_never_resident():
+    dims = {"q": (64, 16), "k": (96, 16), "d": (64, 32)}
+    q2 = Store("Q2", ("q", "d"), mul(Load("Q", ("q", "d")), Const(2.0)))
+    s = matmul(Load("Q2", ("q", "d")), Load("K", ("k", "d")), "d")
+    y = Store("Y", ("q",), Reduce("k", "sum", bsum("k", s)))
+    p = program(dims, {"Q": ("q", "d"), "K": ("k", "d")}, [q2, y], ("Y",))
+    k = cost_program(p, machine(capacity=1 << 20)).kernels[1]
+    assert k.resident == ()
+    assert k.bytes_read == F * (4 * (16 * 32) * 2 * 6 + 4 * 96 * 64)
+
+
+def ffn_like(g_first: bool) -> BlockProgram:
+    """Y[m, n] = sum_h (sum_e G[e] X[m, e] W1[e, h]) W2[h, n]: G and X sit in the loop over e
+    inside the loop over h, which they do not depend on."""
+    dims = {"m": (16, 8), "e": (64, 16), "h": (48, 16), "n": (32, 16)}
+    g, x = Load("G", ("e",)), Load("X", ("m", "e"))
+    scaled = mul(g, x) if g_first else mul(x, g)
+    hidden = matmul(scaled, Load("W1", ("e", "h")), "e")
+    y = matmul(hidden, Load("W2", ("h", "n")), "h")
+    inputs = {"G": ("e",), "X": ("m", "e"), "W1": ("e", "h"), "W2": ("h", "n")}
+    return program(dims, inputs, [Store("Y", ("m", "n"), y)], ("Y",))
+
+
+@pytest.mark.parametrize("capacity, g_first, resident", [
+    (1 << 20, True, ("G", "X")),
+    (8192, True, ("G",)),  # slabs may use 2 KiB: G's 256 B fit, X's 2 KiB more do not
+    (8192, False, ("X",)),  # execution order decides: X's 2 KiB come first and fill it
+    (1000, True, ()),  # 250 B: not even G
+])
+def test_resident_slabs_are_admitted_in_order_within_a_quarter_of_local_memory(
+        capacity, g_first, resident):
+    (k,) = cost_program(ffn_like(g_first), machine(capacity=capacity)).kernels
+    assert k.resident == resident
+    points, n_e, n_h = 2 * 2, 4, 3
+    slab = {"G": F * 64, "X": F * 8 * 64}
+    tile = {"G": F * 16, "X": F * 8 * 16}
+    read = sum(points * (slab[t] if t in resident else tile[t] * n_e * n_h) for t in ("G", "X"))
+    read += points * (F * 16 * 16 * n_e * n_h + F * 16 * 16 * n_h)  # W1 and W2 tiles
+    assert k.bytes_read == read
+    # G, X (unless resident), G*X (8x16), the W1 and W2 tiles and the (m,h) and (m,n)
+    # accumulators; both dots add into their accumulators in place
+    local = sum(slab[t] if t in resident else tile[t] for t in ("G", "X"))
+    assert k.footprint == local + F * (8 * 16 + 16 * 16 + 16 * 16 + 8 * 16 + 8 * 16)
+
+
+def rowstats(dependent: bool) -> BlockProgram:
+    s = Load("S", ("q", "k"))
+    mx = Reduce("k", "max", bmax("k", s))
+    if dependent:  # sum_k exp(S - max_k S) needs the max first
+        y = Reduce("k", "sum", bsum("k", Unary("exp", sub(s, mx))))
+    else:  # max_k S + sum_k S: independent
+        y = add(mx, Reduce("k", "sum", bsum("k", s)))
+    return program({"q": (32, 8), "k": (64, 16)}, {"S": ("q", "k")},
+                   [Store("Y", ("q",), y)], ("Y",))
+
+
+def test_independent_sibling_reductions_share_one_loop_and_its_loads():
+    (k,) = cost_program(rowstats(dependent=False), H100).kernels
+    assert k.loops == 1 and k.bytes_read == F * 32 * 64
+
+
+def test_a_reduction_that_needs_its_sibling_runs_in_a_second_loop():
+    (k,) = cost_program(rowstats(dependent=True), H100).kernels
+    assert k.loops == 2 and k.bytes_read == 2 * F * 32 * 64
+
+
+# --------------------------------------------------------------------------------------------
+# Flops, footprint, time
+
+
+def test_flops_count_operators_dots_combines_and_recomputation():
+    # Y[m, n] = sum_e silu(A[m, e]) W[e, n] + B[n]; silu (5 flops) is recomputed for every
+    # block of n, the dot costs 2*Bm*Bn*Be, the sum combine one add per (m, n) element
+    bm, be, bn = 4, 8, 2
+    nm, ne, nn = 3, 2, 5
+    dims = {"m": (nm * bm, bm), "e": (ne * be, be), "n": (nn * bn, bn)}
+    y = add(matmul(Unary("silu", Load("A", ("m", "e"))), Load("W", ("e", "n")), "e"),
+            Load("B", ("n",)))
+    p = program(dims, {"A": ("m", "e"), "W": ("e", "n"), "B": ("n",)},
+                [Store("Y", ("m", "n"), y)], ("Y",))
+    per_point = ne * (5 * bm * be + 2 * bm * bn * be + bm * bn) + bm * bn
+    assert cost_program(p, H100).flops == nm * nn * per_point
+
+
+def test_in_place_accumulation_only_for_additive_combines():
+    dims = {"m": (32, 8), "e": (64, 16), "n": (48, 4)}
+    a, w = Load("A", ("m", "e")), Load("W", ("e", "n"))
+    inputs = {"A": ("m", "e"), "W": ("e", "n")}
+    summed = program(dims, inputs, [Store("Y", ("m", "n"), matmul(a, w, "e"))], ("Y",))
+    maxed = program(dims, inputs, [Store("Y", ("m", "n"), Reduce("e", "max", Dot("e", a, w)))],
+                    ("Y",))
+    tiles = F * (8 * 16 + 16 * 4)
+    assert cost_program(summed, H100).footprint == tiles + F * 8 * 4
+    assert cost_program(maxed, H100).footprint == tiles + 2 * F * 8 * 4
+
+
+def elementwise(extent: int, block: int = 16) -> BlockProgram:
+    return program({"m": (extent, block)}, {"X": ("m",)},
+                   [Store("Y", ("m",), mul(Load("X", ("m",)), Const(2.0)))], ("Y",))
+
+
+@pytest.mark.parametrize("extent, share", [(64, 0.5), (128, 1.0), (1024, 1.0)])
+def test_a_small_grid_gets_only_its_share_of_the_chip(extent, share):
+    t = machine(processors=8, bandwidth=1e9, peak=1e18, launch=3e-6)
+    (k,) = cost_program(elementwise(extent), t).kernels
+    assert k.grid_points == extent // 16
+    assert k.time == pytest.approx(2 * F * extent / (1e9 * share) + 3e-6, rel=1e-12)
+
+
+def test_compute_bound_time_and_half_precision_matmuls_on_tensor_cores():
+    dims = {"m": (16, 16), "e": (32, 32), "n": (16, 16)}
+    inputs = {"A": ("m", "e"), "W": ("e", "n")}
+    y = matmul(Load("A", ("m", "e")), Load("W", ("e", "n")), "e")
+    t = machine(bandwidth=1e18, peak=1e9, peak_f16=1e12)
+    dot, combine = 2 * 16 * 16 * 32, 16 * 16
+    for dtype, dot_peak in (("f32", 1e9), ("f16", 1e12)):
+        p = program(dims, inputs, [Store("Y", ("m", "n"), y)], ("Y",), dtype=dtype)
+        (k,) = cost_program(p, t).kernels
+        assert k.time == pytest.approx(dot / dot_peak + combine / 1e9, rel=1e-9)
+
+
+def test_half_precision_inputs_halve_their_traffic():
+    p32, p16 = elementwise(64), elementwise(64)
+    p16 = BlockProgram(p16.dims, {**p16.tensors, "X": TensorDecl("X", ("m",), "f16", "input")},
+                       p16.kernels, p16.outputs)
+    assert cost_program(p32, H100).bytes_read == 2 * cost_program(p16, H100).bytes_read == 256
+
+
+def test_a_kernel_that_does_not_fit_is_illegal_and_sorts_last():
+    p = elementwise(64)
+    fits, tight = machine(capacity=200), machine(capacity=100)
+    # X tile (64 B) + constant (4 B) + product (64 B) = 132 bytes
+    assert cost_program(p, fits).kernels[0].footprint == 132
+    ok, bad = cost_program(p, fits), cost_program(p, tight)
+    assert ok.legal and not bad.legal and bad.time == math.inf
+    assert ok.key() < bad.key() and ok.key("traffic") < bad.key("traffic")
+    assert bad.to_json()["time"] is None and bad.to_json()["kernels"][0]["legal"] is False
+
+
+def kc(traffic: int, flops: int, legal: bool = True) -> KernelCost:
+    return KernelCost("T", ("m",), 1, traffic, 0, flops, 0, legal,
+                      traffic * 1e-9 if legal else math.inf, 0, ())
+
+
+def test_key_orders_by_legality_objective_flops_then_kernels():
+    t = machine()
+
+    def pc(*kernels: KernelCost) -> ProgramCost:
+        return ProgramCost(kernels, t, 0)
+
+    ranked = [pc(kc(100, 5)), pc(kc(100, 6)), pc(kc(50, 3), kc(50, 3)), pc(kc(200, 1)),
+              pc(kc(10, 1, legal=False))]
+    assert sorted(ranked, key=lambda c: c.key("traffic")) == ranked
+    assert sorted(reversed(ranked), key=ProgramCost.key) == ranked
+    with pytest.raises(ValueError, match="objective"):
+        ranked[0].key("energy")
+
+
+def test_the_cache_keys_on_the_dims_and_tensors_a_kernel_uses():
+    small, large = elementwise(64), elementwise(256)
+    assert small.kernels == large.kernels
+    assert cost_kernel(small, small.kernels[0], H100).bytes_read == F * 64
+    assert cost_kernel(large, large.kernels[0], H100).bytes_read == F * 256
+
+
+# --------------------------------------------------------------------------------------------
+# Reports and determinism
+
+
+def test_table_and_json_report_every_kernel_and_the_lower_bound():
+    cost = cost_program(lower(load_program(ATTENTION)), H100)
+    table = cost.table()
+    for name in "SMELPO":
+        assert any(line.startswith(name + " ") for line in table.splitlines())
+    assert "total" in table and "GFLOP" in table and "MiB" in table and "µs" in table
+    ratio = cost.traffic / cost.compulsory
+    assert f"compulsory 4.00 MiB ({ratio:.2f}x the lower bound)" in table
+    data = json.loads(json.dumps(cost.to_json()))
+    assert data["traffic"] == cost.traffic and data["compulsory"] == cost.compulsory
+    assert [k["tensor"] for k in data["kernels"]] == list("SMELPO")
+    assert data["kernels"][0]["grid"] == ["q", "k"]
+
+
+DETERMINISM = """
+import json, sys
+sys.path.insert(0, {tests!r})
+from test_cost import flash_attention, rowstats, ffn_like, H100, cost_program
+from bbrules.frontend import load_program
+from bbrules.lower import lower
+ps = [flash_attention(256, 32), rowstats(True), ffn_like(True),
+      lower(load_program({attention!r}))]
+print(json.dumps([cost_program(p, H100).to_json() for p in ps]))
+print("\\n".join(cost_program(p, H100).table() for p in ps))
+"""
+
+
+def test_costs_do_not_depend_on_hash_order():
+    script = DETERMINISM.format(tests=str(Path(__file__).parent), attention=str(ATTENTION))
+    outputs = []
+    for seed in ("1", "2"):
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        outputs.append(subprocess.run([sys.executable, "-c", script], env=env, check=True,
+                                      capture_output=True, text=True).stdout)
+    assert outputs[0] == outputs[1] and outputs[0]
