@@ -14,6 +14,7 @@ Axis names are plain strings; their extents and block sizes live in the program'
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from functools import cache
 from typing import Iterator, Union
@@ -61,6 +62,16 @@ class TensorDecl:
 # Value nodes
 
 
+def _cached_hash(self: object) -> int:
+    """A node's hash, computed once.  Nodes form DAGs: the generated dataclass hash would walk
+    every shared subterm again on each dict or set operation, which made extraction quadratic."""
+    h = self.__dict__.get("_hash")
+    if h is None:
+        h = hash((type(self).__name__, *(self.__dict__[f] for f in self.__dataclass_fields__)))
+        object.__setattr__(self, "_hash", h)
+    return h
+
+
 @dataclass(frozen=True)
 class Load:
     """G -> L: the current block of global tensor `tensor`, its dimensions named `axes`.
@@ -70,12 +81,16 @@ class Load:
     loading X[s, d] as X[k, d]).
     """
 
+    __hash__ = _cached_hash
+
     tensor: str
     axes: tuple[Axis, ...]
 
 
 @dataclass(frozen=True)
 class Const:
+    __hash__ = _cached_hash
+
     value: float
 
 
@@ -83,17 +98,23 @@ class Const:
 class Var:
     """A named operand inside a monoid's combine/finalize expressions (`a.m`, `b.m`, `m`)."""
 
+    __hash__ = _cached_hash
+
     name: str
 
 
 @dataclass(frozen=True)
 class Unary:
+    __hash__ = _cached_hash
+
     op: str
     x: Node
 
 
 @dataclass(frozen=True)
 class Binary:
+    __hash__ = _cached_hash
+
     op: str
     x: Node
     y: Node
@@ -103,6 +124,8 @@ class Binary:
 class BlockReduce:
     """Reduce inside the tile along `axis` (`bsum`, `bmax`, `bmin`)."""
 
+    __hash__ = _cached_hash
+
     op: str
     axis: Axis
     x: Node
@@ -111,6 +134,8 @@ class BlockReduce:
 @dataclass(frozen=True)
 class Dot:
     """Tile contraction over `axis`: sum over the axis of x * y (a block matmul)."""
+
+    __hash__ = _cached_hash
 
     axis: Axis
     x: Node
@@ -126,6 +151,8 @@ class Reduce:
     monoid finalizes to one value, otherwise a tuple read with `Get`.
     """
 
+    __hash__ = _cached_hash
+
     axis: Axis
     monoid: str
     x: Node
@@ -133,11 +160,15 @@ class Reduce:
 
 @dataclass(frozen=True)
 class Tuple:
+    __hash__ = _cached_hash
+
     items: tuple[Node, ...]
 
 
 @dataclass(frozen=True)
 class Get:
+    __hash__ = _cached_hash
+
     index: int
     x: Node
 
@@ -148,6 +179,8 @@ Node = Union[Load, Const, Var, Unary, Binary, BlockReduce, Dot, Reduce, Tuple, G
 @dataclass(frozen=True)
 class Store:
     """L -> G: materialise `value` into `tensor` for every block of `axes`.  One kernel."""
+
+    __hash__ = _cached_hash
 
     tensor: str
     axes: tuple[Axis, ...]
@@ -200,7 +233,7 @@ class Monoid:
     identity: tuple[Node, ...]
     combine: tuple[Node, ...]
     finalize: tuple[Node, ...]
-    doc: str = ""
+    doc: str = field(default="", compare=False)
 
     @property
     def arity(self) -> int:
@@ -260,6 +293,24 @@ def finalize_types(monoid: Monoid, state: tuple[TileType, ...]) -> tuple[TileTyp
     """Types of a monoid's results given its state types: elementwise, so unions."""
     env = dict(zip(monoid.state, state))
     return tuple(_union(SCALAR, *(env[v] for v in _var_names(f))) for f in monoid.finalize)
+
+
+def coupled_state_types(monoid: Monoid, state: tuple[TileType, ...]) -> tuple[TileType, ...]:
+    """Widen each state component by the components its combine reads, to a fixed point.
+
+    A rescaled monoid couples its accumulators to the running max (`l` is multiplied by
+    `exp(a.m - max(a.m, b.m))`), so `l` spans and depends on whatever `m` does.
+    """
+    reads = [{v.split(".", 1)[-1] for v in _var_names(c)} for c in monoid.combine]
+    types = dict(zip(monoid.state, state))
+    changed = True
+    while changed:
+        changed = False
+        for name, used in zip(monoid.state, reads):
+            widened = _union(types[name], *(types[u] for u in used))
+            if widened != types[name]:
+                types[name], changed = widened, True
+    return tuple(types[name] for name in monoid.state)
 
 
 # The monoid table type_of consults.  Rule packs register theirs with `register_monoid`.
@@ -328,7 +379,7 @@ def type_of(n: Node) -> Type:
                 if a in p.shape:
                     raise IRError(f"reduce over '{a}' of a tile that still spans '{a}' "
                                   f"(reduce it in-tile first): {show_node(n)}")
-            state = tuple(TileType(p.shape, p.deps - {a}) for p in parts)
+            state = coupled_state_types(m, tuple(TileType(p.shape, p.deps - {a}) for p in parts))
             out = finalize_types(m, state)
             return out[0] if len(out) == 1 else out
         case Tuple(items):
@@ -555,9 +606,15 @@ def show_monoid(m: Monoid) -> str:
     ])
 
 
-def show_program(p: BlockProgram) -> str:
-    """The whole program in the block-file syntax (what `bbrules show` prints and `-o` writes)."""
+def show_program(p: BlockProgram, source: str | None = None) -> str:
+    """The whole program in the block-file syntax (what `bbrules show` prints and `-o` writes).
+
+    `source` records the path of the program this one was fused from, so that a tool reading
+    the file back can find it.
+    """
     out = ["# bbrules block program"]
+    if source is not None:
+        out.append(f"source {json.dumps(source)}")
     for d in p.dims.values():
         out.append(f"dim {d.name} = {d.extent} / {d.block}")
     for role in ("input", "temp", "output"):

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Union
 
 from .errors import Span
-from .ir import Monoid, Node
+from .ir import Const, Monoid, Node
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,7 @@ class CExpr:
     args: tuple[PConst | Const | AxisSize | CExpr, ...]
 
 
-Pattern = Union[Node, PVar, PConst, Stored, CExpr]
+Pattern = Union[Node, PVar, PConst, Stored, CExpr, AxisSize]
 
 
 # Guards -------------------------------------------------------------------------------------

@@ -1,0 +1,210 @@
+"""Block-program files (.bbk): read back exactly what `bbrules.ir.show_program` writes.
+
+A fused program is worth keeping: `bbrules apply -o out.bbk` writes one, and `show`, `cost` and
+`run` read it back without fusing again.  The file is self-contained: its dims, tensors, the
+monoids its reductions use, and one `kernel` block per store.  An optional `source "x.bbp"` line
+records the program it was fused from (relative to the .bbk file), so the CLI can compare the
+two.  Everything read is validated; a mistake is a `SourceError` at its position.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from .errors import SourceError, Span
+from .exprsyntax import (Expr, ExprTransformer, MonoidDecl, Name, Num, Resolver, Scope, Size,
+                         parse, resolve_monoid)
+from .ir import (BUILTIN_MONOIDS, DTYPE_BYTES, BlockProgram, Dim, IRError, Monoid, Store,
+                 TensorDecl, register_monoid, validate)
+
+
+@dataclass(frozen=True)
+class BlockFile:
+    """A parsed block-program file: the program and the source path it records, if any."""
+
+    program: BlockProgram
+    source: str | None
+
+
+# Declarations as parsed, before resolution ---------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Source:
+    path: str
+    span: Span
+
+
+@dataclass(frozen=True)
+class _Tensor:
+    role: str
+    name: Name
+    axes: tuple[Name, ...]
+    dtype: Name
+    span: Span
+
+
+@dataclass(frozen=True)
+class _Let:
+    name: Name
+    value: Expr
+
+
+@dataclass(frozen=True)
+class _Kernel:
+    name: Name
+    axes: tuple[Name, ...]
+    lets: tuple[_Let, ...]
+    target: Name
+    target_axes: tuple[Name, ...]
+    value: Expr
+
+
+class _BlockTransformer(ExprTransformer):
+    """One method per rule of bbk.lark."""
+
+    def start(self, children: list) -> list:
+        return children
+
+    def source(self, children: list) -> _Source:
+        return _Source(json.loads(children[0]), self.span(children[0]))
+
+    def dim(self, children: list) -> Size:
+        return children[0]
+
+    def tensor(self, children: list) -> _Tensor:
+        role, name, axes, dtype = children
+        return _Tensor(str(role), self._name(name), axes,
+                       self._name(dtype), self.span(role))
+
+    def let(self, children: list) -> _Let:
+        name, value = children
+        return _Let(self._name(name), value)
+
+    def kernel(self, children: list) -> _Kernel:
+        name, axes, *lets, target, target_axes, value = children
+        return _Kernel(self._name(name), axes, tuple(lets),
+                       self._name(target), target_axes, value)
+
+
+# Resolution ------------------------------------------------------------------------------------
+
+
+class _Builder:
+    """Turns the parsed declarations of one file into a validated `BlockProgram`."""
+
+    def __init__(self, text: str):
+        self.text = text
+        self.dims: dict[str, Dim] = {}
+        self.tensors: dict[str, TensorDecl] = {}
+        self.tensor_spans: dict[str, Span] = {}
+        self.monoids: dict[str, Monoid] = {}
+
+    def error(self, span: Span, message: str) -> SourceError:
+        return SourceError(span, message, self.text)
+
+    def build(self, decls: list) -> BlockFile:
+        for d in decls:
+            if isinstance(d, Size):
+                self.dim(d)
+        for d in decls:
+            if isinstance(d, _Tensor):
+                self.tensor(d)
+        for d in decls:
+            if isinstance(d, MonoidDecl):
+                self.monoid(d)
+        kernels = [d for d in decls if isinstance(d, _Kernel)]
+        stores = tuple(self.kernel(k) for k in kernels)
+        outputs = tuple(t.name for t in self.tensors.values() if t.role == "output")
+        program = BlockProgram(self.dims, self.tensors, stores, outputs, self.monoids)
+        self.validate(program, kernels)
+        source = decls[0].path if decls and isinstance(decls[0], _Source) else None
+        return BlockFile(program, source)
+
+    def positive_int(self, n: Num, what: str) -> int:
+        if n.value != int(n.value) or n.value < 1:
+            raise self.error(n.span, f"{what} must be a positive integer, not {n.value:g}")
+        return int(n.value)
+
+    def dim(self, d: Size) -> None:
+        name = d.name.name
+        if name in self.dims:
+            raise self.error(d.name.span, f"dimension '{name}' is declared twice")
+        extent = self.positive_int(d.extent, "an extent")
+        block = extent if d.block is None else self.positive_int(d.block, "a block size")
+        if extent % block:
+            raise self.error(d.block.span, f"block size {block} does not divide the extent "
+                                           f"{extent} of '{name}'")
+        self.dims[name] = Dim(name, extent, block)
+
+    def tensor(self, t: _Tensor) -> None:
+        name = t.name.name
+        if name in self.tensors:
+            raise self.error(t.name.span, f"tensor '{name}' is declared twice")
+        for i, a in enumerate(t.axes):
+            if a.name not in self.dims:
+                raise self.error(a.span, f"unknown axis '{a.name}' (not declared with dim)")
+            if a.name in (b.name for b in t.axes[:i]):
+                raise self.error(a.span, f"axis '{a.name}' appears twice in '{name}'")
+        if t.dtype.name not in DTYPE_BYTES:
+            raise self.error(t.dtype.span, f"unknown dtype '{t.dtype.name}' "
+                                           f"(known: {', '.join(DTYPE_BYTES)})")
+        self.tensors[name] = TensorDecl(name, tuple(a.name for a in t.axes), t.dtype.name,
+                                        t.role)
+        self.tensor_spans[name] = t.span
+
+    def monoid(self, d: MonoidDecl) -> None:
+        name = d.name.name
+        if name in self.monoids:
+            raise self.error(d.name.span, f"monoid '{name}' is declared twice")
+        if name in BUILTIN_MONOIDS:
+            raise self.error(d.name.span, f"'{name}' is a built-in monoid")
+        m = resolve_monoid(d, self.text)
+        try:
+            register_monoid(m)
+        except IRError as e:
+            raise self.error(d.name.span, str(e)) from None
+        self.monoids[name] = m
+
+    def kernel(self, k: _Kernel) -> Store:
+        header = (k.name.name, [a.name for a in k.axes])
+        if (k.target.name, [a.name for a in k.target_axes]) != header:
+            raise self.error(k.target.span, f"kernel {k.name.name}[{_axes(k.axes)}] must end "
+                                            f"by storing {k.name.name}[{_axes(k.axes)}]")
+        scope = Scope(self.text, monoids=frozenset(BUILTIN_MONOIDS) | frozenset(self.monoids),
+                      dims=frozenset(self.dims), tensors=self.tensors)
+        resolver = Resolver(scope)
+        for let in k.lets:
+            if let.name.name in scope.locals:
+                raise self.error(let.name.span, f"'{let.name.name}' is already bound")
+            scope.locals[let.name.name] = resolver.value(let.value)
+        return Store(k.name.name, tuple(a.name for a in k.axes), resolver.value(k.value))
+
+    def validate(self, program: BlockProgram, kernels: list[_Kernel]) -> None:
+        """`ir.validate`, kernel by kernel, so an error points at the kernel that causes it."""
+        for i, k in enumerate(kernels):
+            try:
+                validate(replace(program, kernels=program.kernels[:i + 1], outputs=()))
+            except IRError as e:
+                raise self.error(k.name.span, str(e)) from None
+        stored = {k.tensor for k in program.kernels}
+        for o in program.outputs:
+            if o not in stored:
+                raise self.error(self.tensor_spans[o], f"output '{o}' is never stored")
+
+
+def _axes(axes: tuple[Name, ...]) -> str:
+    return ", ".join(a.name for a in axes)
+
+
+def parse_block_program(text: str, path: str = "<string>") -> BlockFile:
+    """Parse and validate a block program written in the syntax of `ir.show_program`."""
+    decls = parse("bbk.lark", text, path, _BlockTransformer(path))
+    return _Builder(text).build(decls)
+
+
+def load_block_program(path: str | Path) -> BlockFile:
+    """Read a `.bbk` file (see `parse_block_program`)."""
+    return parse_block_program(Path(path).read_text(), str(path))

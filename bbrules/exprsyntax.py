@@ -1,0 +1,511 @@
+"""The block-expression syntax shared by block-program files (.bbk) and rule files (.bbr).
+
+Parsing happens in two steps.  The lark grammar (`grammar/expr.lark`) and `ExprTransformer`
+turn text into a small *syntax tree* (`Num`, `Name`, `PatVar`, `Call`, ...) that records where
+each piece came from.  A `Resolver` then turns syntax into IR nodes or rule patterns, knowing
+what the surrounding declaration allows: local `let` names in a kernel, `a.m`/`b.m` variables in
+a monoid, `?x` variables and `const(...)` in a rule.  Keeping the grammar generic and the
+meaning here is what lets every mistake be reported as "unknown function 'foo'" or "bsum takes 2
+arguments" at its own position, instead of as an unexpected token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cache
+from importlib.resources import files
+from typing import Union
+
+from lark import Lark, Token, Transformer, Tree, UnexpectedCharacters, UnexpectedInput, v_args
+from lark.lexer import PatternStr
+from lark.visitors import merge_transformers
+
+from .errors import SourceError, Span
+from .ir import (BUILTIN_MONOIDS, Binary, BlockReduce, Const, Dot, Get, Load, Monoid, Node,
+                 Reduce, TensorDecl, Tuple, Unary, Var)
+from .ops import UNARY
+from .rule import AxisSize, CExpr, Pattern, PConst, PVar, Stored
+
+# --------------------------------------------------------------------------------------------
+# Syntax trees
+
+
+@dataclass(frozen=True)
+class Num:
+    value: float
+    span: Span = field(compare=False)
+
+
+@dataclass(frozen=True)
+class Name:
+    name: str
+    span: Span = field(compare=False)
+
+
+@dataclass(frozen=True)
+class PatVar:
+    """`?x`: `name` includes the question mark, as pattern fields store it."""
+
+    name: str
+    span: Span = field(compare=False)
+
+
+@dataclass(frozen=True)
+class Call:
+    func: str
+    args: tuple[Expr, ...]
+    span: Span = field(compare=False)
+
+
+@dataclass(frozen=True)
+class Indexed:
+    """`Q[q, d]`: a tensor with the names its dimensions get in this use."""
+
+    tensor: str
+    axes: tuple[Name, ...]
+    span: Span = field(compare=False)
+
+
+@dataclass(frozen=True)
+class BinOp:
+    op: str  # add, sub, mul, div
+    x: Expr
+    y: Expr
+    span: Span = field(compare=False)
+
+
+@dataclass(frozen=True)
+class Neg:
+    x: Expr
+    span: Span = field(compare=False)
+
+
+Expr = Union[Num, Name, PatVar, Call, Indexed, BinOp, Neg]
+
+
+@dataclass(frozen=True)
+class ExprList:
+    """A parenthesised list of expressions (one per monoid state component)."""
+
+    items: tuple[Expr, ...]
+    span: Span = field(compare=False)
+
+
+@dataclass(frozen=True)
+class Size:
+    """`q = 4096 / 64` or `d = 64`: an axis's extent and block size."""
+
+    name: Name
+    extent: Num
+    block: Num | None
+    span: Span = field(compare=False)
+
+
+@dataclass(frozen=True)
+class MonoidDecl:
+    name: Name
+    state: tuple[Name, ...]
+    identity: ExprList
+    combine: ExprList
+    finalize: ExprList
+    span: Span = field(compare=False)
+
+
+# --------------------------------------------------------------------------------------------
+# Parse trees -> syntax trees
+
+
+class ExprTransformer(Transformer):
+    """One method per rule of expr.lark.  File transformers subclass it (see `make_transformer`)."""
+
+    def __init__(self, path: str):
+        super().__init__()
+        self.path = path
+
+    def span(self, at: Token | Tree | object) -> Span:
+        if isinstance(at, Token):
+            return Span(self.path, at.line, at.column)
+        meta = at.meta if isinstance(at, Tree) else at
+        return Span(self.path, meta.line, meta.column)
+
+    def _name(self, tok: Token) -> Name:
+        return Name(str(tok), self.span(tok))
+
+    def _num(self, tok: Token) -> Num:
+        return Num(float(tok), self.span(tok))
+
+    def _binop(self, op: str, meta: object, children: list) -> BinOp:
+        return BinOp(op, children[0], children[1], self.span(meta))
+
+    @v_args(meta=True)
+    def add(self, meta, children) -> BinOp:
+        return self._binop("add", meta, children)
+
+    @v_args(meta=True)
+    def sub(self, meta, children) -> BinOp:
+        return self._binop("sub", meta, children)
+
+    @v_args(meta=True)
+    def mul(self, meta, children) -> BinOp:
+        return self._binop("mul", meta, children)
+
+    @v_args(meta=True)
+    def div(self, meta, children) -> BinOp:
+        return self._binop("div", meta, children)
+
+    @v_args(meta=True)
+    def neg(self, meta, children) -> Neg:
+        return Neg(children[0], self.span(meta))
+
+    def number(self, children) -> Num:
+        return self._num(children[0])
+
+    def name(self, children) -> Name:
+        return self._name(children[0])
+
+    def pvar(self, children) -> PatVar:
+        return PatVar(str(children[0]), self.span(children[0]))
+
+    def call(self, children) -> Call:
+        func, *args = children
+        return Call(str(func), tuple(args), self.span(func))
+
+    def indexed(self, children) -> Indexed:
+        tensor, axes = children
+        return Indexed(str(tensor), axes, self.span(tensor))
+
+    def axes(self, children) -> tuple[Name, ...]:
+        return tuple(self._name(t) for t in children if t is not None)
+
+    @v_args(meta=True)
+    def size(self, meta, children) -> Size:
+        name, extent, block = children
+        return Size(self._name(name), self._num(extent),
+                    None if block is None else self._num(block), self.span(meta))
+
+    @v_args(meta=True)
+    def exprs(self, meta, children) -> ExprList:
+        return ExprList(tuple(children), self.span(meta))
+
+    @v_args(meta=True)
+    def monoid(self, meta, children) -> MonoidDecl:
+        name, *state, identity, combine, finalize = children
+        return MonoidDecl(self._name(name), tuple(self._name(t) for t in state),
+                          identity, combine, finalize, self.span(meta))
+
+
+def make_transformer(transformer: ExprTransformer) -> Transformer:
+    """`transformer` extended to the expression rules, which lark names `expr__<rule>`.
+
+    The rules a grammar imports by name from expr.lark (`axes`, `monoid`, ...) keep their names
+    and are served by the subclass's inherited methods; the rest live in the `expr` namespace.
+    """
+    return merge_transformers(transformer, expr=ExprTransformer(transformer.path))
+
+
+# --------------------------------------------------------------------------------------------
+# Grammars and syntax errors
+
+
+def _grammar_source(_base_path: object, grammar_path: str) -> tuple[str, str]:
+    """lark import hook: `%import expr` reads expr.lark from the installed grammar package."""
+    text = files("bbrules.grammar").joinpath(grammar_path).read_text()
+    return f"bbrules.grammar/{grammar_path}", text
+
+
+@cache
+def grammar(name: str) -> Lark:
+    """The LALR parser for `grammar/<name>` (loaded once per process)."""
+    text = files("bbrules.grammar").joinpath(name).read_text()
+    return Lark(text, parser="lalr", propagate_positions=True, maybe_placeholders=True,
+                import_paths=[_grammar_source])
+
+
+_TOKEN_WORDS = {
+    "NAME": "a name", "NUMBER": "a number", "PVAR": "a pattern variable like ?x",
+    "STRING": "a quoted string", "ARROW": "an arrow (=>, <=>, !=>)",
+    "ROLE": "a tensor role (input, temp, output)",
+    "CMP": "a comparison (==, !=, <, <=, >, >=)", "$END": "the end of the file",
+}
+
+
+def _describe(parser: Lark, terminal: str) -> str:
+    words = _TOKEN_WORDS.get(terminal.rsplit("__", 1)[-1])
+    if words:
+        return words
+    pattern = parser.get_terminal(terminal).pattern
+    return repr(pattern.value) if isinstance(pattern, PatternStr) else terminal
+
+
+def _end_position(text: str) -> tuple[int, int]:
+    """Just after the last non-blank character: where a truncated file needs more."""
+    lines = text.rstrip().split("\n")
+    return len(lines), len(lines[-1]) + 1
+
+
+def _expected(parser: Lark, text: str, pos: int) -> set[str]:
+    """The terminals the parser accepts after `text[:pos]`.
+
+    Computed by replaying the prefix: the sets lark attaches to its errors come from the lexer
+    (which folds keywords into NAME) or from merged LALR states (which over-approximate).
+    """
+    replay = parser.parse_interactive(text[:pos])
+    try:
+        replay.exhaust_lexer()
+    except UnexpectedInput:
+        return set()
+    return replay.accepts()
+
+
+def parse(grammar_name: str, text: str, path: str, transformer: ExprTransformer) -> object:
+    """Parse `text` and transform it; a syntax error becomes a `SourceError` with a caret.
+
+    The message names what the parser could have accepted at that point ("expected ...").
+    """
+    parser = grammar(grammar_name)
+    try:
+        tree = parser.parse(text)
+    except UnexpectedInput as e:
+        if isinstance(e, UnexpectedCharacters):
+            pos, line, column = e.pos_in_stream, e.line, e.column
+            found = repr(text[pos])
+        elif getattr(e, "token", None) is None or e.token.type == "$END":
+            found, pos = "end of file", len(text)
+            line, column = _end_position(text)
+        else:
+            found, line, column, pos = repr(str(e.token)), e.line, e.column, e.token.start_pos
+        words = sorted({_describe(parser, t) for t in _expected(parser, text, pos)})
+        message = f"syntax error: unexpected {found}"
+        if words:
+            message += f"; expected {words[0] if len(words) == 1 else 'one of ' + ', '.join(words)}"
+        raise SourceError(Span(path, line, column), message, text) from None
+    return make_transformer(transformer).transform(tree)
+
+
+# --------------------------------------------------------------------------------------------
+# Syntax trees -> IR nodes and patterns
+
+# Functions other than the unary operators: name -> (argument count, argument description).
+_FUNCTIONS: dict[str, tuple[int, str]] = {
+    "max": (2, "x, y"), "min": (2, "x, y"),
+    "bsum": (2, "axis, x"), "bmax": (2, "axis, x"), "bmin": (2, "axis, x"),
+    "dot": (3, "axis, x, y"), "reduce": (3, "axis, monoid, x"), "get": (2, "index, x"),
+    "load": (1, "T[axes]"), "const": (1, "constant"),
+}
+_SIZES = ("block", "extent", "trips")
+
+
+@dataclass
+class Scope:
+    """What names mean where an expression is resolved.
+
+    `locals`: `let` names of a kernel.  `variables`: the `Var` names a monoid part may use.
+    `dims` / `tensors`: declared axes and tensors, when known, for early errors.  `monoids`:
+    the monoid names `reduce` accepts.  `patterns`: `?x` and `const(?c)` allowed (a rule side).
+    `rhs`: constant arithmetic allowed inside `const(...)`.  `elementwise`: only constants,
+    variables and elementwise operators (a monoid's parts).  `kinds` records, per pattern
+    variable, whether it stands for a value, axis, monoid or constant, and where it first
+    appeared.
+    """
+
+    text: str
+    monoids: frozenset[str] = frozenset(BUILTIN_MONOIDS)
+    locals: dict[str, Node] = field(default_factory=dict)
+    variables: frozenset[str] = frozenset()
+    dims: frozenset[str] | None = None
+    tensors: dict[str, TensorDecl] | None = None
+    patterns: bool = False
+    rhs: bool = False
+    elementwise: bool = False
+    kinds: dict[str, tuple[str, Span]] = field(default_factory=dict)
+
+
+class Resolver:
+    """Turns syntax trees into IR nodes / patterns under one `Scope`, raising `SourceError`."""
+
+    def __init__(self, scope: Scope):
+        self.scope = scope
+
+    def error(self, span: Span, message: str) -> SourceError:
+        return SourceError(span, message, self.scope.text)
+
+    def use(self, var: PatVar, kind: str) -> str:
+        """Record that `var` stands for a `kind`; a variable has one kind throughout a rule."""
+        if not self.scope.patterns:
+            raise self.error(var.span, f"pattern variable {var.name} outside a rule")
+        seen = self.scope.kinds.setdefault(var.name, (kind, var.span))
+        if seen[0] != kind:
+            raise self.error(var.span, f"{var.name} is used as {article(kind)} here but as "
+                                       f"{article(seen[0])} at {seen[1]}")
+        return var.name
+
+    def value(self, e: Expr) -> Pattern:
+        """A value: an IR node, or in a rule a pattern."""
+        match e:
+            case Num(v):
+                return Const(v)
+            case Neg(Num(v)):
+                return Const(-v)
+            case Neg(x):
+                return Unary("neg", self.value(x))
+            case BinOp(op, x, y):
+                return Binary(op, self.value(x), self.value(y))
+            case PatVar():
+                return PVar(self.use(e, "value"))
+            case Name(name) if name in self.scope.locals:
+                return self.scope.locals[name]
+            case Name(name) if name in self.scope.variables:
+                return Var(name)
+            case Name(name):
+                hint = " (pattern variables start with '?')" if self.scope.patterns else ""
+                raise self.error(e.span, f"unknown name '{name}'{hint}")
+            case Indexed(tensor):
+                raise self.error(e.span, f"{tensor}[...] is a tensor: read a block of it with "
+                                         f"load({tensor}[...])")
+            case Call():
+                return self.call(e)
+        raise AssertionError(e)
+
+    def call(self, e: Call) -> Pattern:
+        f, args = e.func, e.args
+        if f in UNARY:
+            self.arity(e, 1, "x")
+            return Unary(f, self.value(args[0]))
+        if f == "tuple":
+            if not args:
+                raise self.error(e.span, "tuple takes at least one argument")
+            self.not_elementwise(e)
+            return Tuple(tuple(self.value(a) for a in args))
+        if f not in _FUNCTIONS:
+            raise self.error(e.span, f"unknown function '{f}'")
+        self.arity(e, *_FUNCTIONS[f])
+        if f in ("max", "min"):
+            return Binary(f, self.value(args[0]), self.value(args[1]))
+        self.not_elementwise(e)
+        match f:
+            case "bsum" | "bmax" | "bmin":
+                return BlockReduce(f[1:], self.axis(args[0]), self.value(args[1]))
+            case "dot":
+                return Dot(self.axis(args[0]), self.value(args[1]), self.value(args[2]))
+            case "reduce":
+                return Reduce(self.axis(args[0]), self.monoid(args[1]), self.value(args[2]))
+            case "get":
+                return Get(self.index(args[0]), self.value(args[1]))
+            case "load":
+                return self.load(args[0])
+            case "const":
+                return self.const(args[0])
+        raise AssertionError(f)
+
+    def arity(self, e: Call, n: int, params: str) -> None:
+        if len(e.args) != n:
+            raise self.error(e.span, f"{e.func} takes {n} argument{'s' * (n > 1)} ({params}), "
+                                     f"got {len(e.args)}")
+
+    def not_elementwise(self, e: Call) -> None:
+        if self.scope.elementwise:
+            raise self.error(e.span, f"a monoid's parts are elementwise: '{e.func}' is not "
+                                     f"allowed here")
+
+    def axis(self, e: Expr) -> str:
+        if isinstance(e, PatVar):
+            return self.use(e, "axis")
+        if not isinstance(e, Name):
+            raise self.error(e.span, "expected an axis name")
+        if self.scope.patterns:
+            raise self.error(e.span, f"an axis in a rule is a variable like ?{e.name}")
+        if self.scope.dims is not None and e.name not in self.scope.dims:
+            raise self.error(e.span, f"unknown axis '{e.name}' (not declared with dim)")
+        return e.name
+
+    def monoid(self, e: Expr) -> str:
+        if isinstance(e, PatVar):
+            return self.use(e, "monoid")
+        if not isinstance(e, Name):
+            raise self.error(e.span, "expected a monoid name")
+        if e.name not in self.scope.monoids:
+            known = ", ".join(sorted(self.scope.monoids))
+            raise self.error(e.span, f"unknown monoid '{e.name}' (known: {known})")
+        return e.name
+
+    def index(self, e: Expr) -> int:
+        if not (isinstance(e, Num) and e.value == int(e.value) and e.value >= 0):
+            raise self.error(e.span, "expected a component index (0, 1, ...)")
+        return int(e.value)
+
+    def load(self, e: Expr) -> Pattern:
+        if self.scope.patterns:
+            if isinstance(e, Call) and e.func == "store" and len(e.args) == 1:
+                return Stored(self.value(e.args[0]))
+            raise self.error(e.span, "a rule reads a block back only as load(store(?v))")
+        if not isinstance(e, Indexed):
+            raise self.error(e.span, "expected a tensor block like load(T[a, b])")
+        tensors = self.scope.tensors
+        if tensors is not None and e.tensor not in tensors:
+            raise self.error(e.span, f"unknown tensor '{e.tensor}'")
+        axes = tuple(self.axis(a) for a in e.axes)
+        if tensors is not None and len(axes) != len(tensors[e.tensor].axes):
+            raise self.error(e.span, f"'{e.tensor}' has {len(tensors[e.tensor].axes)} axes, "
+                                     f"this load names {len(axes)}")
+        return Load(e.tensor, axes)
+
+    def const(self, e: Expr) -> Pattern:
+        """The argument of `const(...)`: `?c` on a left side, constant arithmetic on a right."""
+        if not self.scope.patterns:
+            raise self.error(e.span, "const(...) is for rules; write the number itself")
+        if isinstance(e, PatVar):
+            return PConst(self.use(e, "constant"))
+        value = self.cexpr(e)
+        if not self.scope.rhs and not isinstance(value, Const):
+            raise self.error(e.span, "constant arithmetic belongs on the right-hand side; "
+                                       "match a constant with const(?c)")
+        return value
+
+    def cexpr(self, e: Expr) -> Const | PConst | AxisSize | CExpr:
+        """Arithmetic over constant variables, numbers and axis sizes (folded when applied)."""
+        match e:
+            case Num(v):
+                return Const(v)
+            case Neg(Num(v)):
+                return Const(-v)
+            case Neg(x):
+                return CExpr("neg", (self.cexpr(x),))
+            case PatVar():
+                return PConst(self.use(e, "constant"))
+            case BinOp(op, x, y):
+                return CExpr(op, (self.cexpr(x), self.cexpr(y)))
+            case Call(f, (PatVar() as a,)) if f in _SIZES:
+                return AxisSize(f, self.use(a, "axis"))
+            case Call(f, args) if f in UNARY and len(args) == 1:
+                return CExpr(f, (self.cexpr(args[0]),))
+            case Call(f, args) if f in ("max", "min") and len(args) == 2:
+                return CExpr(f, (self.cexpr(args[0]), self.cexpr(args[1])))
+        raise self.error(e.span, "expected constant arithmetic over ?c, numbers, block(?a), "
+                                   "extent(?a) and trips(?a)")
+
+
+def article(kind: str) -> str:
+    """`kind` with its indefinite article, for messages ("an axis", "a value")."""
+    return f"an {kind}" if kind[0] in "aeiou" else f"a {kind}"
+
+
+def resolve_monoid(decl: MonoidDecl, text: str, doc: str = "") -> Monoid:
+    """A monoid declaration as an `ir.Monoid`, checking each part's arity and variables."""
+    state = tuple(n.name for n in decl.state)
+    for i, n in enumerate(decl.state):
+        if n.name in state[:i]:
+            raise SourceError(n.span, f"state component '{n.name}' is declared twice", text)
+    for part, exprs in (("identity", decl.identity), ("combine", decl.combine)):
+        if len(exprs.items) != len(state):
+            raise SourceError(exprs.span, f"{part} gives {len(exprs.items)} expression"
+                                          f"{'s' * (len(exprs.items) != 1)}, the state "
+                                          f"({', '.join(state)}) has {len(state)}", text)
+
+    def part(exprs: ExprList, variables: frozenset[str]) -> tuple[Node, ...]:
+        resolver = Resolver(Scope(text, variables=variables, elementwise=True))
+        return tuple(resolver.value(x) for x in exprs.items)
+
+    return Monoid(decl.name.name, state,
+                  part(decl.identity, frozenset()),
+                  part(decl.combine, frozenset(f"{s}.{c}" for s in "ab" for c in state)),
+                  part(decl.finalize, frozenset(state)), doc)

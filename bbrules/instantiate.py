@@ -1,0 +1,248 @@
+"""Instantiating a rule on concrete tiles: fresh axes, fresh input tensors, random constants.
+
+Two checks need a rule's sides as ordinary IR terms.  The rule parser asks whether both sides
+have the same shape and dependencies (`ir.type_of`) wherever the left side is well formed; the
+soundness checker runs both sides through the reference interpreter and compares the numbers.
+Both bind each axis variable to a fresh axis, each value variable `?x` to a block of a fresh
+input tensor over a random subset of the axes (sometimes reduced in-tile along another axis, so
+that its dependencies exceed its shape, sometimes a tuple), each `const(?c)` to a random
+constant, and keep the random choices under which the left side type-checks and the guards
+hold.  Random search is enough because rule patterns are small; the soundness checker reports
+a rule whose left side no random choice satisfies, where the parser's type check has nothing to
+say about it.
+"""
+
+from __future__ import annotations
+
+import operator
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+from typing import Callable
+
+import numpy as np
+
+from .ir import (MONOIDS, Binary, BlockReduce, Const, Dim, Dot, Get, IRError, Load, Node, Reduce,
+                 Store, TensorDecl, TileType, Tuple, Type, Unary, Var, children, show_node,
+                 type_of)
+from .ops import BINARY, UNARY
+from .rule import (AxisEq, AxisIn, AxisSize, CExpr, ConstCmp, Guard, Pattern, PConst, PVar, Rule,
+                   Stored, TripsEq)
+
+_COMPARE: dict[str, Callable[[float, float], bool]] = {
+    "<": operator.lt, "<=": operator.le, ">": operator.gt, ">=": operator.ge,
+    "==": operator.eq, "!=": operator.ne,
+}
+
+
+def flipped(rule: Rule) -> Rule:
+    """The right-to-left direction of a two-way rule, as a rule of its own."""
+    return replace(rule, lhs=rule.rhs, rhs=rule.lhs)
+
+
+class NotInstantiable(Exception):
+    """The random choices do not give a well-formed term (the caller tries other choices)."""
+
+
+def subpatterns(p: Pattern) -> Iterator[Pattern]:
+    """`p` and every pattern below it (including CExpr arguments and axis sizes)."""
+    yield p
+    match p:
+        case Stored(v):
+            yield from subpatterns(v)
+        case CExpr(_, args):
+            for a in args:
+                yield from subpatterns(a)
+        case _:
+            for c in children(p):
+                yield from subpatterns(c)
+
+
+def variables(p: Pattern) -> dict[str, str]:
+    """The pattern variables of `p`, each with its kind: value, axis, monoid or constant."""
+    kinds: dict[str, str] = {}
+    for s in subpatterns(p):
+        match s:
+            case PVar(name):
+                kinds[name] = "value"
+            case PConst(name):
+                kinds[name] = "constant"
+            case AxisSize(_, axis):
+                kinds[axis] = "axis"
+            case Reduce(axis, monoid, _):
+                kinds.update({v: k for v, k in ((axis, "axis"), (monoid, "monoid"))
+                              if v.startswith("?")})
+            case BlockReduce(_, axis, _) | Dot(axis, _, _) if axis.startswith("?"):
+                kinds[axis] = "axis"
+    return kinds
+
+
+@dataclass
+class Instance:
+    """One binding of a rule's variables, with the dims and input tensors it introduces."""
+
+    dims: dict[str, Dim]
+    axes: dict[str, str] = field(default_factory=dict)
+    monoids: dict[str, str] = field(default_factory=dict)
+    values: dict[str, Node] = field(default_factory=dict)
+    consts: dict[str, float] = field(default_factory=dict)
+    inputs: dict[str, TensorDecl] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        parts = [f"{v} = {a} ({self.dims[a].extent}/{self.dims[a].block})"
+                 for v, a in self.axes.items()]
+        parts += [f"{v} = {m}" for v, m in self.monoids.items()]
+        parts += [f"{v} = {show_node(n)}" for v, n in self.values.items()]
+        parts += [f"{v} = {c!r}" for v, c in self.consts.items()]
+        return ", ".join(parts)
+
+    def constant(self, e: Const | PConst | AxisSize | CExpr) -> float:
+        """The value of a constant pattern under this binding."""
+        match e:
+            case Const(v):
+                return v
+            case PConst(name):
+                return self.consts[name]
+            case AxisSize(kind, axis):
+                d = self.dims[self.axes[axis]]
+                return float({"block": d.block, "extent": d.extent, "trips": d.blocks}[kind])
+            case CExpr(op, args):
+                fn = (UNARY[op] if len(args) == 1 else BINARY[op]).numpy
+                with np.errstate(all="ignore"):
+                    return float(fn(*(np.float64(self.constant(a)) for a in args)))
+        raise AssertionError(e)
+
+    def build(self, p: Pattern, stored: dict[Node, Store]) -> Node:
+        """The IR term `p` stands for.  `load(store(v))` becomes a load of a tensor that a
+        kernel in `stored` (shared by both sides of a rule) writes."""
+        match p:
+            case PVar(name):
+                return self.values[name]
+            case PConst() | CExpr() | AxisSize():
+                return Const(self.constant(p))
+            case Stored(v):
+                return self.stored(self.build(v, stored), stored)
+            case Load() | Const() | Var():
+                return p
+            case Unary(op, x):
+                return Unary(op, self.build(x, stored))
+            case Binary(op, x, y):
+                return Binary(op, self.build(x, stored), self.build(y, stored))
+            case BlockReduce(op, axis, x):
+                return BlockReduce(op, self.axes.get(axis, axis), self.build(x, stored))
+            case Dot(axis, x, y):
+                return Dot(self.axes.get(axis, axis), self.build(x, stored),
+                           self.build(y, stored))
+            case Reduce(axis, monoid, x):
+                return Reduce(self.axes.get(axis, axis), self.monoids.get(monoid, monoid),
+                              self.build(x, stored))
+            case Tuple(items):
+                return Tuple(tuple(self.build(i, stored) for i in items))
+            case Get(i, x):
+                return Get(i, self.build(x, stored))
+        raise AssertionError(p)
+
+    @staticmethod
+    def stored(value: Node, stored: dict[Node, Store]) -> Node:
+        t = checked_type(value)
+        if not isinstance(t, TileType) or t.shape != t.deps:
+            raise NotInstantiable("only a value whose shape equals its deps can be stored")
+        if value not in stored:
+            stored[value] = Store(f"st{len(stored)}", tuple(sorted(t.shape)), value)
+        k = stored[value]
+        return Load(k.tensor, k.axes)
+
+    def holds(self, g: Guard) -> bool:
+        match g:
+            case AxisIn(axis, analysis, var, negated):
+                t = checked_type(self.values[var])
+                parts = (t,) if isinstance(t, TileType) else t
+                axes = frozenset().union(*(getattr(p, analysis) for p in parts))
+                return (self.axes[axis] in axes) != negated
+            case AxisEq(left, right, negated):
+                return (self.axes[left] == self.axes[right]) != negated
+            case TripsEq(left, right):
+                return self.dims[self.axes[left]].blocks == self.dims[self.axes[right]].blocks
+            case ConstCmp(var, op, value):
+                return _COMPARE[op](self.consts[var], self.constant(value))
+        raise AssertionError(g)
+
+
+def checked_type(n: Node) -> Type:
+    try:
+        return type_of(n)
+    except IRError as e:
+        raise NotInstantiable(str(e)) from None
+
+
+class _Sampler:
+    """Random bindings for one rule's variables.
+
+    A monoid variable is bound to any monoid registered with the IR; the type check then keeps
+    the ones whose arity fits.
+    """
+
+    BLOCKS = (1, 2, 3, 4)      # block sizes
+    TRIPS = (1, 1, 2, 3)       # blocks per axis: a single block is a case of its own
+    CONSTANTS = (0.0, 1.0, -1.0, 2.0, 0.5, -0.25)
+
+    def __init__(self, rule: Rule, rng: random.Random):
+        self.rng = rng
+        self.kinds = variables(rule.lhs)
+        self.fixed = {g.var: g.value for g in rule.guards
+                      if isinstance(g, ConstCmp) and g.op == "=="}
+
+    def sample(self) -> Instance:
+        rng = self.rng
+        by_kind = {k: sorted(v for v, kind in self.kinds.items() if kind == k)
+                   for k in ("axis", "monoid", "value", "constant")}
+        pool = [f"i{j}" for j in range(len(by_kind["axis"]) + rng.randint(1, 2))]
+        inst = Instance({a: self.dim(a) for a in pool})
+        chosen = (rng.sample(pool, len(by_kind["axis"])) if rng.random() < 0.8
+                  else rng.choices(pool, k=len(by_kind["axis"])))
+        inst.axes = dict(zip(by_kind["axis"], chosen))
+        inst.monoids = {v: rng.choice(sorted(MONOIDS)) for v in by_kind["monoid"]}
+        for v in by_kind["value"]:
+            inst.values[v] = self.value(v[1:], pool, inst)
+        for v in by_kind["constant"]:
+            inst.consts[v] = (rng.choice(self.CONSTANTS) if rng.random() < 0.5
+                              else round(rng.uniform(-3.0, 3.0), 3))
+        for v, value in self.fixed.items():
+            inst.consts[v] = inst.constant(value)
+        return inst
+
+    def dim(self, name: str) -> Dim:
+        block = self.rng.choice(self.BLOCKS)
+        return Dim(name, block * self.rng.choice(self.TRIPS), block)
+
+    def value(self, stem: str, pool: list[str], inst: Instance) -> Node:
+        if self.rng.random() < 0.15:
+            n = self.rng.randint(2, 3)
+            return Tuple(tuple(self.tile(f"{stem}_{i}", pool, inst) for i in range(n)))
+        return self.tile(stem, pool, inst)
+
+    def tile(self, stem: str, pool: list[str], inst: Instance) -> Node:
+        """A block of a fresh input; reduced in-tile along extra axes, so deps can exceed shape."""
+        rng = self.rng
+        shape = [a for a in pool if rng.random() < 0.5]
+        extra = [a for a in pool if a not in shape and rng.random() < 0.2]
+        name = f"in_{stem}"
+        inst.inputs[name] = TensorDecl(name, tuple(shape + extra), "f32", "input")
+        node: Node = Load(name, tuple(shape + extra))
+        for a in extra:
+            node = BlockReduce(rng.choice(("sum", "max")), a, node)
+        return node
+
+
+def instances(rule: Rule, rng: random.Random, tries: int) -> Iterator[Instance]:
+    """Random bindings (out of `tries` attempts) under which the guards hold and the left side
+    is well formed."""
+    sampler = _Sampler(rule, rng)
+    for _ in range(tries):
+        inst = sampler.sample()
+        try:
+            if all(inst.holds(g) for g in rule.guards):
+                checked_type(inst.build(rule.lhs, {}))
+                yield inst
+        except NotInstantiable:
+            continue

@@ -1,0 +1,1 @@
+"""A demonstration rule pack: the .bbr files next to this module."""
