@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -19,14 +20,21 @@ from typing import Callable
 import numpy as np
 
 from . import __version__, dense, interp
+from .codegen import cuda_gen, numpy_gen
 from .blockfile import load_block_program
-from .cost import cost_program
+from .cost import cost_program, fmt_bytes, fmt_flops, fmt_time
+from .engine import Budget, run_checks
 from .errors import SourceError, UsageError
+from .extract import NoCandidate
 from .frontend import DimOverrides, load_program, parse_dim_override
+from .fuse import FuseResult, fuse
 from .inputs import random_inputs
 from .ir import BlockProgram, Dim, show_program
 from .lower import lower
+from .packs import discover_packs, load_packs
 from .program import Program
+from .rulefile import load_pack
+from .soundness import check_soundness
 from .targets import get_target
 
 Setup = Callable[[argparse.ArgumentParser], None]
@@ -132,9 +140,32 @@ def cmd_cost(args: argparse.Namespace) -> int:
 
 def _run_args(p: argparse.ArgumentParser) -> None:
     _program_args(p)
+    _fuse_args(p)
+    p.add_argument("--backend", choices=tuple(BACKENDS), default="interp",
+                   help="the reference interpreter (default), generated numpy, or CUDA via CuPy")
+    p.add_argument("--no-fuse", action="store_true", help="run the unfused program")
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
 
+
+def _run_cuda(program: BlockProgram, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    try:
+        import cupy
+        available = cupy.is_available()
+    except ImportError:
+        available = False
+    if not available:
+        raise UsageError("the cuda backend needs CuPy and a GPU, and none was found; "
+                         "`bbrules codegen --backend cuda` writes the CUDA source")
+    outputs = cuda_gen.generate(program).runner()(**inputs)
+    return {name: cupy.asnumpy(x) for name, x in outputs.items()}
+
+
+BACKENDS: dict[str, Callable[[BlockProgram, dict[str, np.ndarray]], dict[str, np.ndarray]]] = {
+    "interp": interp.run,
+    "numpy": numpy_gen.run,
+    "cuda": _run_cuda,
+}
 
 # (rtol, atol) per output dtype: f16/bf16 outputs are checked at their own precision.
 TOLERANCE = {"f32": (1e-3, 1e-4), "f16": (1e-2, 1e-3), "bf16": (5e-2, 1e-2)}
@@ -173,10 +204,11 @@ def _finite(x: float) -> float | None:
 @command("run", "run a program on random inputs with the reference interpreter and compare "
                 "with the dense evaluation", _run_args)
 def cmd_run(args: argparse.Namespace) -> int:
-    ast, program = load_any(args.program, _dims(args.dim))
+    ast, program = _program_to_run(args)
     inputs = random_inputs(program, seed=args.seed)
+    execute = BACKENDS[args.backend]
     start = time.perf_counter()
-    outputs = interp.run(program, inputs)
+    outputs = execute(program, inputs)
     elapsed = time.perf_counter() - start
     if ast is None:
         return _report_checksums(args, program, outputs, elapsed)
@@ -190,7 +222,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     ok = all(r.ok for r in results.values())
     if args.json:
         print(json.dumps({
-            "program": args.program, "seed": args.seed, "time_s": elapsed, "compared": True,
+            "program": args.program, "backend": args.backend, "seed": args.seed,
+            "time_s": elapsed, "compared": True,
             "ok": ok,
             "outputs": {n: {"max_abs_err": _finite(r.max_abs), "max_rel_err": _finite(r.max_rel),
                             "ok": r.ok} for n, r in results.items()},
@@ -198,7 +231,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     else:
         for name, r in results.items():
             print(r.line(name))
-        print(f"interpreter time: {elapsed:.3f} s")
+        print(f"{args.backend} time: {elapsed:.3f} s")
     return 0 if ok else 1
 
 
@@ -209,7 +242,8 @@ def _report_checksums(args: argparse.Namespace, program: BlockProgram,
                 float(np.sum(np.abs(outputs[n]), dtype=np.float64))) for n in program.outputs}
     if args.json:
         print(json.dumps({
-            "program": args.program, "seed": args.seed, "time_s": elapsed, "compared": False,
+            "program": args.program, "backend": args.backend, "seed": args.seed,
+            "time_s": elapsed, "compared": False,
             "note": note,
             "outputs": {n: {"sum": _finite(s), "abs_sum": _finite(a)}
                         for n, (s, a) in sums.items()},
@@ -217,9 +251,205 @@ def _report_checksums(args: argparse.Namespace, program: BlockProgram,
     else:
         for name, (s, a) in sums.items():
             print(f"{name}: sum {s:.6g}, sum of |x| {a:.6g}")
-        print(f"interpreter time: {elapsed:.3f} s")
+        print(f"{args.backend} time: {elapsed:.3f} s")
         print(f"note: {note}")
     return 0
+
+
+# --------------------------------------------------------------------------------------------
+# Rule packs, fusion and code generation
+
+
+def _progress(args: argparse.Namespace) -> Callable[[str], None] | None:
+    """Progress lines on stderr, only when a person is watching a terminal."""
+    if getattr(args, "json", False) or not sys.stderr.isatty():
+        return None
+    return lambda line: print(f"  .. {line}", file=sys.stderr, flush=True)
+
+
+def _pack_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--rules", action="append", default=[], metavar="DIR",
+                   help="add a rule pack directory (repeatable)")
+    p.add_argument("--no-installed", action="store_true",
+                   help="use only the --rules packs, not the standard and installed ones")
+
+
+def _load_packs(args: argparse.Namespace):
+    return load_packs([Path(d) for d in args.rules], include_installed=not args.no_installed)
+
+
+def _fuse_args(p: argparse.ArgumentParser) -> None:
+    _pack_args(p)
+    p.add_argument("--target", default="h100", help="a built-in target name or a .toml file")
+    p.add_argument("--objective", choices=("time", "traffic"), default="time",
+                   help="minimise modeled time (default) or global traffic")
+    p.add_argument("--max-kernels", type=int, metavar="N",
+                   help="the cheapest program with at most N kernels")
+    p.add_argument("--nodes", type=int, default=Budget.nodes, help="e-node budget")
+    p.add_argument("--iterations", type=int, default=Budget.iterations,
+                   help="iteration budget per stage")
+    p.add_argument("--seconds", type=float, default=Budget.seconds,
+                   help="time budget of saturation")
+
+
+def _fuse(args: argparse.Namespace, program: BlockProgram) -> FuseResult:
+    if args.max_kernels is not None and args.max_kernels < 1:
+        raise UsageError("--max-kernels must be at least 1")
+    budget = Budget(nodes=args.nodes, iterations=args.iterations, seconds=args.seconds)
+    try:
+        return fuse(program, _load_packs(args), get_target(args.target), args.objective,
+                    args.max_kernels, budget, _progress(args))
+    except NoCandidate as e:
+        raise UsageError(str(e)) from None
+
+
+def _apply_args(p: argparse.ArgumentParser) -> None:
+    _program_args(p)
+    _fuse_args(p)
+    p.add_argument("-o", "--output", metavar="OUT.bbk",
+                   help="write the fused block program (readable by show, cost, run, codegen)")
+    p.add_argument("--explain", action="store_true",
+                   help="print the chain of rules that turned the input into the output")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+
+
+@command("apply", "fuse a program: rewrite it with the rule packs and extract the cheapest "
+                  "equivalent block program", _apply_args)
+def cmd_apply(args: argparse.Namespace) -> int:
+    _, program = load_any(args.program, _dims(args.dim))
+    result = _fuse(args, program)
+    if args.output:
+        out = Path(args.output)
+        source = args.program if args.program.endswith(".bbp") else None
+        if source is not None:
+            source = os.path.relpath(Path(source).resolve(), out.resolve().parent)
+        out.write_text(show_program(result.program, source=source))
+    if args.json:
+        print(json.dumps(result.to_json(), indent=2, default=_finite))
+        return 0
+    print(fusion_report(result))
+    if args.explain:
+        print("\nrules applied, in the order they first fired:")
+        for line in result.explain():
+            print(f"  {line}")
+    if args.output:
+        print(f"\nwrote {args.output}")
+    else:
+        print("\n" + show_program(result.program), end="")
+    return 0
+
+
+def fusion_report(r: FuseResult) -> str:
+    """Before/after totals, saturation per stage, extraction."""
+    b, a = r.before, r.after
+    rows = [
+        ("kernels", str(b.n_kernels), str(a.n_kernels)),
+        ("global read", fmt_bytes(b.bytes_read), fmt_bytes(a.bytes_read)),
+        ("global written", fmt_bytes(b.bytes_written), fmt_bytes(a.bytes_written)),
+        ("flops", fmt_flops(b.flops), fmt_flops(a.flops)),
+        ("local footprint", fmt_bytes(b.footprint), fmt_bytes(a.footprint)),
+        ("modeled time", fmt_time(b.time), fmt_time(a.time)),
+    ]
+    lines = [f"{'':16} {'before':>14} {'after':>14}"]
+    lines += [f"{name:16} {x:>14} {y:>14}" for name, x, y in rows]
+    lines.append(f"compulsory traffic {fmt_bytes(a.compulsory)} on {a.target.name}: before "
+                 f"{b.traffic / a.compulsory:.2f}x, after {a.traffic / a.compulsory:.2f}x; "
+                 f"traffic {b.traffic / max(a.traffic, 1):.2f}x less, modeled time "
+                 f"{b.time / a.time:.2f}x less")
+    lines.append("saturation:")
+    for s in r.stats:
+        lines.append(f"  {s.stage:12} {s.iterations:3} iterations {s.enodes:7} e-nodes "
+                     f"{s.eclasses:6} e-classes {s.seconds:6.2f} s  {s.stop}")
+    x = r.extraction
+    lines.append(f"extraction: {x.method}, {x.candidates} candidates costed, {x.rejected} "
+                 f"rejected, {x.seconds:.2f} s")
+    return "\n".join(lines)
+
+
+def _codegen_args(p: argparse.ArgumentParser) -> None:
+    _program_args(p)
+    _fuse_args(p)
+    p.add_argument("--backend", choices=("numpy", "cuda"), default="numpy")
+    p.add_argument("--no-fuse", action="store_true", help="generate code for the unfused program")
+    p.add_argument("-o", "--output", metavar="FILE",
+                   help="write the code here (cuda: FILE gets the CUDA source and FILE.py the "
+                        "CuPy launcher) instead of printing it")
+
+
+def _program_to_run(args: argparse.Namespace) -> tuple[Program | None, BlockProgram]:
+    """The program a command works on: a .bbp is fused unless --no-fuse; a .bbk is as written."""
+    ast, program = load_any(args.program, _dims(args.dim))
+    if ast is not None and args.program.endswith(".bbp") and not args.no_fuse:
+        program = _fuse(args, program).program
+    return ast, program
+
+
+@command("codegen", "generate numpy (CPU) or CUDA C (GPU) code for a program", _codegen_args)
+def cmd_codegen(args: argparse.Namespace) -> int:
+    _, program = _program_to_run(args)
+    if args.backend == "numpy":
+        files = {args.output: numpy_gen.generate(program)}
+    else:
+        module = cuda_gen.generate(program, get_target(args.target))
+        files = {args.output: module.source,
+                 f"{args.output}.py" if args.output else None: module.launcher}
+    for path, text in files.items():
+        if path is None:
+            print(text, end="" if text.endswith("\n") else "\n")
+        else:
+            Path(path).write_text(text)
+            print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+def _packs_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print the list as JSON")
+
+
+@command("packs", "list the installed rule packs", _packs_args)
+def cmd_packs(args: argparse.Namespace) -> int:
+    rows = []
+    for name, directory in discover_packs().items():
+        pack = load_pack(directory, name=name)
+        rows.append({"name": name, "path": str(directory), "rules": len(pack.rules),
+                     "checks": len(pack.checks), "monoids": [m.name for m in pack.monoids]})
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        for r in rows:
+            print(f"{r['name']:12} {r['rules']:3} rules {r['checks']:3} checks  {r['path']}")
+    return 0
+
+
+def _check_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("packs", nargs="*", metavar="PACK",
+                   help="rule pack directories (default: the standard and installed packs)")
+    p.add_argument("--trials", type=int, default=20,
+                   help="random instantiations per rule in the soundness check")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print the results as JSON")
+
+
+@command("check", "run the rule packs' check cases and test every rule's soundness on random "
+                  "tiles", _check_args)
+def cmd_check(args: argparse.Namespace) -> int:
+    pack = load_packs([Path(d) for d in args.packs], include_installed=not args.packs)
+    progress = _progress(args)
+    if progress:
+        progress(f"{len(pack.checks)} check cases")
+    failures = [str(f) for f in run_checks(pack)]
+    if progress:
+        progress(f"soundness of {len(pack.rules)} rules, {args.trials} trials each")
+    unsound = [str(u) for u in check_soundness(pack, trials=args.trials, seed=args.seed)]
+    if args.json:
+        print(json.dumps({"rules": len(pack.rules), "checks": len(pack.checks),
+                          "check_failures": failures, "unsound": unsound}, indent=2))
+    else:
+        for line in failures + unsound:
+            print(line)
+        print(f"{len(pack.rules)} rules, {len(pack.checks)} checks: {len(failures)} checks "
+              f"failed, {len(unsound)} rules unsound")
+    return 1 if failures or unsound else 0
 
 
 # --------------------------------------------------------------------------------------------

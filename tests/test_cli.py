@@ -97,7 +97,7 @@ def test_run_compares_with_the_dense_evaluator(tmp_path, capsys):
     status, out, _ = run_cli(capsys, "run", path, "--seed", "3")
     assert status == 0
     assert out.startswith("O: max abs error") and ": ok" in out
-    assert "interpreter time" in out
+    assert "interp time" in out
 
 
 def test_run_json_reports_each_output(tmp_path, capsys):

@@ -1,0 +1,816 @@
+"""The e-graph engine: rules compiled to egglog, saturated in budgeted stages.
+
+A rule pack becomes one egglog program (`compile_pack`):
+
+- one datatype `Term` with a constructor per IR node.  Axes, monoids and operator names are
+  Strings, constants f64.  A load of a program input is `(Ld tensor "a,b")`; a load of a stored
+  intermediate is `(LdS tensor "a,b" value)`, carrying the value its kernel stores (renamed to
+  the load's axes), so store-to-load forwarding is an ordinary rule `load(store(?v)) => ?v`.
+  Tuples are `Tup2`..`TupN` (egglog constructors have a fixed arity).
+- the analyses `shape` and `deps` as functions from Term to a set of axes, merged by
+  intersection and computed by the `analysis` ruleset, which runs to saturation before every
+  iteration.  Every rule preserves shape and deps (the rule checker rejects one that does not),
+  so structurally computed sets agree within an e-class: the intersection is exact and both
+  `in` and `not in` guards are sound.  egglog cannot read a function inside a rule's actions,
+  so guards bind the analyses in the query.
+- axis sizes (`block`, `extent`, `trips`) as f64 functions set per program; constant arithmetic
+  of a right-hand side (`const(?c * ?d)`) is computed in the query, so a failing primitive
+  (division by zero) simply does not match.
+- one egglog ruleset per rule, so the Python scheduler can ban a single rule (back-off).
+
+Saturation (`Saturator.run`) goes stage by stage and iteration by iteration: after each
+iteration it checks the e-node count and the clock, and stops on the first budget hit.  Every
+stage uses egg's back-off: a rule that matched more than its limit in one iteration is banned
+for a while and its limit doubles, which keeps commutativity and associativity from crowding
+out everything else.  egglog applies an iteration's matches before Python sees their number,
+so a ban starts with the next iteration; the node budget bounds what one iteration can add.
+
+The saturated e-graph is read back through `EGraph.freeze()` (rows of every constructor) into
+a `ClassGraph` for extraction; nothing is parsed from printed text.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Mapping, NoReturn
+
+from egglog.bindings import EGraph
+
+from .errors import SourceError, Span
+from .ir import (MONOIDS, Binary, BlockReduce, Const, Dot, Get, Load, Monoid,
+                 Node, Reduce, Tuple, Unary, Var, children, postorder, register_monoid,
+                 show_node)
+from .rule import (AxisEq, AxisIn, AxisSize, Check, CExpr, ConstCmp, Guard, Pattern, PConst,
+                   PVar, Rule, RulePack, Stage, Stored, TripsEq)
+
+ANALYSIS = "__analysis"
+MIN_TUPLE = 2
+MAX_TUPLE = 8
+MATCH_LIMIT = 1000  # egg's back-off defaults: initial match limit and ban length
+BAN_LENGTH = 5
+
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class Budget:
+    """Limits on saturation.  Hitting one is not an error: extraction uses what was found.
+
+    `nodes` caps the e-nodes of the graph, `iterations` the iterations of each stage (a stage
+    may declare a lower cap), `seconds` the wall time of all stages together.  The defaults
+    keep the paper's examples far inside a 2-core, 24 GiB machine (a few thousand e-nodes).
+    """
+
+    nodes: int = 40_000
+    iterations: int = 16
+    seconds: float = 20.0
+
+
+@dataclass(frozen=True)
+class StageStats:
+    """What one stage did.  `stop` is "saturated", "iteration limit", "node limit",
+    "time limit", or "skipped" when an earlier stage exhausted a global budget."""
+
+    stage: str
+    iterations: int
+    enodes: int
+    eclasses: int
+    seconds: float
+    stop: str
+    matches: dict[str, int] = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return {"stage": self.stage, "iterations": self.iterations, "enodes": self.enodes,
+                "eclasses": self.eclasses, "seconds": self.seconds, "stop": self.stop,
+                "matches": dict(self.matches)}
+
+
+# --------------------------------------------------------------------------------------------
+# The e-graph as the extractor sees it
+
+
+@dataclass(frozen=True)
+class ENode:
+    """One e-node: an IR node whose children are e-class ids.
+
+    `kind` is the IR class name (`Load`, `Const`, `Unary`, ...).  `attrs` are its non-child
+    fields in IR order: (tensor, axes) for a load, (value,) for a constant, (op,) for unary and
+    binary, (op, axis) for `BlockReduce`, (axis,) for `Dot`, (axis, monoid) for `Reduce`,
+    (index,) for `Get`, () for `Tuple`.  A load of a stored intermediate has its carried value's
+    class as its only child.
+    """
+
+    kind: str
+    attrs: tuple
+    children: tuple[int, ...]
+
+    def build(self, kids: tuple[Node, ...]) -> Node:
+        """The IR node with the given child terms (a stored load ignores its carried value)."""
+        match self.kind:
+            case "Load":
+                return Load(self.attrs[0], self.attrs[1])
+            case "Const":
+                return Const(self.attrs[0])
+            case "Unary":
+                return Unary(self.attrs[0], kids[0])
+            case "Binary":
+                return Binary(self.attrs[0], kids[0], kids[1])
+            case "BlockReduce":
+                return BlockReduce(self.attrs[0], self.attrs[1], kids[0])
+            case "Dot":
+                return Dot(self.attrs[0], kids[0], kids[1])
+            case "Reduce":
+                return Reduce(self.attrs[0], self.attrs[1], kids[0])
+            case "Tuple":
+                return Tuple(kids)
+            case "Get":
+                return Get(self.attrs[0], kids[0])
+        raise ValueError(f"unknown e-node kind {self.kind}")
+
+
+def enode_key(n: Node) -> tuple[str, tuple]:
+    """(kind, attrs) of an IR node, as its e-node has them."""
+    match n:
+        case Load(t, axes):
+            return "Load", (t, axes)
+        case Const(v):
+            return "Const", (v,)
+        case Unary(op, _) | Binary(op, _, _):
+            return type(n).__name__, (op,)
+        case BlockReduce(op, a, _):
+            return "BlockReduce", (op, a)
+        case Dot(a, _, _):
+            return "Dot", (a,)
+        case Reduce(a, m, _):
+            return "Reduce", (a, m)
+        case Get(i, _):
+            return "Get", (i,)
+        case Tuple():
+            return "Tuple", ()
+    raise ValueError(f"not a term node: {n!r}")
+
+
+@dataclass
+class ClassGraph:
+    """A frozen e-graph: e-classes (ids from 0, in a deterministic order) and their e-nodes."""
+
+    classes: dict[int, tuple[ENode, ...]]
+    named: dict[str, int]  # e-class of every term added by name (roots, check terms)
+    index: dict[tuple, int] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        # An e-node (kind, attrs, child classes) lives in exactly one e-class.  A load is
+        # identified by tensor and axes alone: the value it carries follows from them.
+        self.index = {}
+        for c, nodes in self.classes.items():
+            for n in nodes:
+                kids = () if n.kind == "Load" else n.children
+                self.index[(n.kind, n.attrs, kids)] = c
+
+    @property
+    def n_nodes(self) -> int:
+        return sum(len(ns) for ns in self.classes.values())
+
+    def enode_of(self, n: Node) -> ENode | None:
+        """The e-node representing IR node `n`, if its whole term is in the graph."""
+        kind, attrs = enode_key(n)
+        kids = tuple(self.lookup(c) for c in children(n))
+        if any(k is None for k in kids):
+            return None
+        key = (kind, attrs, () if kind == "Load" else kids)
+        c = self.index.get(key)
+        if c is None:
+            return None
+        return next(e for e in self.classes[c] if (e.kind, e.attrs) == (kind, attrs)
+                    and (kind == "Load" or e.children == kids))
+
+    def lookup(self, n: Node) -> int | None:
+        """The e-class of IR term `n`, or None if the term is not represented."""
+        kind, attrs = enode_key(n)
+        kids = tuple(self.lookup(c) for c in children(n))
+        if any(k is None for k in kids):
+            return None
+        return self.index.get((kind, attrs, () if kind == "Load" else kids))
+
+
+# --------------------------------------------------------------------------------------------
+# Compiling a pack
+
+
+def _q(s: str) -> str:
+    return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _f64(v: float) -> str:
+    return repr(float(v))
+
+
+def _axis(a: str) -> str:
+    return a if a.startswith("?") else _q(a)
+
+
+def _set(axes: Iterable[str]) -> str:
+    items = sorted(set(axes))
+    return f"(set-of {' '.join(map(_q, items))})" if items else "(set-empty)"
+
+
+_CONST_BINARY = {"add": "+", "sub": "-", "mul": "*", "div": "/", "max": "max", "min": "min"}
+_CONST_UNARY = {"neg": "(neg {x})", "exp": "(exp {x})", "log": "(log {x})",
+                "sqrt": "(sqrt {x})", "rsqrt": "(/ 1.0 (sqrt {x}))", "recip": "(/ 1.0 {x})",
+                "abs": "(abs {x})", "square": "(* {x} {x})"}
+_CMP = {"==": "=", "!=": "!=", "<": "<", "<=": "<=", ">": ">", ">=": ">="}
+
+
+class _RuleCompiler:
+    """One direction of one rule as an egglog `rule`: a query (lhs + guards) and a union."""
+
+    def __init__(self, rule: Rule, lhs: Pattern, rhs: Pattern, egg_name: str, ruleset: str):
+        self.rule = rule
+        self.facts: list[str] = []
+        self.fresh = 0
+        self.term_vars: set[str] = set()
+        self.const_vars: set[str] = set()
+        self.ground_loads: list[Load] = []
+        if isinstance(lhs, PVar):
+            self.error("a left-hand side must be a node, not a bare variable")
+        root = self.lhs(lhs)
+        self.facts.insert(0, f"(= ?__root {root})")
+        for g in rule.guards:
+            self.guard(g)
+        out = self.rhs(rhs)
+        self.text = (f"(rule ({' '.join(self.facts)}) ((union ?__root {out})) "
+                     f":ruleset {ruleset} :name {_q(egg_name)})")
+
+    def error(self, message: str) -> NoReturn:
+        span = self.rule.span or Span("<rules>", 1, 1)
+        raise SourceError(span, f"rule '{self.rule.name}': {message}")
+
+    def var(self, prefix: str) -> str:
+        self.fresh += 1
+        return f"?__{prefix}{self.fresh}"
+
+    # -- patterns
+
+    def lhs(self, p: Pattern) -> str:
+        match p:
+            case PVar(name):
+                self.term_vars.add(name)
+                return name
+            case PConst(name):
+                self.const_vars.add(name)
+                return f"(Cst {name})"
+            case Stored(v):
+                return f"(LdS {self.var('t')} {self.var('ax')} {self.lhs(v)})"
+            case CExpr() | AxisSize():
+                self.error("constant arithmetic belongs on the right-hand side")
+        return self.node(p, self.lhs)
+
+    def rhs(self, p: Pattern) -> str:
+        match p:
+            case PVar(name):
+                if name not in self.term_vars:
+                    self.error(f"'{name}' is not bound by the left-hand side")
+                return name
+            case PConst(name):
+                if name not in self.const_vars:
+                    self.error(f"'{name}' is not bound by the left-hand side")
+                return f"(Cst {name})"
+            case CExpr() | AxisSize():
+                k = self.var("k")
+                self.facts.append(f"(= {k} {self.const_expr(p)})")
+                return f"(Cst {k})"
+            case Stored():
+                self.error("load(store(...)) can only be matched, not built")
+        return self.node(p, self.rhs)
+
+    def node(self, p: Pattern, sub: Callable[[Pattern], str]) -> str:
+        if isinstance(p, Load):
+            self.ground_loads.append(p)
+        try:
+            return node_text(p, sub)
+        except ValueError as err:
+            self.error(str(err))
+
+    # -- constants and guards
+
+    def const_expr(self, e: object) -> str:
+        match e:
+            case PConst(name):
+                if name not in self.const_vars:
+                    self.error(f"'{name}' is not bound by the left-hand side")
+                return name
+            case Const(v):
+                return _f64(v)
+            case AxisSize(kind, axis):
+                return f"(a{kind} {_axis(axis)})"
+            case CExpr(op, (x,)) if op in _CONST_UNARY:
+                return _CONST_UNARY[op].format(x=self.const_expr(x))
+            case CExpr(op, (x, y)) if op in _CONST_BINARY:
+                return f"({_CONST_BINARY[op]} {self.const_expr(x)} {self.const_expr(y)})"
+            case CExpr(op, _):
+                self.error(f"cannot fold '{op}' of constants")
+        self.error(f"not a constant expression: {e!r}")
+
+    def analysis_of(self, var: str, analysis: str) -> str:
+        if var in self.const_vars:
+            return "(set-empty)"
+        if var not in self.term_vars:
+            self.error(f"guard on '{var}', which the left-hand side does not bind")
+        s = self.var("s")
+        self.facts.append(f"(= {s} ({analysis} {var}))")
+        return s
+
+    def guard(self, g: Guard) -> None:
+        match g:
+            case AxisIn(axis, analysis, var, negated):
+                s = self.analysis_of(var, analysis)
+                op = "set-not-contains" if negated else "set-contains"
+                self.facts.append(f"({op} {s} {_axis(axis)})")
+            case AxisEq(left, right, negated):
+                self.facts.append(f"({'!=' if negated else '='} {_axis(left)} {_axis(right)})")
+            case TripsEq(left, right):
+                self.facts.append(f"(= (atrips {_axis(left)}) (atrips {_axis(right)}))")
+            case ConstCmp(var, op, value):
+                self.facts.append(f"({_CMP[op]} {self.const_expr(PConst(var))} "
+                                  f"{self.const_expr(value)})")
+
+
+def node_text(p: Pattern, sub: Callable[[Pattern], str]) -> str:
+    """One constructor application in egglog syntax, its children written by `sub`."""
+    match p:
+        case Load(t, axes):
+            return f"(Ld {_q(t)} {_q(','.join(axes))})"
+        case Const(v):
+            return f"(Cst {_f64(v)})"
+        case Unary(op, x):
+            return f"(Un {_q(op)} {sub(x)})"
+        case Binary(op, x, y):
+            return f"(Bin {_q(op)} {sub(x)} {sub(y)})"
+        case BlockReduce(op, a, x):
+            return f"(BRed {_q(op)} {_axis(a)} {sub(x)})"
+        case Dot(a, x, y):
+            return f"(Dot {_axis(a)} {sub(x)} {sub(y)})"
+        case Reduce(a, m, x):
+            return f"(Red {_axis(a)} {_axis(m)} {sub(x)})"
+        case Tuple(items):
+            if not MIN_TUPLE <= len(items) <= MAX_TUPLE:
+                raise ValueError(f"tuples have {MIN_TUPLE} to {MAX_TUPLE} components")
+            return f"(Tup{len(items)} {' '.join(sub(i) for i in items)})"
+        case Get(i, x):
+            return f"(Get {i} {sub(x)})"
+    raise ValueError(f"not a node: {p!r}")
+
+
+def _egg_rules(rule: Rule) -> list[tuple[str, Pattern, Pattern]]:
+    """(egglog rule name, lhs, rhs) for each direction of a rule."""
+    out = [(rule.name, rule.lhs, rule.rhs)]
+    if rule.bidirectional:
+        out.append((rule.name + " (reverse)", rule.rhs, rule.lhs))
+    return out
+
+
+def rule_of(egg_name: str) -> str:
+    """The pack rule an egglog rule name belongs to."""
+    return egg_name.removesuffix(" (reverse)")
+
+
+def _analysis_rules(monoids: Iterable[Monoid]) -> list[str]:
+    """Rules computing shape and deps of every constructor from its children's."""
+    def rule(query: str, shape: str, deps: str) -> str:
+        return (f"(rule ((= ?e {query}) {binds}) ((set (shape ?e) {shape}) (set (deps ?e) "
+                f"{deps})) :ruleset {ANALYSIS})")
+
+    def bind(names: Iterable[str]) -> str:
+        return " ".join(f"(= ?s{n} (shape ?{n})) (= ?d{n} (deps ?{n}))" for n in names)
+
+    def union(sets: list[str]) -> str:
+        if not sets:
+            return "(set-empty)"
+        out = sets[0]
+        for s in sets[1:]:
+            out = f"(set-union {out} {s})"
+        return out
+
+    out = []
+    binds = ""
+    out.append(rule("(Cst ?c)", "(set-empty)", "(set-empty)"))
+    binds = bind("x")
+    out.append(rule("(Un ?f ?x)", "?sx", "?dx"))
+    out.append(rule("(BRed ?f ?a ?x)", "(set-remove ?sx ?a)", "?dx"))
+    binds = bind("xy")
+    out.append(rule("(Bin ?f ?x ?y)", "(set-union ?sx ?sy)", "(set-union ?dx ?dy)"))
+    out.append(rule("(Dot ?a ?x ?y)", "(set-remove (set-union ?sx ?sy) ?a)",
+                    "(set-union ?dx ?dy)"))
+    for n in range(MIN_TUPLE, MAX_TUPLE + 1):
+        names = [f"x{i}" for i in range(n)]
+        binds = bind(names)
+        for i in range(n):
+            out.append(rule(f"(Get {i} (Tup{n} {' '.join('?' + x for x in names)}))",
+                            f"?sx{i}", f"?dx{i}"))
+    for m in monoids:
+        names = [f"x{i}" for i in range(m.arity)]
+        binds = bind(names)
+        arg = "?x0" if m.arity == 1 else f"(Tup{m.arity} {' '.join('?' + x for x in names)})"
+        for j, f in enumerate(m.finalize):
+            used = sorted(m.state.index(v.name) for v in postorder(f) if isinstance(v, Var))
+            shape = union([f"?sx{i}" for i in dict.fromkeys(used)])
+            deps = f"(set-remove {union([f'?dx{i}' for i in dict.fromkeys(used)])} ?a)"
+            query = f"(Red ?a {_q(m.name)} {arg})"
+            if len(m.finalize) > 1:
+                query = f"(Get {j} {query})"
+            out.append(rule(query, shape, deps))
+    return out
+
+
+_PRELUDE = f"""
+(sort AxSet (Set String))
+(datatype Term
+  (Ld String String)
+  (LdS String String Term)
+  (Cst f64)
+  (Un String Term)
+  (Bin String Term Term)
+  (BRed String String Term)
+  (Dot String Term Term)
+  (Red String String Term)
+  {' '.join(f"(Tup{n} {' '.join(['Term'] * n)})" for n in range(MIN_TUPLE, MAX_TUPLE + 1))}
+  (Get i64 Term))
+(function shape (Term) AxSet :merge (set-intersect old new))
+(function deps (Term) AxSet :merge (set-intersect old new))
+(function ablock (String) f64 :merge old)
+(function aextent (String) f64 :merge old)
+(function atrips (String) f64 :merge old)
+(ruleset {ANALYSIS})
+"""
+
+TERM_CONSTRUCTORS = ("Ld", "LdS", "Cst", "Un", "Bin", "BRed", "Dot", "Red", "Get",
+                     *(f"Tup{n}" for n in range(MIN_TUPLE, MAX_TUPLE + 1)))
+
+
+@dataclass(frozen=True)
+class CompiledPack:
+    """egglog text for a pack: declarations, analysis, one ruleset per rule direction."""
+
+    text: str
+    rulesets: dict[str, list[str]]  # pack ruleset -> egglog rulesets of its rules
+    egg_rules: dict[str, str]  # egglog ruleset -> egglog rule name
+    stages: tuple[Stage, ...]
+    ground_loads: tuple[Load, ...]
+
+
+def compile_pack(pack: RulePack, rules: Iterable[Rule] | None = None) -> CompiledPack:
+    """The egglog program of `pack` (or of just `rules` of it, for check cases)."""
+    for m in pack.monoids:
+        register_monoid(m)
+    chosen = list(pack.rules if rules is None else rules)
+    lines = [_PRELUDE, *_analysis_rules(MONOIDS.values())]
+    rulesets: dict[str, list[str]] = {}
+    egg_rules: dict[str, str] = {}
+    loads: list[Load] = []
+    for i, rule in enumerate(chosen):
+        for j, (name, lhs, rhs) in enumerate(_egg_rules(rule)):
+            rs = f"r{i}_{j}"
+            compiled = _RuleCompiler(rule, lhs, rhs, name, rs)
+            lines.append(f"(ruleset {rs})")
+            lines.append(compiled.text)
+            loads.extend(compiled.ground_loads)
+            rulesets.setdefault(rule.ruleset, []).append(rs)
+            egg_rules[rs] = name
+    return CompiledPack("\n".join(lines), rulesets, egg_rules, _stages(pack, rulesets),
+                        tuple(dict.fromkeys(loads)))
+
+
+def _stages(pack: RulePack, rulesets: Mapping[str, list[str]]) -> tuple[Stage, ...]:
+    """The pack's stages, plus a final `default` stage for rulesets no stage names."""
+    named = {rs for s in pack.stages for rs in s.rulesets}
+    rest = tuple(rs for rs in rulesets if rs not in named)
+    return tuple(pack.stages) + ((Stage("default", rest),) if rest else ())
+
+
+# --------------------------------------------------------------------------------------------
+# Terms
+
+
+def rename_axes(n: Node, mapping: Mapping[str, str]) -> Node | None:
+    """`n` with every axis renamed by `mapping` simultaneously, or None if that would capture
+    an axis (a target name already used in `n` by an axis that is not renamed away)."""
+    moved = {a: b for a, b in mapping.items() if a != b}
+    if not moved:
+        return n
+    used = set()
+    for m in postorder(n):
+        match m:
+            case Load(_, axes):
+                used.update(axes)
+            case Reduce(a, _, _) | Dot(a, _, _) | BlockReduce(_, a, _):
+                used.add(a)
+    if any(b in used and b not in moved for b in moved.values()):
+        return None
+    memo: dict[Node, Node] = {}
+
+    def ren(a: str) -> str:
+        return moved.get(a, a)
+
+    for m in postorder(n):
+        kids = tuple(memo[c] for c in children(m))
+        match m:
+            case Load(t, axes):
+                memo[m] = Load(t, tuple(map(ren, axes)))
+            case Reduce(a, mono, _):
+                memo[m] = Reduce(ren(a), mono, kids[0])
+            case Dot(a, _, _):
+                memo[m] = Dot(ren(a), *kids)
+            case BlockReduce(op, a, _):
+                memo[m] = BlockReduce(op, ren(a), kids[0])
+            case Unary(op, _):
+                memo[m] = Unary(op, kids[0])
+            case Binary(op, _, _):
+                memo[m] = Binary(op, *kids)
+            case Tuple():
+                memo[m] = Tuple(kids)
+            case Get(i, _):
+                memo[m] = Get(i, kids[0])
+            case _:
+                memo[m] = m
+    return memo[n]
+
+
+class TermWriter:
+    """Writes IR terms into egglog text as `let` bindings, sharing equal subterms.
+
+    `stored` maps an intermediate tensor to (its declared axes, the value its kernel stores):
+    a load of it becomes `LdS` carrying that value renamed to the load's axes.
+    """
+
+    def __init__(self, prefix: str = "n",
+                 stored: Mapping[str, tuple[tuple[str, ...], Node]] | None = None):
+        self.prefix = prefix
+        self.stored = dict(stored or {})
+        self.names: dict[Node, str] = {}
+        self.lines: list[str] = []
+
+    def name(self, n: Node) -> str:
+        if n in self.names:
+            return self.names[n]
+        match n:
+            case Load(t, axes) if t in self.stored:
+                decl_axes, value = self.stored[t]
+                carried = rename_axes(value, dict(zip(decl_axes, axes)))
+                text = (f"(LdS {_q(t)} {_q(','.join(axes))} {self.name(carried)})"
+                        if carried is not None else f"(Ld {_q(t)} {_q(','.join(axes))})")
+            case Load(t, axes):
+                text = f"(Ld {_q(t)} {_q(','.join(axes))})"
+            case Var(v):
+                raise ValueError(f"free variable '{v}' in a term")
+            case _:
+                text = node_text(n, self.name)
+        g = f"${self.prefix}{len(self.names)}"
+        self.names[n] = g
+        self.lines.append(f"(let {g} {text})")
+        if isinstance(n, Load):
+            axes = _set(n.axes)
+            self.lines.append(f"(set (shape {g}) {axes})")
+            self.lines.append(f"(set (deps {g}) {axes})")
+        return g
+
+
+def size_facts(dims: Mapping[str, tuple[int, int]]) -> list[str]:
+    """egglog facts giving each axis's block, extent and trip count."""
+    out = []
+    for a, (extent, block) in sorted(dims.items()):
+        out.append(f"(set (ablock {_q(a)}) {_f64(block)})")
+        out.append(f"(set (aextent {_q(a)}) {_f64(extent)})")
+        out.append(f"(set (atrips {_q(a)}) {_f64(extent // block)})")
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Saturation
+
+
+@dataclass
+class _BackOff:
+    """egg's back-off state of one rule: over `limit << times_banned` matches bans it."""
+
+    limit: int
+    times_banned: int = 0
+    banned_until: int = -1
+
+
+class Saturator:
+    """An egglog e-graph holding one compiled pack and the terms added to it."""
+
+    def __init__(self, compiled: CompiledPack, dims: Mapping[str, tuple[int, int]]):
+        self.compiled = compiled
+        self.egraph = EGraph()
+        self.writer = TermWriter()
+        self.roots: dict[str, str] = {}
+        self.combined: dict[frozenset[str], str] = {}
+        self.fired: list[tuple[int, str, int]] = []  # (global iteration, rule, matches)
+        ground = TermWriter(prefix="g")
+        for load in compiled.ground_loads:
+            ground.name(load)
+        self._exec(compiled.text)
+        self._exec("\n".join(size_facts(dims) + ground.lines))
+
+    def _exec(self, text: str) -> list:
+        return self.egraph.run_program(*self.egraph.parse_program(text))
+
+    def add_terms(self, terms: Mapping[str, Node],
+                  stored: Mapping[str, tuple[tuple[str, ...], Node]] | None = None) -> None:
+        """Add named terms (roots); loads of tensors in `stored` carry their values."""
+        self.writer.stored.update(stored or {})
+        start = len(self.writer.lines)
+        for key, n in terms.items():
+            self.roots[key] = self.writer.name(n)
+        self._exec("\n".join(self.writer.lines[start:]))
+
+    def enodes(self) -> int:
+        """E-nodes of the Term constructors (the analyses and let bindings not counted)."""
+        sizes = self._exec("(print-size)")[0].sizes
+        return sum(n for name, n in sizes if name in TERM_CONSTRUCTORS)
+
+    def _ruleset_for(self, active: list[str]) -> str:
+        key = frozenset(active)
+        if key not in self.combined:
+            name = f"c{len(self.combined)}"
+            self._exec(f"(unstable-combined-ruleset {name} {' '.join(sorted(active))})")
+            self.combined[key] = name
+        return self.combined[key]
+
+    def run(self, budget: Budget = Budget(), progress: Progress | None = None,
+            stages: Iterable[Stage] | None = None) -> list[StageStats]:
+        """Run the stages in order within `budget`; one StageStats per stage."""
+        stats: list[StageStats] = []
+        start = time.perf_counter()
+        exhausted = ""
+        iteration = 0
+        for stage in (self.compiled.stages if stages is None else stages):
+            rulesets = [rs for name in stage.rulesets
+                        for rs in self.compiled.rulesets.get(name, [])]
+            t0 = time.perf_counter()
+            if exhausted:
+                stats.append(self._stage_stats(stage, 0, 0.0, "skipped", {}))
+                continue
+            cap = min(budget.iterations, stage.iterations or budget.iterations)
+            backoff = {rs: _BackOff(MATCH_LIMIT) for rs in rulesets}
+            matches: dict[str, int] = {}
+            stop = "saturated"
+            done = 0
+            while True:
+                if done >= cap:
+                    stop = "iteration limit"
+                    break
+                active = [rs for rs in rulesets if backoff[rs].banned_until < done]
+                if not active:
+                    break
+                self._exec(f"(run-schedule (saturate (run {ANALYSIS})))")
+                report = self._exec(f"(run-schedule (run {self._ruleset_for(active)}))")[0].report
+                done += 1
+                iteration += 1
+                counts = report.num_matches_per_rule
+                for rs in active:
+                    n = counts.get(self.compiled.egg_rules[rs], 0)
+                    if n:
+                        rule = rule_of(self.compiled.egg_rules[rs])
+                        matches[rule] = matches.get(rule, 0) + n
+                        self.fired.append((iteration, rule, n))
+                    b = backoff[rs]
+                    if n > b.limit << b.times_banned:
+                        b.banned_until = done + (BAN_LENGTH << b.times_banned)
+                        b.times_banned += 1
+                if not report.updated:
+                    banned = [rs for rs in rulesets if backoff[rs].banned_until >= done]
+                    if not banned:
+                        break
+                    for rs in banned:  # nothing else to do: lift the bans early, as egg does
+                        backoff[rs].banned_until = -1
+                if progress:
+                    progress(f"stage {stage.name}: iteration {done}")
+                if self.enodes() > budget.nodes:
+                    stop = exhausted = "node limit"
+                    break
+                if time.perf_counter() - start > budget.seconds:
+                    stop = exhausted = "time limit"
+                    break
+            self._exec(f"(run-schedule (saturate (run {ANALYSIS})))")
+            stats.append(self._stage_stats(stage, done, time.perf_counter() - t0, stop, matches))
+        return stats
+
+    def _stage_stats(self, stage: Stage, iterations: int, seconds: float, stop: str,
+                     matches: dict[str, int]) -> StageStats:
+        graph = self.freeze()
+        return StageStats(stage.name, iterations, graph.n_nodes, len(graph.classes), seconds,
+                          stop, matches)
+
+    def freeze(self) -> ClassGraph:
+        """The current e-graph as e-classes of e-nodes, with the class of every root."""
+        return _read_back(self.egraph, self.roots)
+
+
+def _read_back(egraph: EGraph, roots: Mapping[str, str]) -> ClassGraph:
+    frozen = egraph.freeze()
+    ids: dict[object, int] = {}
+
+    def cid(v: object) -> int:
+        return ids.setdefault(v, len(ids))
+
+    classes: dict[int, list[ENode]] = {}
+    for name in TERM_CONSTRUCTORS:
+        fn = frozen.functions.get(name)
+        if fn is None:
+            continue
+        for row in fn.rows:
+            if row.subsumed:
+                continue
+            node = _decode(egraph, name, row.inputs, cid)
+            classes.setdefault(cid(row.output), []).append(node)
+    named = {}
+    for key, g in roots.items():
+        fn = frozen.functions[g]
+        named[key] = cid(fn.rows[0].output)
+    return ClassGraph({c: tuple(dict.fromkeys(ns)) for c, ns in classes.items()}, named)
+
+
+def _decode(egraph: EGraph, name: str, inputs: list, cid: Callable[[object], int]) -> ENode:
+    s = egraph.value_to_string
+    match name:
+        case "Ld":
+            return ENode("Load", (s(inputs[0]), _axes(s(inputs[1]))), ())
+        case "LdS":
+            return ENode("Load", (s(inputs[0]), _axes(s(inputs[1]))), (cid(inputs[2]),))
+        case "Cst":
+            return ENode("Const", (egraph.value_to_f64(inputs[0]),), ())
+        case "Un":
+            return ENode("Unary", (s(inputs[0]),), (cid(inputs[1]),))
+        case "Bin":
+            return ENode("Binary", (s(inputs[0]),), (cid(inputs[1]), cid(inputs[2])))
+        case "BRed":
+            return ENode("BlockReduce", (s(inputs[0]), s(inputs[1])), (cid(inputs[2]),))
+        case "Dot":
+            return ENode("Dot", (s(inputs[0]),), (cid(inputs[1]), cid(inputs[2])))
+        case "Red":
+            return ENode("Reduce", (s(inputs[0]), s(inputs[1])), (cid(inputs[2]),))
+        case "Get":
+            return ENode("Get", (egraph.value_to_i64(inputs[0]),), (cid(inputs[1]),))
+    return ENode("Tuple", (), tuple(cid(v) for v in inputs))
+
+
+def _axes(text: str) -> tuple[str, ...]:
+    return tuple(text.split(",")) if text else ()
+
+
+# --------------------------------------------------------------------------------------------
+# Check cases
+
+CHECK_BUDGET = Budget(nodes=5_000, iterations=8, seconds=5.0)
+
+
+@dataclass(frozen=True)
+class CheckFailure:
+    """A check case of a pack that did not hold."""
+
+    check: Check
+    message: str
+
+    def __str__(self) -> str:
+        where = f"{self.check.span}: " if self.check.span else ""
+        return f"{where}check {self.check.rule}: {self.message}"
+
+
+def run_checks(pack: RulePack, budget: Budget = CHECK_BUDGET) -> list[CheckFailure]:
+    """Run every `check` case of `pack`; the failures, in declaration order.
+
+    A check runs only the rule (or ruleset) it names, from a fresh e-graph holding just its
+    term, until saturation or `budget`.  `term => expect` holds when the expected term is then
+    in the term's e-class, `term !=> expect` when it is not (so the direction of a one-way rule
+    is checked), and a bare `term` when the rules never match it.
+    """
+    failures = []
+    compiled: dict[str, CompiledPack] = {}
+    for check in pack.checks:
+        target = check.rule
+        if target not in compiled:
+            chosen = [r for r in pack.rules if target in (r.name, r.ruleset)]
+            compiled[target] = compile_pack(pack, chosen)
+        cp = compiled[target]
+        sat = Saturator(cp, check.dims)
+        sat.add_terms({"term": check.term})
+        stats = sat.run(budget, stages=[Stage("check", tuple(cp.rulesets))])
+        graph = sat.freeze()
+        same = check.expect is not None and graph.lookup(check.expect) == graph.named["term"]
+        shown = show_node(check.term)
+        if check.expect is None:
+            if stats[0].matches:
+                failures.append(CheckFailure(check, f"{shown} must not rewrite, but "
+                                                    f"{', '.join(stats[0].matches)} matched it"))
+        elif check.negated and same:
+            failures.append(CheckFailure(check, f"{shown} must not rewrite to "
+                                                f"{show_node(check.expect)}, but does"))
+        elif not check.negated and not same:
+            why = f" (saturation stopped: {stats[0].stop})" if stats[0].stop != "saturated" \
+                else ""
+            failures.append(CheckFailure(check, f"{shown} does not rewrite to "
+                                                f"{show_node(check.expect)}{why}"))
+    return failures

@@ -1,0 +1,716 @@
+"""The numpy backend: a block program becomes a readable Python module, one function per kernel.
+
+Why it looks the way it does:
+
+- *Loops come from `bbrules.schedule`*, the same schedule the cost model prices, so the code runs
+  exactly the loops that were costed: merged sibling reductions share one Python loop carrying
+  several accumulators, and every node is computed in the loop body the schedule puts it in.
+- *The grid is vectorised.*  Running one Python call per grid point would make the interpreter
+  overhead, not data movement, the cost.  Instead every tile of a kernel is one array holding the
+  tile of *all* grid points at once, in a fixed layout: a (blocks, block) pair of dimensions per
+  grid axis, then one (block) dimension per other axis of the kernel, with size 1 wherever the tile
+  does not depend on / span that axis.  Broadcasting by axis name is then plain numpy broadcasting,
+  and a contraction over all query blocks is one large `np.matmul`.  Inside a loop over an axis the
+  tiles hold the loop's current block of it (size 1 in the blocks dimension).
+- *Peak memory follows the program's tiles*: loads are views of the global arrays, temporaries
+  are deleted after their last use, and nothing allocates more than the tiles the schedule holds
+  (a fused attention never allocates N x N; an unfused one materialises what its stores store).
+- *Monoids are data.*  Identity, combine and finalize are emitted from the monoid's expressions,
+  never special-cased by name, so online softmax and Welford need no code of their own.
+- Static shapes are known while generating, so reshapes and transposes around `np.matmul` are
+  written out as constants: the generated code is plain numpy a reader can follow.
+"""
+
+from __future__ import annotations
+
+import keyword
+import linecache
+import types
+from collections import Counter
+from dataclasses import dataclass, field
+from math import prod
+from typing import AbstractSet, Callable, Mapping, Sequence, Union
+
+import numpy as np
+
+from bbrules.ir import (Axis, Binary, BlockProgram, BlockReduce, Const, Dim, Dot, Get, IRError,
+                        Load, Node, Reduce, Store, TileType, Tuple, Unary, Var, children, monoid,
+                        postorder, show_kernel, tile_type, type_of, validate)
+from bbrules.ops import BINARY, TILE_REDUCE, UNARY, OpInfo
+from bbrules.schedule import Compute, Loop, Step, schedule_kernel
+
+_INFIX = {"add": "+", "sub": "-", "mul": "*", "div": "/"}
+_RESERVED = {"np", "f32", "run", "inputs", "_input", "UNARY", "BINARY", "TILE_REDUCE"}
+
+# A value in generated code: an expression (a name or a literal), or one per tuple component.
+Code = Union[str, tuple[str, ...]]
+
+
+def _identifier(name: str, taken: AbstractSet[str]) -> str:
+    """`name` made into a Python identifier that collides with nothing in `taken`."""
+    base = "".join(c if c.isalnum() or c == "_" else "_" for c in name) or "x"
+    if base[0].isdigit():
+        base = "_" + base
+    out = base
+    while keyword.iskeyword(out) or out in _RESERVED or out in taken:
+        out += "_"
+    return out
+
+
+def _literal(v: float) -> str:
+    if np.isnan(v):
+        return 'f32("nan")'
+    if np.isinf(v):
+        return 'f32("inf")' if v > 0 else 'f32("-inf")'
+    return f"f32({float(v)!r})"
+
+
+@dataclass
+class _Functions:
+    """How generated code names the operator table's numpy functions.
+
+    A function numpy exports under its own name is written `np.<name>`; anything else (the
+    table's own definitions of rsqrt, silu, gelu, ...) is bound once at module level from the
+    table, so the generated code computes exactly what the interpreter computes.
+    """
+
+    aliases: dict[str, str] = field(default_factory=dict)
+
+    def ref(self, table: str, info: OpInfo) -> str:
+        fn = info.numpy
+        if getattr(np, getattr(fn, "__name__", ""), None) is fn:
+            return f"np.{fn.__name__}"
+        name = f"{table.lower()}_{info.name}"
+        self.aliases[name] = f'{table}["{info.name}"].numpy'
+        return name
+
+    def call(self, node: Node, args: Sequence[tuple[str, bool]]) -> str:
+        """Code for one elementwise operator over operand codes, each (text, is infix)."""
+        match node:
+            case Unary(op, _):
+                return f"{self.ref('UNARY', UNARY[op])}({args[0][0]})"
+            case Binary(op, _, _) if op in _INFIX:
+                x, y = (f"({text})" if infix else text for text, infix in args)
+                return f"{x} {_INFIX[op]} {y}"
+            case Binary(op, _, _):
+                return f"{self.ref('BINARY', BINARY[op])}({args[0][0]}, {args[1][0]})"
+        raise IRError(f"not an elementwise operator: {node!r}")
+
+    @staticmethod
+    def ufunc(node: Unary | Binary) -> str | None:
+        """`np.<name>` when the operator is a numpy ufunc (which can write into an operand)."""
+        fn = (UNARY if isinstance(node, Unary) else BINARY)[node.op].numpy
+        return f"np.{fn.__name__}" if isinstance(fn, np.ufunc) else None
+
+
+def _expressions(roots: Sequence[Node], env: Mapping[str, str], fns: _Functions,
+                 fresh: Callable[[str], str]) -> tuple[list[str], list[str]]:
+    """Code for elementwise expressions over `Var`s (a monoid's identity/combine/finalize).
+
+    Returns assignment lines for subexpressions the roots share (computed once) and one code
+    string per root.
+    """
+    uses: Counter[Node] = Counter()
+
+    def count(e: Node) -> None:
+        uses[e] += 1
+        if uses[e] == 1:
+            for c in children(e):
+                count(c)
+
+    for r in roots:
+        count(r)
+    lines: list[str] = []
+    named: dict[Node, str] = {}
+
+    def code(e: Node) -> tuple[str, bool]:
+        if e in named:
+            return named[e], False
+        match e:
+            case Var(name):
+                return env[name], False
+            case Const(v):
+                return _literal(v), False
+            case Unary() | Binary():
+                text = fns.call(e, [code(c) for c in children(e)])
+                if uses[e] > 1:
+                    named[e] = fresh("c")
+                    lines.append(f"{named[e]} = {text}")
+                    return named[e], False
+                return text, isinstance(e, Binary) and e.op in _INFIX
+        raise IRError(f"monoid expressions must be elementwise, found {e!r}")
+
+    for e in (n for r in roots for n in postorder(r)):
+        if uses[e] > 1 and isinstance(e, (Unary, Binary)):
+            code(e)
+    return lines, [code(r)[0] for r in roots]
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """The array layout shared by every tile of one kernel (see the module docstring)."""
+
+    grid: tuple[Axis, ...]
+    others: tuple[Axis, ...]
+    dims: Mapping[Axis, Dim]
+
+    def element_dim(self, axis: Axis) -> int:
+        if axis in self.grid:
+            return 2 * self.grid.index(axis) + 1
+        return 2 * len(self.grid) + self.others.index(axis)
+
+    def block_dim(self, axis: Axis) -> int:
+        return 2 * self.grid.index(axis)
+
+    def shape(self, t: TileType, looped: AbstractSet[Axis]) -> tuple[int, ...]:
+        """Static array shape of a tile of type `t` inside loops over `looped`."""
+        out: list[int] = []
+        for a in self.grid:
+            out.append(self.dims[a].blocks if a in t.deps and a not in looped else 1)
+            out.append(self.dims[a].block if a in t.shape else 1)
+        out.extend(self.dims[a].block if a in t.shape else 1 for a in self.others)
+        return tuple(out)
+
+
+def _reshape(code: str, have: Sequence[int], want: Sequence[int]) -> str:
+    if tuple(have) == tuple(want):
+        return code
+    return f"{code}.reshape{_shape_text(want)}" if want else f"{code}.reshape(())"
+
+
+def _transpose(code: str, perm: Sequence[int]) -> str:
+    if list(perm) == sorted(perm):
+        return code
+    return f"{code}.T" if len(perm) == 2 else f"{code}.transpose{_shape_text(perm)}"
+
+
+def _to_layout(code: str, parts: Sequence[Sequence[tuple[int, int]]],
+               target: Sequence[int]) -> str:
+    """An array into the kernel layout.
+
+    Dimension i of the array covers the layout dimensions `parts[i]`, a row-major list of
+    (layout position, size).  When those groups do not interleave in the layout, the array is
+    transposed as it is and reshaped once; otherwise it is split into single dimensions first.
+    Every step is a view for arrays numpy can view that way.
+    """
+    parts = [[(p, s) for p, s in g if s > 1] for g in parts]
+    have = [prod(s for _, s in g) for g in parts]
+    dims = [i for i, g in enumerate(parts) if g]
+    flat = [p for i in dims for p, _ in parts[i]]
+    order = sorted(dims, key=lambda i: parts[i][0][0])
+    if [p for i in order for p, _ in parts[i]] == sorted(flat):
+        out = _reshape(code, have, [have[i] for i in dims]) if order != dims else code
+        out = _transpose(out, [dims.index(i) for i in order])
+        cur = have if order == dims else [have[i] for i in order]
+    else:
+        singles = [s for i in dims for _, s in parts[i]]
+        perm = sorted(range(len(flat)), key=flat.__getitem__)
+        out = _transpose(_reshape(code, have, singles), perm)
+        cur = [singles[j] for j in perm]
+    return _reshape(out, cur, target)
+
+
+def _from_layout(code: str, have: Sequence[int], groups: Sequence[Sequence[int]]) -> str:
+    """An array in the kernel layout regrouped: dimension i merges layout dimensions groups[i].
+
+    Layout dimensions in no group must have size 1.  Groups that are consecutive in the layout
+    are merged by one reshape before transposing, which numpy does without copying.
+    """
+    groups = [[p for p in g if have[p] > 1] for g in groups]
+    target = [prod(have[p] for p in g) for g in groups]
+    kept = sorted(p for g in groups for p in g)
+    full = [g for g in groups if g]
+    order = sorted(full, key=lambda g: g[0])
+    if order == full and [p for g in full for p in g] == kept:
+        return _reshape(code, have, target)
+    if [p for g in order for p in g] == kept:
+        merged = [prod(have[p] for p in g) for g in order]
+        out = _transpose(_reshape(code, have, merged), [order.index(g) for g in full])
+        cur = [prod(have[p] for p in g) for g in full]
+    else:
+        wanted = [p for g in full for p in g]
+        out = _transpose(_reshape(code, have, [have[p] for p in kept]),
+                         [kept.index(p) for p in wanted])
+        cur = [have[p] for p in wanted]
+    return _reshape(out, cur, target)
+
+
+def _shape_text(s: Sequence[int]) -> str:
+    return f"({s[0]},)" if len(s) == 1 else f"({', '.join(map(str, s))})"
+
+
+@dataclass
+class _Stmt:
+    """Generated lines for one schedule step, with the names it defines and reads.
+
+    Liveness over these lets the generator delete each temporary after its last use and let an
+    elementwise step overwrite an operand that dies there (`in_place`: operand name -> lines),
+    which is what a person writing the loop by hand does.  `owned` names the defined arrays
+    that are fresh (not views of global memory, not numpy scalars), so they may be overwritten;
+    `escapes` names arrays an accumulator may alias, which must never be overwritten.
+    """
+
+    lines: list[str]
+    defs: tuple[str, ...] = ()
+    uses: frozenset[str] = frozenset()
+    owned: frozenset[str] = frozenset()
+    in_place: dict[str, list[str]] = field(default_factory=dict)
+    escapes: frozenset[str] = frozenset()
+
+
+class _KernelWriter:
+    """Writes the function for one kernel by walking its schedule."""
+
+    def __init__(self, p: BlockProgram, store: Store, fn_name: str, params: Mapping[str, str],
+                 fns: _Functions):
+        self.p = p
+        self.store = store
+        self.fn_name = fn_name
+        self.params = params
+        self.fns = fns
+        self.schedule = schedule_kernel(store, {a: d.blocks for a, d in p.dims.items()})
+        used = {a for n in postorder(store.value) for a in _axes_of(n)}
+        self.layout = _Layout(store.axes, tuple(a for a in p.dims if a in used
+                                                and a not in store.axes), p.dims)
+        self.taken = set(params.values())
+        self.counter = 0
+        self.scopes: list[dict[Node, Code]] = [{}]
+        self.loop_vars: dict[Axis, str] = {}
+        self.reads: set[str] = set()
+        self.owned: set[str] = set()
+
+    # ---------------------------------------------------------------- names and lookup
+
+    def fresh(self, hint: str) -> str:
+        self.counter += 1
+        name = _identifier(f"t{self.counter}_{hint}", self.taken)
+        self.taken.add(name)
+        return name
+
+    def lookup(self, n: Node) -> Code:
+        for scope in reversed(self.scopes):
+            if n in scope:
+                code = scope[n]
+                self.reads.update(code if isinstance(code, tuple) else (code,))
+                return code
+        if isinstance(n, Const):
+            return _literal(n.value)
+        raise IRError(f"numpy backend: {n!r} used before the schedule computes it")
+
+    def tile(self, n: Node) -> str:
+        code = self.lookup(n)
+        assert isinstance(code, str), "validated programs use tuples only through get"
+        return code
+
+    def dims(self, n: Node) -> tuple[int, ...]:
+        return self.layout.shape(tile_type(n), self.loop_vars.keys())
+
+    # ---------------------------------------------------------------- steps
+
+    def write(self) -> list[str]:
+        k = self.store
+        grid = ", ".join(f"{a}: {self.p.blocks(a)} x {self.p.block(a)}" for a in k.axes)
+        head = [f"def {self.fn_name}({', '.join(self.params.values())}):",
+                f'    """Kernel {k.tensor}[{", ".join(k.axes)}], all grid blocks at once '
+                f'({grid or "no grid axes"})."""']
+        stmts = self.steps(self.schedule.body)
+        stmts.append(self.store_stmt())
+        return head + _assemble(stmts, "    ", final_is_return=True)
+
+    def steps(self, steps: Sequence[Step]) -> list[_Stmt]:
+        out = []
+        for step in steps:
+            self.reads = set()
+            if isinstance(step, Loop):
+                out += self.loop(step)
+            elif (stmt := self.compute(step.node)) is not None:
+                self.owned |= stmt.owned
+                out.append(stmt)
+        return out
+
+    def compute(self, n: Node) -> _Stmt | None:
+        match n:
+            case Const():
+                self.scopes[-1][n] = _literal(n.value)
+                return None
+            case Tuple(items):
+                self.scopes[-1][n] = tuple(self.lookup(i) for i in items)
+                return None
+            case Get(i, x):
+                value = self.lookup(x)
+                assert isinstance(value, tuple), "validated programs get from tuples only"
+                self.scopes[-1][n] = value[i]
+                return None
+            case Load():
+                name, text = self.fresh(n.tensor), self.load(n)
+            case BlockReduce(op, _, _):
+                name, text = self.fresh(f"b{op}"), self.block_reduce(n)
+            case Unary(op, _) | Binary(op, _, _):
+                return self.elementwise(n, self.fresh(op))
+            case Dot():
+                name, text = self.fresh("dot"), self.dot(n)
+            case _:
+                raise IRError(f"numpy backend: cannot compute {n!r} as one step")
+        self.scopes[-1][n] = name
+        owned = frozenset() if isinstance(n, Load) else frozenset((name,))
+        return _Stmt([f"{name} = {text}"], (name,), frozenset(self.reads), owned=owned)
+
+    def elementwise(self, n: Unary | Binary, name: str) -> _Stmt:
+        """One operator; where it is a ufunc, also the variant writing into a dying operand."""
+        args = [self.lookup(c) for c in children(n)]
+        t = tile_type(n)
+        array = bool(t.deps or t.shape)  # else possibly a numpy scalar, which has no buffer
+        stmt = _Stmt([f"{name} = {self.fns.call(n, [(a, False) for a in args])}"], (name,),
+                     frozenset(self.reads), owned=frozenset((name,) if array else ()))
+        ufunc = self.fns.ufunc(n)
+        if ufunc and array:
+            for c, a in zip(children(n), args):
+                if isinstance(a, str) and self.dims(c) == self.dims(n) and a not in stmt.in_place:
+                    stmt.in_place[a] = [f"{name} = {ufunc}({', '.join(args)}, out={a})"]
+        self.scopes[-1][n] = name
+        return stmt
+
+    def block_reduce(self, n: BlockReduce) -> str:
+        fn = self.fns.ref("TILE_REDUCE", TILE_REDUCE[n.op])
+        return f"{fn}({self.tile(n.x)}, axis={self.layout.element_dim(n.axis)}, keepdims=True)"
+
+    def load(self, n: Load) -> str:
+        """A view of the global array: the loop's block of looped axes, all blocks of grid axes."""
+        lay = self.layout
+        index: list[str] = []
+        parts: list[list[tuple[int, int]]] = []
+        for a in n.axes:
+            d = self.p.dims[a]
+            if a in self.loop_vars:
+                v = self.loop_vars[a]
+                index.append(f"{v}:{v} + {d.block}")
+                parts.append([(lay.element_dim(a), d.block)])
+            elif a in lay.grid:
+                index.append(":")
+                parts.append([(lay.block_dim(a), d.blocks), (lay.element_dim(a), d.block)])
+            else:
+                index.append(":")
+                parts.append([(lay.element_dim(a), d.block)])
+        while index and index[-1] == ":":
+            index.pop()
+        code = self.params[n.tensor] + (f"[{', '.join(index)}]" if index else "")
+        return _to_layout(code, parts, self.dims(n))
+
+    def dot(self, n: Dot) -> str:
+        """A contraction as one (batched) matmul: x-only axes become rows, y-only columns."""
+        xs, ys = self.dims(n.x), self.dims(n.y)
+        c = self.layout.element_dim(n.axis)
+        batch = [i for i in range(len(xs)) if i != c and xs[i] > 1 and ys[i] > 1]
+        xfree = [i for i in range(len(xs)) if i != c and xs[i] > 1 and ys[i] == 1]
+        yfree = [i for i in range(len(ys)) if i != c and ys[i] > 1 and xs[i] == 1]
+        x = _from_layout(self.tile(n.x), xs, [[i] for i in batch] + [xfree, [c]])
+        y = _from_layout(self.tile(n.y), ys, [[i] for i in batch] + [[c], yfree])
+        parts = [[(i, xs[i])] for i in batch]
+        parts += [[(i, xs[i]) for i in xfree], [(i, ys[i]) for i in yfree]]
+        return _to_layout(f"np.matmul({x}, {y})", parts, self.dims(n))
+
+    def loop(self, loop: Loop) -> list[_Stmt]:
+        """Accumulators, the loop over the axis' blocks, the finalizers.
+
+        A loop over an axis of one block has no `for`: its statements join the enclosing body,
+        so liveness (and overwriting dying temporaries) works across it.
+        """
+        d = self.p.dims[loop.axis]
+        looping = d.blocks > 1
+        folds = ", ".join(dict.fromkeys(r.monoid for r in loop.reduces))
+        init = [f"# loop over {loop.axis} ({d.blocks} x {d.block}) folding {folds}" if looping
+                else f"# {folds} over {loop.axis}: one block, no loop"]
+        states: list[tuple[Reduce, list[str]]] = []
+        for r in loop.reduces:
+            m = monoid(r.monoid)
+            acc = [self.fresh(c) for c in m.state] if looping else []
+            if looping:
+                shared, identity = _expressions(m.identity, {}, self.fns, self.fresh)
+                init += shared + [f"{', '.join(acc)} = {', '.join(identity)}"]
+            states.append((r, acc))
+        saved = self.loop_vars.get(loop.axis)
+        if looping:
+            self.loop_vars[loop.axis] = var = _identifier(f"{loop.axis}0", self.taken)
+            self.taken.add(var)
+        self.scopes.append({})
+        body = self.steps(loop.body)
+        for r, acc in states:
+            self.reads = set()
+            body.append(self.combine(r, acc) if looping else self.fold_once(r, acc))
+        self.scopes.pop()
+        if saved is not None:
+            self.loop_vars[loop.axis] = saved
+        elif looping:
+            del self.loop_vars[loop.axis]
+        self.reads = set()
+        if not looping:
+            return [_Stmt(init), *body, self.finalize(states)]
+        accs = tuple(a for _, acc in states for a in acc)
+        owned = frozenset(a for r, acc in states for a, fresh in zip(acc, _fresh_state(r)) if fresh)
+        self.owned |= owned
+        done = self.finalize(states)
+        lines = init + [f"for {var} in range(0, {d.extent}, {d.block}):"]
+        lines += _assemble(body, "    ", final_is_return=False)
+        uses = frozenset().union(*(s.uses for s in body))
+        escapes = frozenset().union(*(s.escapes for s in body))
+        return [_Stmt(lines, accs, uses, owned, escapes=escapes), done]
+
+    def combine(self, r: Reduce, acc: list[str]) -> _Stmt:
+        """Fold this iteration's contribution into the accumulators (simultaneously).
+
+        A one-component fold whose last operation is a ufunc may write into the contribution
+        when this is its last use (the accumulator then takes over that buffer).
+        """
+        m = monoid(r.monoid)
+        contribution = self.lookup(r.x)
+        parts = contribution if isinstance(contribution, tuple) else (contribution,)
+        env = {f"a.{c}": a for c, a in zip(m.state, acc)}
+        env |= {f"b.{c}": b for c, b in zip(m.state, parts)}
+        shared, new = _expressions(m.combine, env, self.fns, self.fresh)
+        escapes = frozenset(env[e.name] for e in m.combine if isinstance(e, Var))
+        stmt = _Stmt(shared + [f"{', '.join(acc)} = {', '.join(new)}"],
+                     uses=frozenset(self.reads), escapes=escapes)
+        root = m.combine[0]
+        if (m.arity == 1 and isinstance(root, (Unary, Binary)) and self.fns.ufunc(root)
+                and _fresh_state(r)[0]):
+            operands = children(root)
+            shared, args = _expressions(operands, env, self.fns, self.fresh)
+            for e in operands:
+                if isinstance(e, Var) and e.name.startswith("b."):
+                    stmt.in_place[env[e.name]] = shared + [
+                        f"{acc[0]} = {self.fns.ufunc(root)}({', '.join(args)}, out={env[e.name]})"]
+        return stmt
+
+    def fold_once(self, r: Reduce, acc: list[str]) -> _Stmt:
+        """A fold over one block: combine(identity, contribution), simplified.
+
+        The simplification uses only laws exact in floating point up to the sign of a zero
+        (x + 0 = x, x * 1 = x, max(x, -inf) = x, ...), so a sum over one block is the block's
+        contribution itself, not a pass adding zero to it.  A component that simplifies to an
+        operand *is* that operand: `acc` gets its name, and no array is copied.
+        """
+        m = monoid(r.monoid)
+        contribution = self.lookup(r.x)
+        parts = contribution if isinstance(contribution, tuple) else (contribution,)
+        env = {f"b.{c}": b for c, b in zip(m.state, parts)}
+        identity = {f"a.{c}": e for c, e in zip(m.state, m.identity)}
+        folded = [_with_identity(e, identity) for e in m.combine]
+        shared, texts = _expressions(folded, env, self.fns, self.fresh)
+        lines, defs, owned = list(shared), [], set()
+        t = type_of(r.x)
+        for c, e, text, part in zip(m.state, folded, texts, t if isinstance(t, tuple) else (t,)):
+            if isinstance(e, (Var, Const)):
+                acc.append(text)
+                continue
+            name = self.fresh(c)
+            lines.append(f"{name} = {text}")
+            acc.append(name)
+            defs.append(name)
+            if isinstance(e, (Unary, Binary)) and part.shape:
+                owned.add(name)
+        self.owned |= owned
+        return _Stmt(lines, tuple(defs), frozenset(self.reads), frozenset(owned))
+
+    def finalize(self, states: list[tuple[Reduce, list[str]]]) -> _Stmt:
+        """The reductions' results, from their final states, in the enclosing body."""
+        lines: list[str] = []
+        defs: list[str] = []
+        owned: set[str] = set()
+        for r, acc in states:
+            m = monoid(r.monoid)
+            env = dict(zip(m.state, acc))
+            shared, texts = _expressions(m.finalize, env, self.fns, self.fresh)
+            lines += shared
+            results: list[str] = []
+            t = type_of(r)
+            for f, text, ft in zip(m.finalize, texts, t if isinstance(t, tuple) else (t,)):
+                if isinstance(f, Var):
+                    results.append(env[f.name])
+                    continue
+                name = self.fresh("fin")
+                lines.append(f"{name} = {text}")
+                defs.append(name)
+                results.append(name)
+                if isinstance(f, (Unary, Binary)) and ft.shape:
+                    owned.add(name)
+            self.reads.update(acc)
+            self.scopes[-1][r] = results[0] if len(results) == 1 else tuple(results)
+        self.owned |= owned
+        return _Stmt(lines, tuple(defs), frozenset(self.reads), frozenset(owned))
+
+    def store_stmt(self) -> _Stmt:
+        """Return the stored tensor; a fresh array of the full grid shape needs no copy."""
+        k = self.store
+        self.reads = set()
+        value = self.lookup(k.value)
+        assert isinstance(value, str)
+        extents = tuple(self.p.extent(a) for a in k.axes)
+        full = self.layout.shape(TileType(frozenset(k.axes), frozenset(k.axes)), ())
+        if value in self.owned:
+            return _Stmt([f"return {value}.reshape{_shape_text(extents)}"], uses=frozenset(self.reads))
+        out = self.fresh("out")
+        return _Stmt([f"{out} = np.empty({_shape_text(extents)}, f32)",
+                      f"{out}.reshape{_shape_text(full)}[...] = {value}",
+                      f"return {out}"], uses=frozenset(self.reads))
+
+
+# (operator, constant) pairs where the constant is a neutral element on that side
+_RIGHT_NEUTRAL = {("add", 0.0), ("sub", 0.0), ("mul", 1.0), ("div", 1.0),
+                  ("max", float("-inf")), ("min", float("inf"))}
+_LEFT_NEUTRAL = {("add", 0.0), ("mul", 1.0), ("max", float("-inf")), ("min", float("inf"))}
+
+
+def _with_identity(e: Node, identity: Mapping[str, Node]) -> Node:
+    """`e` with the accumulator variables replaced by the identity, neutral operations removed."""
+    match e:
+        case Var(name) if name in identity:
+            return identity[name]
+        case Unary(op, x):
+            return Unary(op, _with_identity(x, identity))
+        case Binary(op, x, y):
+            x, y = _with_identity(x, identity), _with_identity(y, identity)
+            if isinstance(y, Const) and (op, y.value) in _RIGHT_NEUTRAL:
+                return x
+            if isinstance(x, Const) and (op, x.value) in _LEFT_NEUTRAL:
+                return y
+            return Binary(op, x, y)
+    return e
+
+
+def _fresh_state(r: Reduce) -> tuple[bool, ...]:
+    """Per state component: whether every combine makes it a new array of its own.
+
+    True when the component's combine is an operator (not a bare operand, which would alias
+    the contribution) and its tile spans an axis (so it is an array, not a numpy scalar).
+    """
+    m = monoid(r.monoid)
+    t = type_of(r.x)
+    parts = t if isinstance(t, tuple) else (t,)
+    return tuple(isinstance(e, (Unary, Binary)) and bool(p.shape)
+                 for e, p in zip(m.combine, parts))
+
+
+def _axes_of(n: Node) -> tuple[Axis, ...]:
+    match n:
+        case Load(_, axes):
+            return axes
+        case Reduce(a, _, _) | BlockReduce(_, a, _) | Dot(a, _, _):
+            return (a,)
+    return ()
+
+
+def _assemble(stmts: list[_Stmt], indent: str, final_is_return: bool) -> list[str]:
+    """Lines of one body: temporaries it defines are deleted after their last use, and a step
+    that is the last use of a fresh temporary of its own shape overwrites it instead of
+    allocating."""
+    last: dict[str, int] = {}
+    owned: set[str] = set()
+    escaped: set[str] = set()
+    for i, s in enumerate(stmts):
+        for name in s.defs:
+            last.setdefault(name, i)
+        owned |= s.owned
+        escaped |= s.escapes
+        for name in s.uses:
+            if name in last:
+                last[name] = i
+    out: list[str] = []
+    for i, s in enumerate(stmts):
+        reusable = [a for a in s.in_place if a in owned - escaped and last[a] == i]
+        lines = s.in_place[reusable[0]] if reusable else s.lines
+        out += [indent + line for line in lines]
+        dead = [name for name, j in last.items() if j == i]
+        if dead and not (final_is_return and i == len(stmts) - 1):
+            out.append(f"{indent}del {', '.join(dead)}")
+    return out
+
+
+def _kernel_params(p: BlockProgram, k: Store, names: Mapping[str, str]) -> dict[str, str]:
+    tensors = dict.fromkeys(n.tensor for n in postorder(k.value) if isinstance(n, Load))
+    return {t: names[t] for t in tensors}
+
+
+def generate(p: BlockProgram) -> str:
+    """The numpy module for `p`: one function per kernel and `run(**inputs) -> outputs`."""
+    validate(p)
+    names: dict[str, str] = {}
+    for t in p.tensors:
+        names[t] = _identifier(t, set(names.values()))
+    fns = _Functions()
+    taken = set(names.values())
+    kernels: list[tuple[str, Store, list[str]]] = []
+    for k in p.kernels:
+        fn_name = _identifier(f"kernel_{k.tensor}", taken)
+        taken.add(fn_name)
+        params = _kernel_params(p, k, names)
+        body = _KernelWriter(p, k, fn_name, params, fns).write()
+        kernels.append((fn_name, k, body))
+
+    out = [f'"""numpy code generated by bbrules: {len(p.kernels)} kernel(s).',
+           "",
+           "Each tile holds every grid block at once: a (blocks, block) pair of dimensions per grid",
+           "axis, then one dimension per other axis of the kernel, size 1 where the tile has no such",
+           'axis.  Each Python loop walks the blocks of one reduction axis."""',
+           "",
+           "import numpy as np",
+           ""]
+    tables = sorted({alias.split("[")[0] for alias in fns.aliases.values()})
+    if tables:
+        out[-1:] = [f"from bbrules.ops import {', '.join(tables)}", ""]
+    out.append("f32 = np.float32")
+    out += [f"{name} = {ref}" for name, ref in sorted(fns.aliases.items())]
+    for fn_name, k, body in kernels:
+        out += ["", ""]
+        out += ["# " + line for line in show_kernel(k).splitlines()]
+        out += body
+    out += ["", "", *_run_function(p, names, kernels)]
+    return "\n".join(out) + "\n"
+
+
+_INPUT_HELPER = [
+    "def _input(inputs, name, shape):",
+    '    """Input `name` as float32, checked against the shape the program declares."""',
+    "    if name not in inputs:",
+    "        raise ValueError(f\"missing input '{name}'\")",
+    "    array = np.asarray(inputs[name], dtype=f32)",
+    "    if array.shape != shape:",
+    "        raise ValueError(f\"input '{name}' has shape {array.shape}, \"",
+    "                         f\"the program declares {shape}\")",
+    "    return array",
+]
+
+
+def _run_function(p: BlockProgram, names: Mapping[str, str],
+                  kernels: list[tuple[str, Store, list[str]]]) -> list[str]:
+    lines = [*_INPUT_HELPER, "", "",
+             "def run(**inputs):",
+             '    """Run every kernel in order; return every stored tensor by name (float32)."""']
+    for t in p.inputs:
+        shape = tuple(p.extent(a) for a in p.tensors[t].axes)
+        lines.append(f"    {names[t]} = _input(inputs, {t!r}, {shape!r})")
+    lines.append('    with np.errstate(all="ignore"):')
+    for fn_name, k, _ in kernels:
+        args = ", ".join(_kernel_params(p, k, names).values())
+        lines.append(f"        {names[k.tensor]} = {fn_name}({args})")
+    stored = dict.fromkeys(k.tensor for k in p.kernels)
+    lines.append(f"    return {{{', '.join(f'{t!r}: {names[t]}' for t in stored)}}}")
+    return lines
+
+
+def load(p: BlockProgram) -> types.ModuleType:
+    """Generate the module for `p` and execute it into a fresh module object.
+
+    The source is registered with `linecache`, so tracebacks and `inspect` show generated lines.
+    """
+    source = generate(p)
+    filename = f"<bbrules-numpy-{abs(hash(source)):x}>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    module = types.ModuleType("bbrules_generated")
+    module.__file__ = filename
+    exec(compile(source, filename, "exec"), module.__dict__)
+    return module
+
+
+def run(p: BlockProgram, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Generate, load and run `p` on `inputs`: every stored tensor, axes in declared order."""
+    return load(p).run(**inputs)

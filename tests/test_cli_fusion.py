@@ -1,0 +1,92 @@
+"""The CLI's fusion and code-generation commands: apply, codegen, run --backend, check, packs."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bbrules.blockfile import load_block_program
+from bbrules.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+ATTENTION = str(ROOT / "examples" / "attention.bbp")
+SMALL = ["--dim", "q=256/64", "--dim", "k=256/64"]
+
+
+def test_apply_fuses_attention_into_one_kernel_and_reports_both_sides(capsys):
+    assert main(["apply", ATTENTION, *SMALL]) == 0
+    out = capsys.readouterr().out
+    kernels = next(line for line in out.splitlines() if line.startswith("kernels"))
+    assert kernels.split()[1:] == ["6", "1"]
+    assert "compulsory traffic" in out and "saturation:" in out and "extraction:" in out
+
+
+def test_apply_writes_a_block_program_that_show_cost_and_run_read_back(tmp_path, capsys):
+    out = tmp_path / "flash.bbk"
+    assert main(["apply", ATTENTION, *SMALL, "-o", str(out)]) == 0
+    fused = load_block_program(out)
+    assert [k.tensor for k in fused.program.kernels] == ["O"]
+    assert fused.source is not None
+    capsys.readouterr()
+    assert main(["show", str(out)]) == 0
+    assert "kernel O[q, d]:" in capsys.readouterr().out
+    assert main(["cost", str(out), "--json"]) == 0
+    assert len(json.loads(capsys.readouterr().out)["kernels"]) == 1
+    assert main(["run", str(out), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["compared"] and report["ok"]
+
+
+def test_apply_json_and_explain(capsys):
+    assert main(["apply", ATTENTION, *SMALL, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["after"]["traffic"] < report["before"]["traffic"]
+    assert report["stop"] in ("saturated", "iteration limit", "node limit", "time limit")
+    assert main(["apply", ATTENTION, *SMALL, "--explain"]) == 0
+    assert "forward" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--max-kernels", "0"], "at least 1"),
+    (["--rules", "no/such/dir"], "not a rule pack directory"),
+    (["--target", "no-such-target"], "no-such-target"),
+])
+def test_apply_usage_mistakes_exit_2(args, message, capsys):
+    assert main(["apply", ATTENTION, *SMALL, *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("backend", ["interp", "numpy"])
+@pytest.mark.parametrize("fuse", [[], ["--no-fuse"]])
+def test_run_backends_agree_with_the_dense_evaluation(backend, fuse, capsys):
+    assert main(["run", ATTENTION, *SMALL, "--backend", backend, *fuse, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["backend"] == backend and report["ok"]
+
+
+def test_codegen_writes_numpy_and_cuda_sources(tmp_path, capsys):
+    py = tmp_path / "attention.py"
+    assert main(["codegen", ATTENTION, *SMALL, "--backend", "numpy", "-o", str(py)]) == 0
+    assert "def run(" in py.read_text()
+    assert main(["codegen", ATTENTION, *SMALL, "--backend", "cuda"]) == 0
+    assert "__global__" in capsys.readouterr().out
+
+
+def test_packs_lists_the_standard_pack(capsys):
+    assert main(["packs", "--json"]) == 0
+    packs = {p["name"]: p for p in json.loads(capsys.readouterr().out)}
+    assert packs["standard"]["rules"] > 0 and packs["standard"]["checks"] > 0
+
+
+def test_check_catches_an_unsound_pack_with_a_counterexample(capsys):
+    assert main(["check", str(ROOT / "tests" / "packs" / "unsound")]) == 1
+    out = capsys.readouterr().out
+    assert "exp_of_sum" in out and "sides differ" in out
+
+
+def test_check_passes_on_the_standard_pack(capsys):
+    assert main(["check", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["rules"] > 20 and report["checks"] >= report["rules"]
+    assert report["check_failures"] == [] and report["unsound"] == []

@@ -1,0 +1,403 @@
+"""The CUDA backend, checked without a GPU: every kernel compiles with nvcc for sm_90 (where nvcc
+exists), and the same source, compiled as C++ with the emulation header (`tests/cuda_emu`),
+computes what the reference interpreter computes.  Where CuPy finds a GPU the real kernels run
+too; elsewhere those tests are skipped with the reason.
+
+Programs run at small shapes with several blocks per axis and different block sizes on
+different axes; the hand-fused programs use monoids registered here, so nothing in the
+generator can be specific to the standard rule pack.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+
+from bbrules import interp
+from bbrules.codegen.cuda_gen import (MAX_THREADS, CompileError, CudaModule, compile_check,
+                                      from_storage, generate, to_storage)
+from bbrules.cost import cost_kernel
+from bbrules.errors import UsageError
+from bbrules.frontend import load_program, parse_program
+from bbrules.fuse import fuse
+from bbrules.inputs import random_inputs
+from bbrules.ir import (Binary, BlockProgram, BlockReduce, Const, Dim, Dot, Get, Load, Monoid,
+                        Reduce, Store, TensorDecl, Tuple, Unary, Var, postorder, register_monoid)
+from bbrules.lower import lower
+from bbrules.packs import load_packs
+from bbrules.targets import get_target
+
+from cuda_emu import emulate, fake_cupy, race_check
+from strategies import programs
+
+EXAMPLES = sorted((Path(__file__).parent.parent / "examples").glob("*.bbp"))
+
+needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
+
+
+def _gpu_unavailable() -> str | None:
+    try:
+        import cupy
+    except ImportError:
+        return "cupy is not installed: the kernels only run in the emulator here"
+    try:
+        if cupy.is_available():
+            return None
+    except Exception as err:  # a driver problem is a reason to skip, not a test failure
+        return f"cupy cannot use a GPU: {err}"
+    return "cupy finds no GPU: the kernels only run in the emulator here"
+
+
+_NO_GPU = _gpu_unavailable()
+needs_gpu = pytest.mark.skipif(_NO_GPU is not None, reason=_NO_GPU or "")
+
+# --------------------------------------------------------------------------------------------
+# Programs
+
+# Blockings for the multi-block dimensions of an example, used in turn: 2 to 4 blocks per axis,
+# different block sizes on different axes.  A dimension with one block gets one block of 16.
+SMALL_BLOCKINGS = [(48, 16), (32, 8), (24, 8), (64, 16)]
+
+
+def small_example(path: Path) -> BlockProgram:
+    """An example lowered at small sizes.  Dimensions that rename one another (a tensor loaded
+    under other axis names) must stay the same size, so they are sized as a group."""
+    declared = lower(load_program(path))
+    group = {a: a for a in declared.dims}
+
+    def root(a: str) -> str:
+        while group[a] != a:
+            a = group[a]
+        return a
+
+    for k in declared.kernels:
+        for n in postorder(k.value):
+            if isinstance(n, Load):
+                for declared_axis, used in declared.tensor_axes_dim(n):
+                    group[root(used)] = root(declared_axis)
+    sizes: dict[str, tuple[int, int]] = {}
+    for d in declared.dims.values():
+        r = root(d.name)
+        if r not in sizes:
+            sizes[r] = (16, 16) if d.blocks == 1 else \
+                SMALL_BLOCKINGS[len(sizes) % len(SMALL_BLOCKINGS)]
+        sizes[d.name] = sizes[r]
+    return lower(load_program(path, {a: sizes[a] for a in declared.dims}))
+
+
+def _v(name: str) -> Var:
+    return Var(name)
+
+
+def _add(x, y):
+    return Binary("add", x, y)
+
+
+def _mul(x, y):
+    return Binary("mul", x, y)
+
+
+_M_NEW = Binary("max", _v("a.m"), _v("b.m"))
+
+
+def _rescale(side: str) -> Unary:
+    return Unary("exp", Binary("sub", _v(f"{side}.m"), _M_NEW))
+
+
+# Online softmax: running max m, denominator l, numerator acc; one result, acc / l.
+ONLINE_SOFTMAX = Monoid(
+    "cuda_test_online_softmax", ("m", "l", "acc"),
+    (Const(float("-inf")), Const(0.0), Const(0.0)),
+    (_M_NEW,
+     _add(_mul(_v("a.l"), _rescale("a")), _mul(_v("b.l"), _rescale("b"))),
+     _add(_mul(_v("a.acc"), _rescale("a")), _mul(_v("b.acc"), _rescale("b")))),
+    (Binary("div", _v("acc"), _v("l")),))
+
+_N = _add(_v("a.n"), _v("b.n"))
+_DELTA = Binary("sub", _v("b.mean"), _v("a.mean"))
+
+# Welford: count, mean, sum of squared deviations; results mean and (population) variance.
+WELFORD = Monoid(
+    "cuda_test_welford", ("n", "mean", "m2"), (Const(0.0), Const(0.0), Const(0.0)),
+    (_N,
+     _add(_v("a.mean"), Binary("div", _mul(_DELTA, _v("b.n")), _N)),
+     _add(_add(_v("a.m2"), _v("b.m2")),
+          Binary("div", _mul(_mul(Unary("square", _DELTA), _v("a.n")), _v("b.n")), _N))),
+    (_v("mean"), Binary("div", _v("m2"), _v("n"))))
+
+register_monoid(ONLINE_SOFTMAX)
+register_monoid(WELFORD)
+
+
+def flash_attention(n_q: int, b_q: int, n_k: int, b_k: int, d: int) -> BlockProgram:
+    """Fused attention as the rules derive it: one kernel, grid over query blocks, one loop
+    over key blocks folding (block max, block denominator, block numerator)."""
+    dims = {"q": Dim("q", n_q, b_q), "k": Dim("k", n_k, b_k), "d": Dim("d", d, d)}
+    tensors = {"Q": TensorDecl("Q", ("q", "d"), role="input"),
+               "K": TensorDecl("K", ("k", "d"), role="input"),
+               "V": TensorDecl("V", ("k", "d"), role="input"),
+               "O": TensorDecl("O", ("q", "d"), role="output")}
+    q, k, v = Load("Q", ("q", "d")), Load("K", ("k", "d")), Load("V", ("k", "d"))
+    s = _mul(Dot("d", q, k), Const(d ** -0.5))
+    block_max = BlockReduce("max", "k", s)
+    p = Unary("exp", Binary("sub", s, block_max))
+    o = Reduce("k", ONLINE_SOFTMAX.name,
+               Tuple((block_max, BlockReduce("sum", "k", p), Dot("k", p, v))))
+    return BlockProgram(dims, tensors, (Store("O", ("q", "d"), o),), ("O",),
+                        {ONLINE_SOFTMAX.name: ONLINE_SOFTMAX})
+
+
+def welford_layernorm(n_m: int, b_m: int, n_e: int, b_e: int, dtype: str = "f32"
+                      ) -> BlockProgram:
+    """LayerNorm in one kernel over (m, e) blocks: the statistics of each row come from a loop
+    over the blocks of e with the Welford monoid, inside a grid that also spans e."""
+    dims = {"m": Dim("m", n_m, b_m), "e": Dim("e", n_e, b_e)}
+    tensors = {"X": TensorDecl("X", ("m", "e"), dtype, "input"),
+               "G": TensorDecl("G", ("e",), dtype, "input"),
+               "B": TensorDecl("B", ("e",), dtype, "input"),
+               "Y": TensorDecl("Y", ("m", "e"), dtype, "output")}
+    x = Load("X", ("m", "e"))
+    mean = _mul(BlockReduce("sum", "e", x), Const(1.0 / b_e))
+    m2 = BlockReduce("sum", "e", Unary("square", Binary("sub", x, mean)))
+    stats = Reduce("e", WELFORD.name, Tuple((Const(float(b_e)), mean, m2)))
+    rstd = Unary("rsqrt", _add(Get(1, stats), Const(1e-5)))
+    y = _add(_mul(_mul(Binary("sub", x, Get(0, stats)), rstd), Load("G", ("e",))),
+             Load("B", ("e",)))
+    return BlockProgram(dims, tensors, (Store("Y", ("m", "e"), y),), ("Y",),
+                        {WELFORD.name: WELFORD})
+
+
+FUSED = {
+    "flash_attention": lambda: flash_attention(96, 32, 192, 64, 16),
+    "welford_layernorm": lambda: welford_layernorm(24, 8, 96, 32),
+}
+
+# --------------------------------------------------------------------------------------------
+# Checks
+
+
+def assert_matches(got: dict[str, np.ndarray], want: dict[str, np.ndarray],
+                   rtol: float = 1e-4, context: str = "") -> None:
+    assert set(got) == set(want)
+    for name, ref in want.items():
+        scale = max(1.0, float(np.abs(ref).max()))
+        np.testing.assert_allclose(got[name], ref, rtol=rtol, atol=rtol * 0.1 * scale,
+                                   err_msg=f"tensor {name} {context}")
+
+
+def check_emulated(p: BlockProgram, threads: tuple[int | None, ...] = (None,)) -> CudaModule:
+    module = generate(p)
+    inputs = random_inputs(p, seed=1)
+    want = interp.run(p, inputs)
+    for t in threads:
+        assert_matches(emulate(module, inputs, threads=t), want, context=f"with {t} threads")
+    return module
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
+def test_example_runs_like_the_interpreter(path):
+    check_emulated(small_example(path))
+
+
+@needs_nvcc
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
+def test_example_compiles_for_sm90(path):
+    module = generate(small_example(path))
+    resources = compile_check(module.source)
+    assert set(resources) == {k.name for k in module.kernels}
+    assert all(0 < r.registers <= 255 for r in resources.values())
+
+
+def test_small_examples_have_several_blocks_per_axis_and_non_square_blocks():
+    """Guard on the shapes the other tests use: they must exercise the grid and loop logic."""
+    non_square = []
+    for path in EXAMPLES:
+        multi = [d for d in small_example(path).dims.values() if d.blocks > 1]
+        assert multi and all(d.blocks >= 2 for d in multi), path
+        if len({d.block for d in multi}) > 1:
+            non_square.append(path.stem)
+    assert "attention" in non_square and len(non_square) >= len(EXAMPLES) // 2
+
+
+def test_flash_attention_in_one_kernel_for_any_thread_count():
+    p = FUSED["flash_attention"]()
+    module = check_emulated(p, threads=(None, 32, 48, MAX_THREADS))
+    assert len(module.kernels) == 1 and module.kernels[0].grid == 3
+    # An independent reference: dense softmax attention in float64.
+    inputs = random_inputs(p, seed=1)
+    q, k, v = (inputs[n].astype(np.float64) for n in "QKV")
+    s = q @ k.T * 0.25
+    e = np.exp(s - s.max(axis=1, keepdims=True))
+    want = (e / e.sum(axis=1, keepdims=True)) @ v
+    np.testing.assert_allclose(emulate(module, inputs)["O"], want, rtol=1e-4, atol=1e-5)
+
+
+def test_welford_layernorm_matches_numpy():
+    p = FUSED["welford_layernorm"]()
+    inputs = {name: x * 3.0 + 5.0 for name, x in random_inputs(p, seed=2).items()}
+    module = generate(p)
+    got = emulate(module, inputs, threads=40)["Y"]
+    x = inputs["X"].astype(np.float64)
+    want = (x - x.mean(1, keepdims=True)) / np.sqrt(x.var(1, keepdims=True) + 1e-5)
+    want = want * inputs["G"] + inputs["B"]
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    assert_matches({"Y": got}, interp.run(p, inputs))
+
+
+@pytest.mark.parametrize("dtype,rtol", [("f16", 2e-3), ("bf16", 2e-2)])
+def test_16_bit_tensors_are_converted_on_load_and_store(dtype, rtol):
+    p = welford_layernorm(24, 8, 96, 32, dtype)
+    inputs = {n: from_storage(to_storage(x, dtype), dtype)
+              for n, x in random_inputs(p, seed=3).items()}
+    module = generate(p)
+    assert all(ct == "unsigned short*" or ct == "const unsigned short*"
+               for ct in module.kernels[0].signature)
+    got = emulate(module, inputs)
+    assert_matches(got, interp.run(p, inputs), rtol=rtol)
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(programs())
+def test_random_programs_run_like_the_interpreter(source):
+    p = lower(parse_program(source, "<random>"))
+    module = generate(p)
+    inputs = random_inputs(p, seed=0)
+    assert_matches(emulate(module, inputs, threads=48), interp.run(p, inputs), context=source)
+    if shutil.which("nvcc"):
+        assert set(compile_check(module.source)) == {k.name for k in module.kernels}
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
+def test_example_fused_by_the_standard_pack_runs_like_the_interpreter(path):
+    fused = _fused_by_the_pack(path.stem)
+    assert len(fused.kernels) < len(small_example(path).kernels)
+    module = check_emulated(fused, threads=(None, 48))
+    if shutil.which("nvcc"):
+        assert set(compile_check(module.source)) == {k.name for k in module.kernels}
+
+
+@needs_nvcc
+@pytest.mark.parametrize("name", FUSED)
+def test_fused_programs_compile_for_sm90(name):
+    module = generate(FUSED[name]())
+    assert set(compile_check(module.source)) == {k.name for k in module.kernels}
+
+
+# --------------------------------------------------------------------------------------------
+# Synchronisation: ThreadSanitizer sees a missing barrier even when the numbers come out right.
+
+
+def _race_report(module: CudaModule) -> str:
+    try:
+        return race_check(module)
+    except RuntimeError as err:
+        pytest.skip(f"ThreadSanitizer cannot run here: {err}")
+
+
+def _fused_by_the_pack(stem: str) -> BlockProgram:
+    p = small_example(next(e for e in EXAMPLES if e.stem == stem))
+    return fuse(p, load_packs([]), get_target("h100")).program
+
+
+@pytest.mark.parametrize("name", [*FUSED, "attention fused by the pack"])
+def test_fused_kernels_have_no_data_races(name):
+    p = FUSED[name]() if name in FUSED else _fused_by_the_pack("attention")
+    assert _race_report(generate(p)) == ""
+
+
+def test_race_check_sees_a_missing_barrier():
+    module = generate(FUSED["flash_attention"]())
+    broken = dataclasses.replace(module, source=module.source.replace("__syncthreads();", ""))
+    assert "data race" in _race_report(broken)
+
+
+# --------------------------------------------------------------------------------------------
+# Limits and the toolchain
+
+
+def test_kernels_too_large_for_shared_memory_are_refused():
+    # A 256 x 256 f32 score tile alone is 256 KiB, over the H100's 227 KiB per block.
+    with pytest.raises(UsageError, match="shared memory"):
+        generate(flash_attention(512, 256, 512, 256, 64))
+
+
+@pytest.mark.parametrize("name", [*FUSED, *(p.stem for p in EXAMPLES)])
+def test_shared_memory_stays_within_the_cost_models_footprint(name):
+    """Tiles are placed by liveness, so a kernel the cost model finds legal is never refused:
+    it needs at most the modelled footprint, plus the partial sums of a split reduction and
+    the padding of rows against bank conflicts (one element per row of at least 32)."""
+    p = FUSED[name]() if name in FUSED else lower(load_program(
+        next(e for e in EXAMPLES if e.stem == name)))
+    target = get_target("h100")
+    for info, store in zip(generate(p, target).kernels, p.kernels):
+        footprint = cost_kernel(p, store, target).footprint
+        assert info.shared_bytes <= footprint * 33 // 32 + info.threads * 4
+
+
+def test_offsets_into_tensors_past_2_to_the_31_elements_are_64_bit():
+    dims = {"r": Dim("r", 2**16, 64), "c": Dim("c", 2**15, 64)}
+    tensors = {"X": TensorDecl("X", ("r", "c"), role="input"),
+               "Y": TensorDecl("Y", ("r", "c"), role="output")}
+    p = BlockProgram(dims, tensors, (Store("Y", ("r", "c"),
+                                           Unary("exp", Load("X", ("r", "c")))),), ("Y",))
+    source = generate(p).source
+    assert source.count("(long long)") == 2  # the load and the store
+    if shutil.which("nvcc"):
+        compile_check(source)
+
+
+@needs_nvcc
+def test_compile_check_reports_nvcc_errors():
+    with pytest.raises(CompileError, match="undefined"):
+        compile_check('extern "C" __global__ void k(float* x) { x[0] = undefined_name; }')
+
+
+@needs_nvcc
+def test_compile_check_treats_warnings_as_errors():
+    with pytest.raises(CompileError):
+        compile_check('extern "C" __global__ void k(float* x) { int unused = 3; x[0] = 1; }')
+
+
+# --------------------------------------------------------------------------------------------
+# The CuPy launcher: on a stand-in for cupy made of numpy and the emulator, then on a GPU.
+
+
+def test_launcher_runs_on_a_numpy_stand_in_for_cupy(monkeypatch):
+    # q and k blocks of 64 x 64 with d = 64: over 48 KiB, so the launcher must raise the
+    # function's dynamic shared-memory limit.
+    p = flash_attention(64, 64, 128, 64, 64)
+    module = generate(p)
+    assert module.kernels[0].shared_bytes > 48 * 1024
+    monkeypatch.setitem(sys.modules, "cupy", fake_cupy(module))
+    inputs = random_inputs(p, seed=4)
+    assert_matches(module.runner()(**inputs), interp.run(p, inputs))
+    with pytest.raises(ValueError, match="missing input 'V'"):
+        module.runner()(Q=inputs["Q"], K=inputs["K"])
+
+
+def test_launcher_converts_16_bit_tensors(monkeypatch):
+    p = welford_layernorm(24, 8, 96, 32, "bf16")
+    module = generate(p)
+    monkeypatch.setitem(sys.modules, "cupy", fake_cupy(module))
+    inputs = {n: from_storage(to_storage(x, "bf16"), "bf16")
+              for n, x in random_inputs(p, seed=5).items()}
+    got = module.runner()(**inputs)
+    assert got["Y"].dtype == np.float32
+    assert_matches(got, interp.run(p, inputs), rtol=2e-2)
+
+
+@needs_gpu
+@pytest.mark.parametrize("name", [*FUSED, *(p.stem for p in EXAMPLES)])
+def test_kernels_on_the_gpu_match_the_interpreter(name):
+    p = FUSED[name]() if name in FUSED else small_example(
+        next(e for e in EXAMPLES if e.stem == name))
+    module = generate(p)
+    inputs = random_inputs(p, seed=1)
+    got = {t: a.get() for t, a in module.runner()(**inputs).items()}
+    assert_matches(got, interp.run(p, inputs))

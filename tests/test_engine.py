@@ -1,0 +1,208 @@
+"""The e-graph engine: rules compiled to egglog, analyses, guards, staged budgeted saturation."""
+
+from __future__ import annotations
+
+import pytest
+
+from bbrules.engine import (Budget, Saturator, compile_pack, rename_axes)
+from bbrules.errors import SourceError
+from bbrules.frontend import parse_program
+from bbrules.ir import (BlockReduce, Binary, Const, Dot, Load, Reduce, Tuple, Get, Unary,
+                        type_of)
+from bbrules.lower import lower
+from bbrules.rule import PVar, Rule, RulePack, Stage
+from bbrules.rulefile import parse_rules
+
+A = Load("A", ("q", "k"))
+B = Load("B", ("q",))
+C = Load("C", ("k",))
+DIMS = {"q": (8, 4), "k": (16, 4), "d": (4, 4)}
+
+
+def saturate(text: str, terms: dict, dims=DIMS, budget: Budget = Budget()):
+    pack = parse_rules(text, "test.bbr")
+    sat = Saturator(compile_pack(pack), dims)
+    sat.add_terms(terms)
+    stats = sat.run(budget)
+    return sat, stats, sat.freeze()
+
+
+def test_rule_rewrites_and_keeps_both_forms():
+    hoist = Reduce("k", "sum", Binary("mul", BlockReduce("sum", "k", A), B))
+    out = Binary("mul", Reduce("k", "sum", BlockReduce("sum", "k", A)), B)
+    _, stats, g = saturate(
+        "rule hoist: reduce(?a, sum, ?x * ?s) => reduce(?a, sum, ?x) * ?s "
+        "when ?a not in deps(?s)", {"t": hoist})
+    assert g.lookup(out) == g.named["t"]
+    assert g.lookup(hoist) == g.named["t"]
+    assert stats[-1].stop == "saturated"
+    assert stats[-1].matches == {"hoist": 1}
+
+
+def test_not_in_deps_guard_blocks_a_factor_that_varies_along_the_loop():
+    inner = BlockReduce("sum", "k", Load("D", ("q", "k")))  # deps {q, k}, shape {q}
+    t = Reduce("k", "sum", Binary("mul", BlockReduce("sum", "k", A), inner))
+    _, stats, g = saturate(
+        "rule hoist: reduce(?a, sum, ?x * ?s) => reduce(?a, sum, ?x) * ?s "
+        "when ?a not in deps(?s)", {"t": t})
+    assert stats[-1].matches == {}
+    assert len(g.classes[g.named["t"]]) == 1
+
+
+def test_positive_shape_guard_sees_exact_shapes():
+    text = ("rule split: dot(?a, ?x + ?y, ?z) => dot(?a, ?x, ?z) + dot(?a, ?y, ?z) "
+            "when ?a in shape(?x), ?a in shape(?y)")
+    spans = Dot("k", Binary("add", A, Load("E", ("k",))), Load("V", ("k", "d")))
+    _, _, g = saturate(text, {"t": spans})
+    assert g.lookup(Binary("add", Dot("k", A, Load("V", ("k", "d"))),
+                           Dot("k", Load("E", ("k",)), Load("V", ("k", "d"))))) == g.named["t"]
+    misses = Dot("k", Binary("add", A, B), Load("V", ("k", "d")))
+    _, stats, _ = saturate(text, {"t": misses})
+    assert stats[-1].matches == {}
+
+
+def test_analysis_follows_tuples_and_monoid_finalize():
+    # get(1, welford-like reduce) must get the shape of its own component, not the union.
+    text = """
+monoid pair_engine_test(s, t)
+  identity = (0.0, 0.0)
+  combine  = (a.s + b.s, a.t + b.t)
+  finalize = (s, t)
+rule hoist_second: get(1, reduce(?a, pair_engine_test, tuple(?x, ?y))) * ?s => ?s * get(1, reduce(?a, pair_engine_test, tuple(?x, ?y))) when ?a not in deps(?s)
+"""
+    pair = Reduce("k", "pair_engine_test",
+                  Tuple((BlockReduce("sum", "k", A), BlockReduce("sum", "k", Load("F", ("k", "d"))))))
+    term = Binary("mul", Get(1, pair), Get(0, pair))
+    _, stats, g = saturate(text, {"t": term})
+    # get(0, pair) depends on q only, not k: the guard holds and the rule fires.
+    assert stats[-1].matches == {"hoist_second": 1}
+    assert type_of(Get(0, pair)).deps == frozenset("q")
+
+
+def test_constant_folding_in_the_query_never_divides_by_zero():
+    text = "rule fold_div: const(?c) / const(?d) => const(?c / ?d)"
+    _, _, g = saturate(text, {"ok": Binary("div", Const(1.0), Const(8.0)),
+                              "zero": Binary("div", Const(1.0), Const(0.0))})
+    assert g.lookup(Const(0.125)) == g.named["ok"]
+    assert len(g.classes[g.named["zero"]]) == 1
+
+
+def test_axis_sizes_are_per_program():
+    text = "rule mean: reduce(?e, sum, ?x) * const(?c) => reduce(?e, sum, ?x) * const(?c * trips(?e)) when ?c == 1 / extent(?e)"
+    t = Binary("mul", Reduce("k", "sum", BlockReduce("sum", "k", A)), Const(1 / 16))
+    _, stats, g = saturate(text, {"t": t})
+    assert stats[-1].matches == {"mean": 1}
+    assert g.lookup(Binary("mul", Reduce("k", "sum", BlockReduce("sum", "k", A)),
+                           Const(0.25))) == g.named["t"]
+    _, stats, _ = saturate(text, {"t": t}, dims={**DIMS, "k": (32, 4)})
+    assert stats[-1].matches == {}
+
+
+def test_forwarding_follows_renamed_references():
+    prog = lower(parse_program("""
+dim s = 16 / 4
+dim t = 16 / 4
+dim d = 4
+input X[s, d] : f32
+T[s, d] = X[s, d] * 2.0
+Y[s, t] = sum[d] T[s, d] * T[t, d]
+output Y
+""", "renamed.bbp"))
+    sat = Saturator(compile_pack(parse_rules("rule forward: load(store(?v)) => ?v", "f.bbr")),
+                    {n: (d.extent, d.block) for n, d in prog.dims.items()})
+    sat.add_terms({k.tensor: k.value for k in prog.kernels},
+                  {k.tensor: (k.axes, k.value) for k in prog.kernels})
+    sat.run()
+    g = sat.freeze()
+    forwarded = Reduce("d", "sum", Dot("d", Binary("mul", Load("X", ("s", "d")), Const(2.0)),
+                                       Binary("mul", Load("X", ("t", "d")), Const(2.0))))
+    assert g.lookup(forwarded) == g.named["Y"]
+
+
+def test_rename_axes_refuses_to_capture():
+    v = Reduce("d", "sum", Dot("d", Load("X", ("s", "d")), Load("Y", ("t", "d"))))
+    assert rename_axes(v, {"s": "t", "t": "s"}) == Reduce(
+        "d", "sum", Dot("d", Load("X", ("t", "d")), Load("Y", ("s", "d"))))
+    assert rename_axes(v, {"s": "d"}) is None
+
+
+def test_stages_run_in_order_and_report_iterations():
+    text = """
+ruleset first
+rule a_to_b: exp(?x) => exp(?x) * 1.0
+ruleset second
+rule drop_one: ?x * 1.0 => ?x
+stage one: first
+stage two: second
+"""
+    sat, stats, g = saturate(text, {"t": Unary("exp", B)})
+    assert [s.stage for s in stats] == ["one", "two"]
+    assert stats[0].matches == {"a_to_b": 1} and stats[1].matches == {"drop_one": 1}
+    assert all(s.stop == "saturated" for s in stats)
+    assert [r for _, r, _ in sat.fired] == ["a_to_b", "drop_one"]
+
+
+def _chain(n: int) -> Binary:
+    term = Load("X0", ("q",))
+    for i in range(1, n):
+        term = Binary("add", term, Load(f"X{i}", ("q",)))
+    return term
+
+
+EXPLODE = """
+rule add_comm: ?x + ?y => ?y + ?x
+rule add_assoc: (?x + ?y) + ?z <=> ?x + (?y + ?z)
+"""
+
+
+def test_node_budget_stops_an_exploding_pack():
+    _, stats, g = saturate(EXPLODE, {"t": _chain(14)}, budget=Budget(nodes=3_000))
+    assert stats[-1].stop == "node limit"
+    assert g.n_nodes > 3_000
+    assert g.n_nodes < 3_000 * 20  # one iteration past the limit, not unbounded
+
+
+def test_iteration_and_time_budgets():
+    _, stats, _ = saturate(EXPLODE, {"t": _chain(14)}, budget=Budget(iterations=2))
+    assert (stats[-1].iterations, stats[-1].stop) == (2, "iteration limit")
+    _, stats, _ = saturate(EXPLODE, {"t": _chain(14)}, budget=Budget(seconds=0.0))
+    assert (stats[-1].iterations, stats[-1].stop) == (1, "time limit")
+
+
+def test_a_stage_cap_lower_than_the_budget_wins():
+    pack = parse_rules(EXPLODE + "stage ac: t iterations 1\n", "t.bbr")
+    sat = Saturator(compile_pack(pack), DIMS)
+    sat.add_terms({"t": _chain(6)})
+    stats = sat.run(Budget(iterations=50))
+    assert (stats[0].iterations, stats[0].stop) == (1, "iteration limit")
+
+
+def test_stages_after_a_global_budget_stop_are_skipped():
+    text = EXPLODE + """
+ruleset other
+rule noop: exp(?x) => exp(?x)
+stage ac: t
+stage later: other
+"""
+    sat = Saturator(compile_pack(parse_rules(text, "t.bbr")), DIMS)
+    sat.add_terms({"t": _chain(14)})
+    stats = sat.run(Budget(nodes=500, iterations=50))
+    assert [s.stop for s in stats] == ["node limit", "skipped"]
+
+
+def test_backoff_bans_a_rule_that_matches_too_much(monkeypatch):
+    import bbrules.engine as engine
+    monkeypatch.setattr(engine, "MATCH_LIMIT", 3)
+    sat, stats, _ = saturate(EXPLODE, {"t": _chain(6)}, budget=Budget(iterations=4))
+    per_iteration = {}
+    for it, rule, n in sat.fired:
+        per_iteration.setdefault(rule, []).append(it)
+    # add_comm matches the 5 additions (> 3) in iteration 1 and sits out the next ones.
+    assert per_iteration["add_comm"][0] == 1
+    assert 2 not in per_iteration["add_comm"]
+
+
+def test_rule_compile_errors_are_source_errors():
+    bad = Rule("bare", PVar("?x"), PVar("?x"))
+    with pytest.raises(SourceError, match="bare variable"):
+        compile_pack(RulePack("p", [bad], stages=[Stage("s", ("default",))]))

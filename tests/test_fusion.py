@@ -1,0 +1,218 @@
+"""`fuse` on the paper's programs: the fused forms, their traffic, their numbers, their spellings."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from bbrules import dense, interp
+from bbrules.engine import Budget
+from bbrules.extract import NoCandidate
+from bbrules.frontend import load_program, parse_program
+from bbrules.fuse import fuse
+from bbrules.inputs import random_inputs
+from bbrules.ir import BlockProgram, Reduce, Tuple, validate
+from bbrules.lower import lower
+from bbrules.packs import load_packs
+from bbrules.rulefile import parse_rules
+from bbrules.schedule import Loop, schedule_kernel, walk_steps
+from bbrules.targets import get_target
+
+ROOT = Path(__file__).parent.parent
+EXAMPLES = ROOT / "examples"
+PROGRAMS = Path(__file__).parent / "programs"
+H100 = get_target("h100")
+
+
+@pytest.fixture(scope="module")
+def pack():
+    return load_packs([])
+
+
+def fused(path: Path, pack, dims=None, **kw):
+    return fuse(lower(load_program(path, dims)), pack, H100, **kw)
+
+
+def loops(p: BlockProgram) -> list[Loop]:
+    """The real loops (more than one trip) of a one-kernel program, outermost first."""
+    (k,) = p.kernels
+    trips = {a: d.blocks for a, d in p.dims.items()}
+    return [s for s, _ in walk_steps(schedule_kernel(k, trips).body)
+            if isinstance(s, Loop) and trips[s.axis] > 1]
+
+
+def assert_matches_dense(path: Path, program: BlockProgram, dims) -> None:
+    """The fused program through the interpreter agrees with the dense evaluator, up to f32
+    rounding relative to the output's magnitude (fusion reassociates sums)."""
+    ast = load_program(path, dims)
+    inputs = random_inputs(ast, seed=1)
+    want = dense.evaluate(ast, inputs, dtype=np.float64)
+    got = interp.run(program, inputs)
+    for out in program.outputs:
+        assert got[out].shape == want[out].shape
+        assert np.max(np.abs(got[out] - want[out])) <= 1e-5 * np.max(np.abs(want[out]))
+
+
+# --------------------------------------------------------------------------------------------
+# Flash Attention
+
+def test_attention_becomes_flash_attention(pack):
+    r = fused(EXAMPLES / "attention.bbp", pack)
+    p = r.program
+    (kernel,) = p.kernels
+    assert kernel.axes == ("q", "d") and p.dims["d"].blocks == 1  # grid over query blocks
+    assert set(p.tensors) == {"Q", "K", "V", "O"}  # nothing N x N is stored
+    (loop,) = loops(p)
+    assert loop.axis == "k"
+    (red,) = loop.reduces
+    assert red.monoid == "softmax" and isinstance(red.x, Tuple) and len(red.x.items) == 3
+    mib = 1 << 20
+    q = k = v = o = 1 * mib  # 4096 x 64 f32
+    assert r.after.traffic == q + o + p.dims["q"].blocks * (k + v)
+    assert r.before.traffic > 5 * r.after.traffic
+    assert r.stop == "saturated"
+
+
+def test_flash_attention_computes_attention(pack):
+    dims = {"q": (256, 64), "k": (256, 64)}
+    r = fused(EXAMPLES / "attention.bbp", pack, dims)
+    assert [k.tensor for k in r.program.kernels] == ["O"]
+    assert_matches_dense(EXAMPLES / "attention.bbp", r.program, dims)
+
+
+@pytest.mark.parametrize("spelling", ["attention_div.bbp", "attention_commuted.bbp",
+                                      "attention_folded.bbp", "attention_qscaled.bbp"])
+def test_spellings_of_attention_fuse_to_the_same_cost(pack, spelling):
+    reference = fused(EXAMPLES / "attention.bbp", pack).after
+    r = fused(PROGRAMS / spelling, pack)
+    assert len(r.program.kernels) == 1
+    assert (r.after.traffic, r.after.flops) == (reference.traffic, reference.flops)
+    assert math.isclose(r.after.time, reference.time, rel_tol=1e-12)
+
+
+def test_self_attention_through_renamed_references(pack):
+    dims = {"s": (256, 64), "t": (256, 64)}
+    r = fused(EXAMPLES / "self_attention.bbp", pack, dims)
+    assert r.after.key() <= r.before.key()
+    assert_matches_dense(EXAMPLES / "self_attention.bbp", r.program, dims)
+
+
+# --------------------------------------------------------------------------------------------
+# LayerNorm + matmul
+
+def test_layernorm_matmul_is_one_loop_with_welford(pack):
+    r = fused(EXAMPLES / "layernorm_matmul.bbp", pack)
+    p = r.program
+    assert len(p.kernels) == 1 and "XN" not in p.tensors
+    (loop,) = loops(p)  # statistics and matmul share the one loop over e
+    assert loop.axis == "e"
+    monoids = sorted(red.monoid for red in loop.reduces)
+    assert "welford" in monoids and "sum" in monoids
+    assert r.after.legal
+
+
+def test_fused_layernorm_matmul_computes_layernorm_matmul(pack):
+    dims = {"m": (128, 64), "n": (128, 64)}  # e keeps its extent: the mean is * 1/4096
+    r = fused(EXAMPLES / "layernorm_matmul.bbp", pack, dims)
+    assert len(r.program.kernels) == 1
+    assert_matches_dense(EXAMPLES / "layernorm_matmul.bbp", r.program, dims)
+
+
+def test_welford_stays_accurate_when_the_mean_is_large(pack):
+    dims = {"m": (128, 64), "n": (128, 64)}
+    path = EXAMPLES / "layernorm_matmul.bbp"
+    program = fused(path, pack, dims).program
+    ast = load_program(path, dims)
+    inputs = random_inputs(ast, seed=2)
+    inputs["X"] = inputs["X"] + np.float32(1000.0)
+    want = dense.evaluate(ast, inputs, dtype=np.float64)["Y"]
+    got = interp.run(program, inputs)["Y"]
+    assert np.max(np.abs(got - want)) / np.max(np.abs(want)) < 1e-2
+
+
+# --------------------------------------------------------------------------------------------
+# RMSNorm + FFN-SwiGLU
+
+def test_rmsnorm_ffn_swiglu_is_one_kernel_at_the_example_shapes(pack):
+    r = fused(EXAMPLES / "rmsnorm_ffn_swiglu.bbp", pack)
+    assert len(r.program.kernels) == 1 and r.after.legal
+    assert {"A", "U", "H", "XN"}.isdisjoint(r.program.tensors)
+    assert [loop.axis for loop in loops(r.program)][-2:] == ["f", "e"]  # e nested in f
+
+
+def test_rmsnorm_ffn_swiglu_splits_where_one_kernel_does_not_fit(pack):
+    big = {"e": (4096, 256)}  # wider X, W1, W3 tiles: the one-kernel form overflows
+    r = fused(EXAMPLES / "rmsnorm_ffn_swiglu.bbp", pack, big)
+    assert len(r.program.kernels) > 1 and r.after.legal
+    assert r.after.key() < r.before.key()
+    with pytest.raises(NoCandidate):
+        fused(EXAMPLES / "rmsnorm_ffn_swiglu.bbp", pack, big, max_kernels=1)
+
+
+def test_max_kernels_one_asks_for_the_mega_kernel(pack):
+    dims = {"m": (4096, 8), "f": (14336, 4)}
+    r = fused(EXAMPLES / "gated_mlp.bbp", pack, dims, max_kernels=1)
+    assert len(r.program.kernels) == 1 and r.after.legal
+
+
+def test_fused_rmsnorm_ffn_swiglu_computes_it(pack):
+    dims = {"m": (16, 8), "e": (128, 64), "f": (32, 4), "n": (128, 128)}
+    r = fused(EXAMPLES / "rmsnorm_ffn_swiglu.bbp", pack, dims)
+    assert len(r.program.kernels) == 1
+    assert_matches_dense(EXAMPLES / "rmsnorm_ffn_swiglu.bbp", r.program, dims)
+
+
+def test_sum_of_squares_sinks_into_the_projection_loop(pack):
+    r = fused(PROGRAMS / "rmsnorm_mlp.bbp", pack)
+    assert len(r.program.kernels) == 1
+    f_loop, e_loop = loops(r.program)
+    assert (f_loop.axis, e_loop.axis) == ("f", "e")
+    assert [red.monoid for red in e_loop.reduces] == ["sum2"]
+    dims = {"m": (16, 8), "e": (4096, 64), "f": (32, 16), "n": (64, 64)}
+    small = fused(PROGRAMS / "rmsnorm_mlp.bbp", pack, dims)
+    assert_matches_dense(PROGRAMS / "rmsnorm_mlp.bbp", small.program, dims)
+
+
+# --------------------------------------------------------------------------------------------
+# Reports and budgets
+
+def test_report_explains_the_derivation(pack):
+    r = fused(EXAMPLES / "attention.bbp", pack)
+    rules = [line.split(" ")[0] for line in r.explain()]
+    for name in ("forward", "online_sum", "online_dot", "softmax_merge"):
+        assert name in rules
+    assert rules.index("forward") < rules.index("online_dot") < rules.index("softmax_merge")
+    data = r.to_json()
+    assert data["after"]["n_kernels"] == 1 and data["before"]["n_kernels"] == 6
+    assert [s["stage"] for s in data["saturation"]] == [s.name for s in pack.stages]
+    assert data["extraction"]["candidates"] >= 1
+    assert data["explain"][0]["rule"] == "forward"
+
+
+def test_exploding_pack_stops_at_its_budget_with_a_valid_program():
+    terms = " + ".join(f"X{i}[m]" for i in range(12))
+    source = ("dim m = 64 / 16\ninput " + ", ".join(f"X{i}[m]" for i in range(12)) +
+              " : f32\nT[m] = " + terms + "\nY[m] = T[m] * 2.0\noutput Y\n")
+    ast = parse_program(source, "chain.bbp")
+    explode = parse_rules("""
+rule forward: load(store(?v)) => ?v
+rule add_comm: ?x + ?y => ?y + ?x
+rule add_assoc: (?x + ?y) + ?z <=> ?x + (?y + ?z)
+""", "explode.bbr")
+    r = fuse(lower(ast), explode, H100, budget=Budget(nodes=2_000))
+    assert r.stop == "node limit"
+    assert r.stats[-1].enodes > 2_000
+    validate(r.program)
+    assert r.after.key() <= r.before.key()
+    inputs = random_inputs(ast, seed=0)
+    np.testing.assert_allclose(interp.run(r.program, inputs)["Y"],
+                               dense.evaluate(ast, inputs)["Y"], rtol=1e-5, atol=1e-5)
+
+
+def test_fused_program_records_its_monoids(pack):
+    r = fused(EXAMPLES / "attention.bbp", pack, {"q": (256, 64), "k": (256, 64)})
+    assert set(r.program.monoids) == {"softmax"}
+    assert any(isinstance(n, Reduce) for n in [r.program.kernels[0].value])

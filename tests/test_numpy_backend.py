@@ -1,0 +1,309 @@
+"""The numpy backend against the reference interpreter and the dense evaluator.
+
+Every example at small shapes (several blocks per axis, non-square blocks, and one block per
+axis), hand-built fused programs (Flash Attention with an online-softmax monoid, LayerNorm +
+matmul with a Welford monoid, both registered here and unknown to the backend), the loops the
+generated code runs (exactly the schedule's), its peak memory, and random programs.
+"""
+
+from __future__ import annotations
+
+import re
+import tracemalloc
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+
+from bbrules import dense, interp
+from bbrules.codegen import numpy_gen
+from bbrules.frontend import load_program, parse_program
+from bbrules.inputs import random_inputs
+from bbrules.ir import (Binary, BlockProgram, BlockReduce, Const, Dim, Dot, Get, Load, Monoid,
+                        Reduce, Store, TensorDecl, Tuple, Unary, Var)
+from bbrules.lower import lower
+from bbrules.schedule import Loop, schedule_kernel, walk_steps
+
+from strategies import programs
+
+EXAMPLES = sorted((Path(__file__).parent.parent / "examples").glob("*.bbp"))
+
+# Small replacement (extent, block) pairs: several blocks of unequal sizes per axis, and a
+# one-block variant.  Dims that are equal in an example stay equal (renaming needs it).
+SEVERAL_BLOCKS = [(24, 8), (32, 16), (36, 12), (20, 4), (16, 8)]
+ONE_BLOCK = [(8, 8), (12, 12), (16, 16), (6, 6), (10, 10)]
+
+
+def small_dims(path: Path, pool: list[tuple[int, int]]) -> dict[str, tuple[int, int]]:
+    """Overrides giving each distinct (extent, block) of the example the next pair of `pool`."""
+    distinct: dict[tuple[int, int], tuple[int, int]] = {}
+    out = {}
+    for d in load_program(path).dims.values():
+        key = (d.extent, d.block)
+        if key not in distinct:
+            distinct[key] = pool[len(distinct) % len(pool)]
+        out[d.name] = distinct[key]
+    return out
+
+
+def assert_close(got: np.ndarray, want: np.ndarray, what: str) -> None:
+    scale = max(1.0, float(np.abs(want).max()))
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * scale, err_msg=what)
+
+
+def python_loops(source: str) -> int:
+    return len(re.findall(r"^\s*for \w+ in range\(", source, re.MULTILINE))
+
+
+def scheduled_loops(p: BlockProgram) -> int:
+    """Loops the schedule runs with more than one iteration (one-block loops need no `for`)."""
+    trips = {a: d.blocks for a, d in p.dims.items()}
+    return sum(1 for k in p.kernels
+               for step, _ in walk_steps(schedule_kernel(k, trips).body)
+               if isinstance(step, Loop) and trips[step.axis] > 1)
+
+
+@pytest.mark.parametrize("pool", [SEVERAL_BLOCKS, ONE_BLOCK], ids=["several", "one-block"])
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])
+def test_examples_match_interpreter_and_dense(path, pool):
+    ast = load_program(path, dims=small_dims(path, pool))
+    block = lower(ast)
+    inputs = random_inputs(ast, seed=1)
+    source = numpy_gen.generate(block)
+    got = numpy_gen.run(block, inputs)
+    ref = interp.run(block, inputs)
+    want = dense.evaluate(ast, inputs, dtype=np.float64)
+    assert set(got) == set(ref) == {k.tensor for k in block.kernels}
+    for name in got:
+        assert got[name].dtype == np.float32
+        assert got[name].shape == ref[name].shape
+        assert_close(got[name], ref[name], f"{path.stem}: {name} vs interpreter")
+        assert_close(got[name], want[name], f"{path.stem}: {name} vs dense")
+    assert python_loops(source) == scheduled_loops(block)
+
+
+# --------------------------------------------------------------------------------------------
+# Hand-built fused programs with monoids defined here.
+
+
+def online_softmax() -> Monoid:
+    """State (running max, denominator, numerator); combine rescales by exp(m_old - m_new)."""
+    m = Binary("max", Var("a.m"), Var("b.m"))
+    scale_a = Unary("exp", Binary("sub", Var("a.m"), m))
+    scale_b = Unary("exp", Binary("sub", Var("b.m"), m))
+
+    def rescaled(c: str) -> Binary:
+        return Binary("add", Binary("mul", Var(f"a.{c}"), scale_a),
+                      Binary("mul", Var(f"b.{c}"), scale_b))
+
+    return Monoid("test_online_softmax", ("m", "l", "o"),
+                  (Const(float("-inf")), Const(0.0), Const(0.0)),
+                  (m, rescaled("l"), rescaled("o")), (Var("l"), Var("o")))
+
+
+def welford() -> Monoid:
+    """State (count, mean, M2): the numerically stable one-pass mean and variance."""
+    n = Binary("add", Var("a.n"), Var("b.n"))
+    delta = Binary("sub", Var("b.mean"), Var("a.mean"))
+    mean = Binary("add", Var("a.mean"), Binary("div", Binary("mul", delta, Var("b.n")), n))
+    m2 = Binary("add", Binary("add", Var("a.m2"), Var("b.m2")),
+                Binary("div", Binary("mul", Binary("mul", Binary("mul", delta, delta),
+                                                   Var("a.n")), Var("b.n")), n))
+    return Monoid("test_welford", ("n", "mean", "m2"), (Const(0.0), Const(0.0), Const(0.0)),
+                  (n, mean, m2), (Var("mean"), Binary("div", Var("m2"), Var("n"))))
+
+
+def program(dims: dict[str, tuple[int, int]], inputs: dict[str, tuple[str, ...]],
+            kernels: list[Store], monoids: tuple[Monoid, ...] = ()) -> BlockProgram:
+    """A block program whose last kernel is the output."""
+    tensors = {n: TensorDecl(n, axes, "f32", "input") for n, axes in inputs.items()}
+    for k in kernels:
+        role = "output" if k is kernels[-1] else "temp"
+        tensors[k.tensor] = TensorDecl(k.tensor, k.axes, "f32", role)
+    return BlockProgram({n: Dim(n, e, b) for n, (e, b) in dims.items()}, tensors,
+                        tuple(kernels), (kernels[-1].tensor,), {m.name: m for m in monoids})
+
+
+def flash_attention(n: int, d: int, bq: int, bk: int) -> BlockProgram:
+    """One kernel, grid over query blocks, one loop over key blocks (no N x N tile)."""
+    m = online_softmax()
+    q, k, v = Load("Q", ("q", "d")), Load("K", ("k", "d")), Load("V", ("k", "d"))
+    s = Binary("mul", Dot("d", q, k), Const(1 / np.sqrt(d)))
+    block_max = BlockReduce("max", "k", s)
+    e = Unary("exp", Binary("sub", s, block_max))
+    state = Reduce("k", m.name, Tuple((block_max, BlockReduce("sum", "k", e), Dot("k", e, v))))
+    out = Binary("div", Get(1, state), Get(0, state))
+    return program({"q": (n, bq), "k": (n, bk), "d": (d, d)},
+                   {"Q": ("q", "d"), "K": ("k", "d"), "V": ("k", "d")},
+                   [Store("O", ("q", "d"), out)], (m,))
+
+
+def attention_reference(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+    s = q.astype(np.float64) @ k.T.astype(np.float64) / np.sqrt(q.shape[1])
+    p = np.exp(s - s.max(axis=1, keepdims=True))
+    return (p / p.sum(axis=1, keepdims=True)) @ v
+
+
+def rand(*shape: int, seed: int = 0, loc: float = 0.0) -> np.ndarray:
+    return (np.random.default_rng(seed).standard_normal(shape) + loc).astype(np.float32)
+
+
+@pytest.mark.parametrize("n, d, bq, bk", [(48, 8, 16, 12), (64, 16, 64, 8), (32, 4, 8, 32)])
+def test_flash_attention_matches_plain_attention(n, d, bq, bk):
+    p = flash_attention(n, d, bq, bk)
+    inputs = {"Q": rand(n, d, seed=1), "K": rand(n, d, seed=2), "V": rand(n, d, seed=3)}
+    got = numpy_gen.run(p, inputs)["O"]
+    assert_close(got, interp.run(p, inputs)["O"], "vs interpreter")
+    assert_close(got, attention_reference(inputs["Q"], inputs["K"], inputs["V"]), "vs numpy")
+    assert python_loops(numpy_gen.generate(p)) == (1 if n // bk > 1 else 0)
+
+
+def test_fused_attention_never_allocates_n_by_n():
+    n, d, bk = 1024, 16, 64
+    fused = numpy_gen.load(flash_attention(n, d, 64, bk))
+    unfused_ast = parse_program(
+        "dim q = 1024 / 64\ndim k = 1024 / 64\ndim d = 16\n"
+        "input Q[q, d], K[k, d], V[k, d] : f32\n"
+        "S[q, k] = sum[d] Q[q, d] * K[k, d] * 0.25\n"
+        "M[q] = max[k] S[q, k]\nE[q, k] = exp(S[q, k] - M[q])\n"
+        "L[q] = sum[k] E[q, k]\nO[q, d] = sum[k] E[q, k] * V[k, d] / L[q]\noutput O\n")
+    unfused = numpy_gen.load(lower(unfused_ast))
+    inputs = {"Q": rand(n, d, seed=1), "K": rand(n, d, seed=2), "V": rand(n, d, seed=3)}
+    n_by_n = n * n * 4
+
+    def peak(module) -> int:
+        tracemalloc.start()
+        try:
+            module.run(**inputs)
+            return tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+
+    # One score tile (all queries x one key block) and a few N x d accumulators: the loop
+    # overwrites its dying temporaries, as the hand-written loop does, instead of allocating.
+    assert peak(fused) <= n * bk * 4 + 4 * n * d * 4 + 2**16
+    assert peak(unfused) >= 2 * n_by_n  # S and E are materialised
+
+
+def layernorm_matmul(m: int, e: int, n: int, bm: int, be: int, bn: int) -> BlockProgram:
+    """Y = LayerNorm(X) @ W, fused: rstd * (X @ GW - mean * 1^T GW) + B @ W, every reduction
+    over e in one loop (the scheduler merges the four siblings)."""
+    w = welford()
+    x, g, b, wt = Load("X", ("m", "e")), Load("G", ("e",)), Load("B", ("e",)), Load("W", ("e", "n"))
+    block_mean = Binary("mul", BlockReduce("sum", "e", x), Const(1.0 / be))
+    centred = Binary("sub", x, block_mean)
+    stats = Reduce("e", w.name, Tuple((Const(float(be)), block_mean,
+                                        BlockReduce("sum", "e", Unary("square", centred)))))
+    gw = Binary("mul", g, wt)
+    xgw = Reduce("e", "sum", Dot("e", x, gw))
+    ones_gw = Reduce("e", "sum", BlockReduce("sum", "e", gw))
+    bw = Reduce("e", "sum", Dot("e", b, wt))
+    rstd = Unary("rsqrt", Binary("add", Get(1, stats), Const(1e-5)))
+    y = Binary("add", Binary("mul", rstd, Binary("sub", xgw, Binary("mul", Get(0, stats), ones_gw))),
+               bw)
+    return program({"m": (m, bm), "e": (e, be), "n": (n, bn)},
+                   {"X": ("m", "e"), "G": ("e",), "B": ("e",), "W": ("e", "n")},
+                   [Store("Y", ("m", "n"), y)], (w,))
+
+
+def test_welford_layernorm_matmul_runs_in_one_loop():
+    p = layernorm_matmul(24, 32, 20, 8, 8, 4)
+    # rows with a large mean: a one-pass sum-of-squares variance would lose its digits here
+    inputs = {"X": rand(24, 32, seed=1, loc=100.0), "G": rand(32, seed=2), "B": rand(32, seed=3),
+              "W": rand(32, 20, seed=4)}
+    x = inputs["X"].astype(np.float64)
+    xn = (x - x.mean(1, keepdims=True)) / np.sqrt(x.var(1, keepdims=True) + 1e-5)
+    want = (xn * inputs["G"] + inputs["B"]) @ inputs["W"]
+    got = numpy_gen.run(p, inputs)["Y"]
+    assert_close(got, interp.run(p, inputs)["Y"], "vs interpreter")
+    np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-3 * np.abs(want).max())
+    source = numpy_gen.generate(p)
+    assert python_loops(source) == 1
+    assert "test_welford" in source and "test_welford" not in Path(numpy_gen.__file__).read_text()
+
+
+@pytest.mark.parametrize("block", [4, 16], ids=["four-blocks", "one-block"])
+def test_layernorm_statistics_over_the_grid_axis_itself(block):
+    """The store's grid includes e and a reduction loops over e: inside the loop, e is the
+    loop's block; outside, every block of the grid.  Over one block the fold is simplified
+    (no loop), which must not change the statistics."""
+    w = welford()
+    x = Load("X", ("m", "e"))
+    block_mean = Binary("mul", BlockReduce("sum", "e", x), Const(1.0 / block))
+    stats = Reduce("e", w.name, Tuple((Const(float(block)), block_mean, BlockReduce(
+        "sum", "e", Unary("square", Binary("sub", x, block_mean))))))
+    y = Binary("mul", Binary("sub", x, Get(0, stats)),
+               Unary("rsqrt", Binary("add", Get(1, stats), Const(1e-5))))
+    p = program({"m": (12, 4), "e": (16, block)}, {"X": ("m", "e")},
+                [Store("Y", ("m", "e"), y)], (w,))
+    inputs = {"X": rand(12, 16, seed=5, loc=3.0)}
+    x64 = inputs["X"].astype(np.float64)
+    want = (x64 - x64.mean(1, keepdims=True)) / np.sqrt(x64.var(1, keepdims=True) + 1e-5)
+    got = numpy_gen.run(p, inputs)["Y"]
+    assert_close(got, interp.run(p, inputs)["Y"], "vs interpreter")
+    assert_close(got, want, "vs numpy")
+
+
+def test_a_sum_over_one_block_is_its_contribution():
+    """No pass adding the identity: the contraction's result is stored as it is."""
+    value = Reduce("d", "sum", Dot("d", Load("Q", ("q", "d")), Load("K", ("k", "d"))))
+    p = program({"q": (16, 8), "k": (12, 4), "d": (8, 8)}, {"Q": ("q", "d"), "K": ("k", "d")},
+                [Store("S", ("q", "k"), value)])
+    inputs = {"Q": rand(16, 8, seed=1), "K": rand(12, 8, seed=2)}
+    source = numpy_gen.generate(p)
+    body = source[source.index("def kernel_S"):source.index("def _input")]
+    assert "np.matmul" in body and not re.search(r"np\.add|\+ |np\.empty", body)
+    assert_close(numpy_gen.run(p, inputs)["S"], inputs["Q"] @ inputs["K"].T, "vs numpy")
+
+
+def test_a_temporary_an_accumulator_aliases_is_not_overwritten():
+    """A monoid whose combine passes the contribution through ("last block") makes the
+    accumulator alias that array; a later step must not write into it in place."""
+    last = Monoid("test_last", ("s",), (Const(0.0),), (Var("b.s"),), (Var("s"),))
+    e = Unary("exp", Load("A", ("q",)))
+    y = Binary("add", Reduce("k", last.name, e), Unary("neg", e))
+    p = program({"q": (8, 4), "k": (6, 2)}, {"A": ("q",)}, [Store("Y", ("q",), y)], (last,))
+    inputs = {"A": rand(8, seed=1)}
+    got = numpy_gen.run(p, inputs)["Y"]
+    assert_close(got, interp.run(p, inputs)["Y"], "vs interpreter")
+    assert np.allclose(got, 0.0, atol=1e-6)  # exp(a) - exp(a)
+
+
+def test_transposed_store_renamed_load_and_scalar_tiles():
+    """A store whose axes are not the load's order, a tensor loaded under other axis names,
+    and an all-constant subterm."""
+    a = Load("A", ("i", "j"))
+    twin = Load("A", ("i", "t"))
+    c = Unary("exp", Binary("add", Const(1.0), Const(0.5)))
+    value = Binary("mul", Binary("sub", a, Reduce("t", "max", BlockReduce("max", "t", twin))), c)
+    p = program({"i": (6, 3), "j": (8, 4), "t": (8, 4)}, {"A": ("i", "j")},
+                [Store("T", ("j", "i"), value)])
+    inputs = {"A": rand(6, 8, seed=3)}
+    got = numpy_gen.run(p, inputs)["T"]
+    want = ((inputs["A"] - inputs["A"].max(1, keepdims=True)) * np.exp(1.5)).T
+    assert got.shape == (8, 6)
+    assert_close(got, want, "vs numpy")
+
+
+def test_inputs_are_checked():
+    p = flash_attention(16, 4, 8, 8)
+    module = numpy_gen.load(p)
+    with pytest.raises(ValueError, match="missing input 'V'"):
+        module.run(Q=rand(16, 4), K=rand(16, 4))
+    with pytest.raises(ValueError, match=r"input 'K' has shape \(4, 16\)"):
+        module.run(Q=rand(16, 4), K=rand(4, 16), V=rand(16, 4))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(programs())
+def test_random_programs(source):
+    ast = parse_program(source, "<random>")
+    block = lower(ast)
+    inputs = random_inputs(ast, seed=0)
+    got = numpy_gen.run(block, inputs)
+    ref = interp.run(block, inputs)
+    want = dense.evaluate(ast, inputs, dtype=np.float64)
+    for name in ref:
+        assert_close(got[name], ref[name], f"{name} vs interpreter in\n{source}")
+        assert_close(got[name], want[name], f"{name} vs dense in\n{source}")
