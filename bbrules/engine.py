@@ -377,49 +377,41 @@ def rule_of(egg_name: str) -> str:
 
 def _analysis_rules(monoids: Iterable[Monoid]) -> list[str]:
     """Rules computing shape and deps of every constructor from its children's."""
-    def rule(query: str, shape: str, deps: str) -> str:
-        return (f"(rule ((= ?e {query}) {binds}) ((set (shape ?e) {shape}) (set (deps ?e) "
-                f"{deps})) :ruleset {ANALYSIS})")
-
-    def bind(names: Iterable[str]) -> str:
-        return " ".join(f"(= ?s{n} (shape ?{n})) (= ?d{n} (deps ?{n}))" for n in names)
+    def rule(query: str, kids: Iterable[str], shape: str, deps: str) -> str:
+        binds = " ".join(f"(= ?s{k} (shape ?{k})) (= ?d{k} (deps ?{k}))" for k in kids)
+        return (f"(rule ((= ?e {query}) {binds}) ((set (shape ?e) {shape}) "
+                f"(set (deps ?e) {deps})) :ruleset {ANALYSIS})")
 
     def union(sets: list[str]) -> str:
-        if not sets:
-            return "(set-empty)"
-        out = sets[0]
+        out = sets[0] if sets else "(set-empty)"
         for s in sets[1:]:
             out = f"(set-union {out} {s})"
         return out
 
-    out = []
-    binds = ""
-    out.append(rule("(Cst ?c)", "(set-empty)", "(set-empty)"))
-    binds = bind("x")
-    out.append(rule("(Un ?f ?x)", "?sx", "?dx"))
-    out.append(rule("(BRed ?f ?a ?x)", "(set-remove ?sx ?a)", "?dx"))
-    binds = bind("xy")
-    out.append(rule("(Bin ?f ?x ?y)", "(set-union ?sx ?sy)", "(set-union ?dx ?dy)"))
-    out.append(rule("(Dot ?a ?x ?y)", "(set-remove (set-union ?sx ?sy) ?a)",
-                    "(set-union ?dx ?dy)"))
+    out = [
+        rule("(Cst ?c)", [], "(set-empty)", "(set-empty)"),
+        rule("(Un ?f ?x)", ["x"], "?sx", "?dx"),
+        rule("(BRed ?f ?a ?x)", ["x"], "(set-remove ?sx ?a)", "?dx"),
+        rule("(Bin ?f ?x ?y)", ["x", "y"], "(set-union ?sx ?sy)", "(set-union ?dx ?dy)"),
+        rule("(Dot ?a ?x ?y)", ["x", "y"], "(set-remove (set-union ?sx ?sy) ?a)",
+             "(set-union ?dx ?dy)"),
+    ]
     for n in range(MIN_TUPLE, MAX_TUPLE + 1):
         names = [f"x{i}" for i in range(n)]
-        binds = bind(names)
-        for i in range(n):
-            out.append(rule(f"(Get {i} (Tup{n} {' '.join('?' + x for x in names)}))",
-                            f"?sx{i}", f"?dx{i}"))
+        tup = f"(Tup{n} {' '.join('?' + x for x in names)})"
+        out += [rule(f"(Get {i} {tup})", names, f"?sx{i}", f"?dx{i}") for i in range(n)]
     for m in monoids:
+        # A reduction's result i has the type of the state components finalize[i] reads,
+        # without the reduced axis among its dependencies.
         names = [f"x{i}" for i in range(m.arity)]
-        binds = bind(names)
         arg = "?x0" if m.arity == 1 else f"(Tup{m.arity} {' '.join('?' + x for x in names)})"
         for j, f in enumerate(m.finalize):
-            used = sorted(m.state.index(v.name) for v in postorder(f) if isinstance(v, Var))
-            shape = union([f"?sx{i}" for i in dict.fromkeys(used)])
-            deps = f"(set-remove {union([f'?dx{i}' for i in dict.fromkeys(used)])} ?a)"
+            used = sorted({m.state.index(v.name) for v in postorder(f) if isinstance(v, Var)})
             query = f"(Red ?a {_q(m.name)} {arg})"
             if len(m.finalize) > 1:
                 query = f"(Get {j} {query})"
-            out.append(rule(query, shape, deps))
+            out.append(rule(query, names, union([f"?sx{i}" for i in used]),
+                            f"(set-remove {union([f'?dx{i}' for i in used])} ?a)"))
     return out
 
 
@@ -608,6 +600,7 @@ class Saturator:
         self.roots: dict[str, str] = {}
         self.combined: dict[frozenset[str], str] = {}
         self.fired: list[tuple[int, str, int]] = []  # (global iteration, rule, matches)
+        self.iteration = 0
         ground = TermWriter(prefix="g")
         for load in compiled.ground_loads:
             ground.name(load)
@@ -641,62 +634,65 @@ class Saturator:
 
     def run(self, budget: Budget = Budget(), progress: Progress | None = None,
             stages: Iterable[Stage] | None = None) -> list[StageStats]:
-        """Run the stages in order within `budget`; one StageStats per stage."""
+        """Run the stages in order within `budget`; one StageStats per stage.
+
+        After a node or time limit stops a stage, the later stages are skipped: the graph has
+        already used what it was allowed.
+        """
         stats: list[StageStats] = []
-        start = time.perf_counter()
-        exhausted = ""
-        iteration = 0
+        deadline = time.perf_counter() + budget.seconds
         for stage in (self.compiled.stages if stages is None else stages):
-            rulesets = [rs for name in stage.rulesets
-                        for rs in self.compiled.rulesets.get(name, [])]
-            t0 = time.perf_counter()
-            if exhausted:
+            if stats and stats[-1].stop in ("node limit", "time limit", "skipped"):
                 stats.append(self._stage_stats(stage, 0, 0.0, "skipped", {}))
-                continue
-            cap = min(budget.iterations, stage.iterations or budget.iterations)
-            backoff = {rs: _BackOff(MATCH_LIMIT) for rs in rulesets}
-            matches: dict[str, int] = {}
-            stop = "saturated"
-            done = 0
-            while True:
-                if done >= cap:
-                    stop = "iteration limit"
-                    break
-                active = [rs for rs in rulesets if backoff[rs].banned_until < done]
-                if not active:
-                    break
-                self._exec(f"(run-schedule (saturate (run {ANALYSIS})))")
-                report = self._exec(f"(run-schedule (run {self._ruleset_for(active)}))")[0].report
-                done += 1
-                iteration += 1
-                counts = report.num_matches_per_rule
-                for rs in active:
-                    n = counts.get(self.compiled.egg_rules[rs], 0)
-                    if n:
-                        rule = rule_of(self.compiled.egg_rules[rs])
-                        matches[rule] = matches.get(rule, 0) + n
-                        self.fired.append((iteration, rule, n))
-                    b = backoff[rs]
-                    if n > b.limit << b.times_banned:
-                        b.banned_until = done + (BAN_LENGTH << b.times_banned)
-                        b.times_banned += 1
-                if not report.updated:
-                    banned = [rs for rs in rulesets if backoff[rs].banned_until >= done]
-                    if not banned:
-                        break
-                    for rs in banned:  # nothing else to do: lift the bans early, as egg does
-                        backoff[rs].banned_until = -1
-                if progress:
-                    progress(f"stage {stage.name}: iteration {done}")
-                if self.enodes() > budget.nodes:
-                    stop = exhausted = "node limit"
-                    break
-                if time.perf_counter() - start > budget.seconds:
-                    stop = exhausted = "time limit"
-                    break
-            self._exec(f"(run-schedule (saturate (run {ANALYSIS})))")
-            stats.append(self._stage_stats(stage, done, time.perf_counter() - t0, stop, matches))
+            else:
+                stats.append(self._run_stage(stage, budget, deadline, progress))
         return stats
+
+    def _run_stage(self, stage: Stage, budget: Budget, deadline: float,
+                   progress: Progress | None) -> StageStats:
+        start = time.perf_counter()
+        rulesets = [rs for name in stage.rulesets for rs in self.compiled.rulesets.get(name, [])]
+        cap = min(budget.iterations, stage.iterations or budget.iterations)
+        backoff = {rs: _BackOff(MATCH_LIMIT) for rs in rulesets}
+        matches: dict[str, int] = {}
+        done = 0
+        stop = "saturated"
+        while rulesets:
+            if done >= cap:
+                stop = "iteration limit"
+                break
+            active = [rs for rs in rulesets if backoff[rs].banned_until < done]
+            self._exec(f"(run-schedule (saturate (run {ANALYSIS})))")
+            report = self._exec(f"(run-schedule (run {self._ruleset_for(active)}))")[0].report \
+                if active else None
+            done += 1
+            self.iteration += 1
+            for rs in active:
+                n = report.num_matches_per_rule.get(self.compiled.egg_rules[rs], 0)
+                if n:
+                    rule = rule_of(self.compiled.egg_rules[rs])
+                    matches[rule] = matches.get(rule, 0) + n
+                    self.fired.append((self.iteration, rule, n))
+                b = backoff[rs]
+                if n > b.limit << b.times_banned:
+                    b.banned_until = done + (BAN_LENGTH << b.times_banned)
+                    b.times_banned += 1
+            if report is None or not report.updated:
+                banned = [b for b in backoff.values() if b.banned_until >= done]
+                if not banned:
+                    break
+                for b in banned:  # nothing else changes: lift the bans early, as egg does
+                    b.banned_until = -1
+            if progress:
+                progress(f"stage {stage.name}: iteration {done}")
+            if self.enodes() > budget.nodes:
+                stop = "node limit"
+                break
+            if time.perf_counter() > deadline:
+                stop = "time limit"
+                break
+        self._exec(f"(run-schedule (saturate (run {ANALYSIS})))")
+        return self._stage_stats(stage, done, time.perf_counter() - start, stop, matches)
 
     def _stage_stats(self, stage: Stage, iterations: int, seconds: float, stop: str,
                      matches: dict[str, int]) -> StageStats:

@@ -14,17 +14,19 @@ node per e-class" alone could not say "store T, and load it here".  Commuted twi
 (`x * y` next to `y * x`, `dot(a, x, y)` next to `dot(a, y, x)`) cost the same and are
 dropped.
 
-The search.  Candidates are checked by rebuilding them as IR and running `ir.validate` (types
-recomputed from the chosen nodes, not from the e-class analysis), so an ill-scoped choice is
-rejected.  When the space reachable from the outputs has at most `EXHAUSTIVE_LIMIT` candidates
-it is enumerated.  Otherwise a steepest-descent local search runs from two seeds: the input
-program itself, and a forward-everything program picked by a tree cost that multiplies a loop
-body by its trip count (so nested loop-invariant reductions, which the scheduler would run as
-separate passes, look expensive).  Each step re-costs every single-choice change of the current
-candidate as a whole program and takes the best; it ends in a local optimum, and the better of
-the two optima wins.  One change at a time suffices on the paper's programs because every step
-towards the fused form (forward a load, move a factor out of a loop, switch to an online
-monoid) is cheaper by itself.
+The search.  Candidates are checked by rebuilding them as IR and recomputing every kernel's
+types from the chosen nodes (`ir.type_of`, `ir.sched_deps`; `ir.validate` on the result), not
+from the e-class analysis, so an ill-scoped choice is rejected.  When the space reachable from
+the outputs has at most `EXHAUSTIVE_LIMIT` candidates it is enumerated.  Otherwise a local
+search runs from two seeds: the input program itself, and a forward-everything program picked
+by a tree cost that multiplies a loop body by its trip count (so nested loop-invariant
+reductions, which the scheduler would run as separate passes, look expensive).  It takes the
+first single change of the current candidate that lowers the cost, and when none does, tries
+each change together with one change below it (see `Extractor.local_search`).  That suffices
+on the paper's programs because every step towards the fused form (forward a load, move a
+factor out of a loop, switch to an online monoid) is cheaper by itself once what it exposes
+is chosen well.  The search is bounded by a count of priced candidates, not by a clock, so the
+result does not depend on the machine's speed.
 
 Ties break on the cost key (objective, flops, kernels), then on the program text, so the result
 never depends on hash order.  The input program is always a candidate: the result is never
@@ -47,6 +49,7 @@ from .targets import Target
 EXHAUSTIVE_LIMIT = 1000  # candidates: at about half a millisecond each, at most half a second
 MAX_EVALUATIONS = 2_000  # local search prices at most this many candidates per extraction
 MOVES_PER_CLASS = 12  # options of one class a local search step tries
+FOLLOWUP_SLACK = 2.0  # a move is combined with follow-ups only if at most this much costlier
 _COMMUTATIVE = {"add", "mul", "max", "min"}
 
 
@@ -277,11 +280,11 @@ class Extractor:
 
     def space(self, limit: int) -> Iterator[Choice]:
         """Every distinct candidate reachable from the outputs, stopping after `limit + 1`
-        (so the caller can tell the space is larger).  A depth-first walk that decides the
-        classes and definitions a partial candidate reaches, in a fixed order."""
-        Item = tuple[str, object]
-        start: tuple[Choice, tuple[Item, ...], frozenset[Item]] = (
-            Choice(), tuple(("def", t) for t in self.source.outputs), frozenset())
+        (so the caller can tell the space is larger).  A depth-first walk that decides, in a
+        fixed order, what a partial candidate reaches: classes (ints, use choices) and stored
+        tensors (names, definition choices)."""
+        start: tuple[Choice, tuple[int | str, ...], frozenset[int | str]] = (
+            Choice(), tuple(self.source.outputs), frozenset())
         stack = [start]
         count = 0
         while stack:
@@ -294,21 +297,17 @@ class Extractor:
                 if count > limit:
                     return
                 continue
-            (kind, item), rest = todo[0], todo[1:]
-            seen = seen | {todo[0]}
+            item, rest = todo[0], todo[1:]
+            seen = seen | {item}
             branches = []
-            if kind == "def":
-                t = str(item)
-                root = self.options[self.graph.named[t]]
-                for j, i in enumerate(self.definitions[t]):
-                    kids = tuple(("use", k) for k in root[i].children)
-                    branches.append((choice.with_define(t, j), kids + rest, seen))
+            if isinstance(item, str):
+                root = self.options[self.graph.named[item]]
+                for j, i in enumerate(self.definitions[item]):
+                    branches.append((choice.with_define(item, j), root[i].children + rest, seen))
             else:
-                c = int(item)  # type: ignore[call-overload]
-                for i, node in enumerate(self.options[c]):
-                    nxt = ((("def", node.attrs[0]),) if self.is_stored_load(node)
-                           else tuple(("use", k) for k in node.children))
-                    branches.append((choice.with_use(c, i), nxt + rest, seen))
+                for i, node in enumerate(self.options[item]):
+                    nxt = (node.attrs[0],) if self.is_stored_load(node) else node.children
+                    branches.append((choice.with_use(item, i), nxt + rest, seen))
             stack.extend(reversed(branches))
 
     def alternatives(self, c: int) -> list[int]:
@@ -365,11 +364,14 @@ class Extractor:
             if self.priced >= budget:
                 return None
             move = moves[n % len(moves)]
-            tries = [move] + (self.followups(move, built) if deep else [])
-            for m in tries:
-                found = self.evaluate(m)
-                if found is not None and found[0] < key:
-                    return n, found, m
+            found = self.evaluate(move)
+            if found is not None and found[0] < key:
+                return n, found, move
+            if deep and (found is None or _near(found[0], key)):
+                for m in self.followups(move, built):
+                    found = self.evaluate(m)
+                    if found is not None and found[0] < key:
+                        return n, found, m
         return None
 
     def moves(self, choice: Choice, built: Built) -> list[Choice]:
@@ -412,13 +414,13 @@ def extract(graph: ClassGraph, source: BlockProgram, target: Target, objective: 
     original = ex.price(source)
     if original is not None:
         found.append((original, Built(source, (), ())))
-    best = found[0] if found else None
-    for f in found[1:]:
-        if _better(f, best):
-            best = f
-    if best is None or (best[0][0] and cost_program(source, target).legal):
+    if not found:
+        raise NoCandidate(f"no program with at most {max_kernels} kernels was found")
+    key = min(f[0] for f in found)
+    if key[0] and cost_program(source, target).legal:
         raise NoCandidate(f"no legal program with at most {max_kernels} kernels was found")
-    program = best[1].program
+    # Equal keys: the smallest program text, so the result never depends on search order.
+    program = min((f[1].program for f in found if f[0] == key), key=show_program)
     validate(program)
     stats = ExtractStats(method, ex.priced, ex.rejected, time.perf_counter() - start)
     return program, ex.cost(program), stats
@@ -427,11 +429,11 @@ def extract(graph: ClassGraph, source: BlockProgram, target: Target, objective: 
 # --------------------------------------------------------------------------------------------
 
 
-def _better(a: tuple[tuple, Built], b: tuple[tuple, Built]) -> bool:
-    """Is candidate a strictly preferable to b: lower key, or equal key and smaller text."""
-    if a[0] != b[0]:
-        return a[0] < b[0]
-    return show_program(a[1].program) < show_program(b[1].program)
+def _near(key: tuple, current: tuple) -> bool:
+    """Is a candidate within `FOLLOWUP_SLACK` of the current one, so that one more change
+    below it may make it cheaper?  (A move that is invalid as built also qualifies: its
+    defaults may be what breaks it.)"""
+    return key[0] == current[0] and key[1] <= current[1] * FOLLOWUP_SLACK
 
 
 def _prune(nodes: tuple[ENode, ...]) -> tuple[ENode, ...]:

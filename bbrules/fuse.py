@@ -10,8 +10,9 @@ it), extraction statistics, and the chain of rules that built the output.
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Mapping, get_args
 
 import numpy as np
 
@@ -25,6 +26,7 @@ from .rule import AxisSize, CExpr, Pattern, PConst, PVar, Rule, RulePack, Stored
 from .targets import Target
 
 EXPLAIN_LIMIT = 2000  # terms examined when explaining (commutativity can feed itself)
+_NODE_TYPES = get_args(Node)
 
 
 @dataclass(frozen=True)
@@ -65,10 +67,15 @@ class FuseResult:
     def explain(self) -> list[str]:
         """The rules that built the output, in the order they first fired.
 
-        A rule is listed when its right-hand side matches a subterm of the output that the
-        input program does not contain (guards are not re-checked), and for `load(store(...))`
-        rules when an intermediate the input stored is no longer stored.  Each line gives the
-        iteration the rule first fired in, its documentation and one such subterm.
+        Exactly: a rule that fired during saturation is listed when its result side (either
+        side of a two-way rule) matches a term that is new in the output, or new in what a
+        listed rule was applied to: starting from the output's subterms that the input does
+        not contain (even with its intermediates forwarded), each match's other side,
+        instantiated with the match, gives terms that are explained in turn.  Guards are not
+        re-checked, so a rule whose pattern fits is listed even if it was some other rule that
+        built the term.  A `load(store(...))` rule is listed when an intermediate of the input
+        is no longer stored.  Each entry gives the iteration the rule first fired in, its
+        documentation and one term it explains.
         """
         return [str(s) for s in self.chain]
 
@@ -113,13 +120,7 @@ def fuse(p: BlockProgram, pack: RulePack, target: Target, objective: str = "time
 
 def _chain(source: BlockProgram, result: BlockProgram, rules: list[Rule],
            fired: list[tuple[int, str, int]]) -> list[Step]:
-    """Rules that built the output, found backwards from it.
-
-    Start from the output's subterms that the input (also with every intermediate forwarded)
-    does not contain.  A rule that fired and whose result side matches such a term built it;
-    its other side, instantiated with that match, gives the terms it was built from, and the
-    new ones among them are explained in turn.
-    """
+    """The explanation `FuseResult.explain` describes, found backwards from the output."""
     first: dict[str, int] = {}
     for iteration, rule, _ in fired:
         first.setdefault(rule, iteration)
@@ -129,10 +130,10 @@ def _chain(source: BlockProgram, result: BlockProgram, rules: list[Rule],
     found: dict[str, str] = {}
     kept = {k.tensor for k in result.kernels}
     dropped = [k.tensor for k in source.kernels if k.tensor not in kept]
-    todo = [n for k in result.kernels for n in postorder(k.value) if n not in old]
+    todo = deque(n for k in result.kernels for n in postorder(k.value) if n not in old)
     seen: set[Node] = set()
     while todo and len(seen) < EXPLAIN_LIMIT:
-        term = todo.pop(0)
+        term = todo.popleft()
         if term in seen:
             continue
         seen.add(term)
@@ -205,8 +206,7 @@ def _instantiate(p: Pattern, env: Mapping[str, object], sizes: Mapping[str, Dim]
     match p:
         case PVar(v):
             value = env.get(v)
-            return value if isinstance(value, (Load, Const, Unary, Binary, BlockReduce, Dot,
-                                               Reduce, Tuple, Get)) else None
+            return value if isinstance(value, _NODE_TYPES) else None
         case PConst() | CExpr() | AxisSize():
             value = _const_value(p, env, sizes)
             return None if value is None else Const(value)
@@ -225,7 +225,7 @@ def _instantiate(p: Pattern, env: Mapping[str, object], sizes: Mapping[str, Dim]
         case Reduce(a, m, _):
             ax, mono = axis(a), axis(m)
             return None if ax is None or mono is None else Reduce(ax, mono, kids[0])
-    return _rebuild(p, tuple(kids))  # type: ignore[arg-type]
+    return _rebuild(p, tuple(k for k in kids if k is not None))
 
 
 def _short(text: str, width: int = 120) -> str:
@@ -290,7 +290,8 @@ def _const_value(e: object, env: Mapping[str, object], sizes: Mapping[str, Dim]
             value = env.get(v)
             return value if isinstance(value, float) else None
         case AxisSize(kind, axis):
-            dim = sizes.get(env.get(axis, axis))  # type: ignore[arg-type]
+            bound = env.get(axis, axis)
+            dim = sizes.get(bound) if isinstance(bound, str) else None
             if dim is None:
                 return None
             return float({"block": dim.block, "extent": dim.extent, "trips": dim.blocks}[kind])

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
-from functools import cache, lru_cache
+from functools import cache
 from typing import Iterator, Mapping, Union
 
 from .ir import Node, Reduce, Store, children, postorder, sched_deps
@@ -109,13 +109,6 @@ class _Scheduler:
         return loop_path
 
 
-@lru_cache(maxsize=1 << 12)
-def _order_key(r: Reduce) -> str:
-    """A deterministic order for reductions (their repr), computed once per reduction: the
-    repr of a large fused term is expensive and extraction schedules thousands of them."""
-    return repr(r)
-
-
 def _levels(reduces: set[Reduce]) -> dict[Reduce, int]:
     """Level of each reduction among same-axis siblings: 1 + the highest level it needs."""
     level: dict[Reduce, int] = {}
@@ -126,7 +119,7 @@ def _levels(reduces: set[Reduce]) -> dict[Reduce, int]:
             level[r] = 1 + max((visit(s) for s in needed), default=-1)
         return level[r]
 
-    for r in sorted(reduces, key=_order_key):
+    for r in reduces:  # levels are longest chains: the visiting order does not change them
         visit(r)
     return level
 

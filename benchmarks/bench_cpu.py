@@ -106,7 +106,7 @@ def flash_attention(unfused: BlockProgram) -> BlockProgram:
     """Flash Attention over the unfused attention program's dims and inputs, built by hand."""
     m = _online_softmax()
     q, k, v = Load("Q", ("q", "d")), Load("K", ("k", "d")), Load("V", ("k", "d"))
-    s = Binary("mul", Dot("d", q, k), Const(ATTENTION_SCALE))
+    s = Dot("d", Binary("mul", q, Const(ATTENTION_SCALE)), k)  # scaled once, as fusion does
     block_max = BlockReduce("max", "k", s)
     e = Unary("exp", Binary("sub", s, block_max))
     state = Reduce("k", m.name, Tuple((block_max, BlockReduce("sum", "k", e), Dot("k", e, v))))

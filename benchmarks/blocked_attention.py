@@ -1,8 +1,9 @@
 """Hand-written blocked attention in plain numpy: the ceiling for the numpy backend.
 
 This is what a person would write for a one-pass (Flash-Attention-style) attention on the CPU
-with numpy: every query block at once as one matrix, a Python loop over key blocks, and the
-online-softmax state (running max, running denominator, running numerator) updated in place.
+with numpy: the queries scaled once, every query block at once as one matrix, a Python loop over key
+blocks, the score block overwritten in place, and the online-softmax state (running max,
+running denominator, running numerator) rescaled per block.
 It never allocates an N x N array, so its peak memory is O(N * block).  The generated fused
 attention is measured against it: same algorithm, same block size, so any difference is
 overhead of the generated code.
@@ -20,13 +21,12 @@ def blocked_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, block: int = 
     n, d = q.shape
     if k.shape[0] % block:
         raise ValueError(f"block {block} does not divide the {k.shape[0]} keys")
-    scale = f32(1.0 / np.sqrt(d) if scale is None else scale)
+    q = q * f32(1.0 / np.sqrt(d) if scale is None else scale)  # once, not once per key block
     m = np.full((n, 1), -np.inf, f32)
     l = np.zeros((n, 1), f32)
     o = np.zeros((n, v.shape[1]), f32)
     for j in range(0, k.shape[0], block):
         s = q @ k[j:j + block].T
-        s *= scale
         m_new = np.maximum(m, s.max(axis=1, keepdims=True))
         s -= m_new
         p = np.exp(s, out=s)

@@ -408,6 +408,14 @@ _FOLD_IDENTITY = {"add": 0.0, "max": float("-inf"), "min": float("inf")}
 
 
 class _KernelGen:
+    """One kernel: the model of its schedule is built in __init__, `emit` writes the text.
+
+    Every `Compute` step becomes an `_Inst` and every `Loop` a `_LoopOp`, numbered in execution
+    order (`seq`) with the loops enclosing them (`path`); uses are recorded as they are
+    resolved.  From those the generator decides what to materialise (`_decide`) and where each
+    tile lives in shared memory (`_allocate`), before a line of C is written.
+    """
+
     def __init__(self, p: BlockProgram, store: Store, name: str):
         self.p = p
         self.store = store
@@ -1046,6 +1054,8 @@ class _KernelGen:
             for o in op.body)
 
     def _combine(self, w: _Writer, red: _Red) -> None:
+        """Fold one iteration's contributions into a reduction's state, group by group (see
+        `_phases`), or through temporaries when the groups cannot be ordered."""
         m = red.monoid
         targets = red.tmps if red.via_tmp else red.states
         for g in red.groups:

@@ -39,6 +39,8 @@ from strategies import programs
 EXAMPLES = sorted((Path(__file__).parent.parent / "examples").glob("*.bbp"))
 
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
+needs_cxx = pytest.mark.skipif(shutil.which("g++") is None,
+                               reason="g++ is not installed: the kernels cannot be emulated")
 
 
 def _gpu_unavailable() -> str | None:
@@ -89,6 +91,12 @@ def small_example(path: Path) -> BlockProgram:
                 SMALL_BLOCKINGS[len(sizes) % len(SMALL_BLOCKINGS)]
         sizes[d.name] = sizes[r]
     return lower(load_program(path, {a: sizes[a] for a in declared.dims}))
+
+
+def fused_by_the_pack(stem: str) -> BlockProgram:
+    """An example at small sizes, fused by the standard rule pack (as `bbrules apply` does)."""
+    p = small_example(next(e for e in EXAMPLES if e.stem == stem))
+    return fuse(p, load_packs([]), get_target("h100")).program
 
 
 def _v(name: str) -> Var:
@@ -200,6 +208,7 @@ def check_emulated(p: BlockProgram, threads: tuple[int | None, ...] = (None,)) -
     return module
 
 
+@needs_cxx
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
 def test_example_runs_like_the_interpreter(path):
     check_emulated(small_example(path))
@@ -225,6 +234,7 @@ def test_small_examples_have_several_blocks_per_axis_and_non_square_blocks():
     assert "attention" in non_square and len(non_square) >= len(EXAMPLES) // 2
 
 
+@needs_cxx
 def test_flash_attention_in_one_kernel_for_any_thread_count():
     p = FUSED["flash_attention"]()
     module = check_emulated(p, threads=(None, 32, 48, MAX_THREADS))
@@ -238,6 +248,7 @@ def test_flash_attention_in_one_kernel_for_any_thread_count():
     np.testing.assert_allclose(emulate(module, inputs)["O"], want, rtol=1e-4, atol=1e-5)
 
 
+@needs_cxx
 def test_welford_layernorm_matches_numpy():
     p = FUSED["welford_layernorm"]()
     inputs = {name: x * 3.0 + 5.0 for name, x in random_inputs(p, seed=2).items()}
@@ -250,6 +261,7 @@ def test_welford_layernorm_matches_numpy():
     assert_matches({"Y": got}, interp.run(p, inputs))
 
 
+@needs_cxx
 @pytest.mark.parametrize("dtype,rtol", [("f16", 2e-3), ("bf16", 2e-2)])
 def test_16_bit_tensors_are_converted_on_load_and_store(dtype, rtol):
     p = welford_layernorm(24, 8, 96, 32, dtype)
@@ -262,6 +274,7 @@ def test_16_bit_tensors_are_converted_on_load_and_store(dtype, rtol):
     assert_matches(got, interp.run(p, inputs), rtol=rtol)
 
 
+@needs_cxx
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(programs())
 def test_random_programs_run_like_the_interpreter(source):
@@ -273,9 +286,10 @@ def test_random_programs_run_like_the_interpreter(source):
         assert set(compile_check(module.source)) == {k.name for k in module.kernels}
 
 
+@needs_cxx
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
 def test_example_fused_by_the_standard_pack_runs_like_the_interpreter(path):
-    fused = _fused_by_the_pack(path.stem)
+    fused = fused_by_the_pack(path.stem)
     assert len(fused.kernels) < len(small_example(path).kernels)
     module = check_emulated(fused, threads=(None, 48))
     if shutil.which("nvcc"):
@@ -300,17 +314,14 @@ def _race_report(module: CudaModule) -> str:
         pytest.skip(f"ThreadSanitizer cannot run here: {err}")
 
 
-def _fused_by_the_pack(stem: str) -> BlockProgram:
-    p = small_example(next(e for e in EXAMPLES if e.stem == stem))
-    return fuse(p, load_packs([]), get_target("h100")).program
-
-
+@needs_cxx
 @pytest.mark.parametrize("name", [*FUSED, "attention fused by the pack"])
 def test_fused_kernels_have_no_data_races(name):
-    p = FUSED[name]() if name in FUSED else _fused_by_the_pack("attention")
+    p = FUSED[name]() if name in FUSED else fused_by_the_pack("attention")
     assert _race_report(generate(p)) == ""
 
 
+@needs_cxx
 def test_race_check_sees_a_missing_barrier():
     module = generate(FUSED["flash_attention"]())
     broken = dataclasses.replace(module, source=module.source.replace("__syncthreads();", ""))
@@ -368,6 +379,7 @@ def test_compile_check_treats_warnings_as_errors():
 # The CuPy launcher: on a stand-in for cupy made of numpy and the emulator, then on a GPU.
 
 
+@needs_cxx
 def test_launcher_runs_on_a_numpy_stand_in_for_cupy(monkeypatch):
     # q and k blocks of 64 x 64 with d = 64: over 48 KiB, so the launcher must raise the
     # function's dynamic shared-memory limit.
@@ -381,6 +393,7 @@ def test_launcher_runs_on_a_numpy_stand_in_for_cupy(monkeypatch):
         module.runner()(Q=inputs["Q"], K=inputs["K"])
 
 
+@needs_cxx
 def test_launcher_converts_16_bit_tensors(monkeypatch):
     p = welford_layernorm(24, 8, 96, 32, "bf16")
     module = generate(p)
