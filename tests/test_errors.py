@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from bbrules.cli import main
 from bbrules.errors import SourceError
 from bbrules.frontend import parse_program
 from bbrules.lower import lower
@@ -109,3 +110,14 @@ def test_lowering_a_statement_that_is_not_expressible():
         lower(program)
     assert "statement 'Y' cannot be lowered" in info.value.message
     assert (info.value.span.line, info.value.span.column) == (5, 1)
+
+
+@pytest.mark.parametrize("name, body, line, column, fragment", CASES, ids=[c[0] for c in CASES])
+def test_the_cli_reports_the_position_and_exits_2(name, body, line, column, fragment, tmp_path,
+                                                  capsys):
+    path = tmp_path / "bad.bbp"
+    path.write_text(HEADER + body + "\n")
+    assert main(["cost", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"{path}:{line}:{column}: error: ") and fragment in err
+    assert "Traceback" not in err

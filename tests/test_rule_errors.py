@@ -6,8 +6,11 @@ from pathlib import Path
 
 import pytest
 
+from bbrules.cli import main
 from bbrules.errors import SourceError
 from bbrules.rulefile import load_pack, parse_rules
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "attention.bbp"
 
 # (name, file text, line, column, part of the message)
 CASES = [
@@ -100,3 +103,15 @@ def test_a_monoid_cannot_change_meaning() -> None:
                     "  finalize = (s)\n", "two.bbr")
     assert (err.value.span.line, err.value.span.column) == (2, 8)
     assert "already defined differently" in err.value.message
+
+
+@pytest.mark.parametrize("command", [["check"], ["apply", str(EXAMPLE), "--rules"]])
+@pytest.mark.parametrize("text, line, column, message",
+                         [c[1:] for c in CASES[:4]], ids=[c[0] for c in CASES[:4]])
+def test_the_cli_reports_rule_file_mistakes_and_exits_2(command, text, line, column, message,
+                                                        tmp_path: Path, capsys) -> None:
+    (tmp_path / "bad.bbr").write_text(text)
+    assert main([*command, str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"{tmp_path / 'bad.bbr'}:{line}:{column}: error: ")
+    assert message in err and "Traceback" not in err
