@@ -8,7 +8,7 @@
 #
 #   benchmarks/gpu.sh [OUT_DIR] [extra bench_gpu.py arguments...]
 #
-# Environment: PYTHON (default: the first Python >= 3.12 on PATH), VENV (where to install if bbrules or CuPy is missing;
+# Environment: PYTHON (default: what scripts/find-python finds, a Python >= 3.12), VENV (where to install if bbrules or CuPy is missing;
 # default OUT_DIR/venv), WHEELHOUSE (a directory of wheels for an offline machine).
 # Exit status: 0 when tests and benchmark passed, 1 when either failed, 2 when the machine is
 # not usable (no GPU, or CuPy cannot be installed).
@@ -35,17 +35,8 @@ CUDA_MAJOR="$(sed -n 's/.*CUDA Version: *\([0-9][0-9]*\).*/\1/p' "$OUT/nvidia-sm
 log "GPU: $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -n1); driver CUDA $CUDA_MAJOR"
 if (( CUDA_MAJOR >= 13 )); then CUPY="cupy-cuda13x[ctk]"; else CUPY="cupy-cuda12x[ctk]"; fi
 
-# bbrules needs Python >= 3.12 (egglog 14 is only built for it)
-pick_python() {
-  local c
-  for c in ${PYTHON:-} python3.13 python3.12 python3; do
-    if command -v "$c" >/dev/null && "$c" -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null; then
-      echo "$c"; return 0
-    fi
-  done
-  return 1
-}
-PY="$(pick_python)" || die "no Python >= 3.12 found (set PYTHON): bbrules needs it for egglog 14"
+# bbrules needs Python >= 3.12 (egglog 14 is only built for it); scripts/find-python honours $PYTHON
+PY="$(scripts/find-python)" || die "no Python >= 3.12 found (set PYTHON): bbrules needs it for egglog 14"
 log "Python: $PY ($("$PY" --version 2>&1))"
 ready() { "$PY" -c 'import bbrules, cupy, pytest, hypothesis; assert cupy.is_available()' 2>/dev/null; }
 if ready; then
