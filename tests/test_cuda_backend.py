@@ -27,13 +27,14 @@ from bbrules.errors import UsageError
 from bbrules.frontend import load_program, parse_program
 from bbrules.fuse import fuse
 from bbrules.inputs import random_inputs
-from bbrules.ir import (Binary, BlockProgram, BlockReduce, Const, Dim, Dot, Get, Load, Monoid,
-                        Reduce, Store, TensorDecl, Tuple, Unary, Var, postorder, register_monoid)
+from bbrules.ir import BlockProgram, Const, Get, Load, Store, Unary, postorder, register_monoid
 from bbrules.lower import lower
 from bbrules.packs import load_packs
 from bbrules.targets import get_target
 
 from cuda_emu import emulate, fake_cupy, race_check
+from irbuild import (WELFORD, add, attention_reference, flash_attention, mul, online_softmax,
+                     program, sub, welford_stats)
 from strategies import programs
 
 EXAMPLES = sorted((Path(__file__).parent.parent / "examples").glob("*.bbp"))
@@ -99,90 +100,27 @@ def fused_by_the_pack(stem: str) -> BlockProgram:
     return fuse(p, load_packs([]), get_target("h100")).program
 
 
-def _v(name: str) -> Var:
-    return Var(name)
-
-
-def _add(x, y):
-    return Binary("add", x, y)
-
-
-def _mul(x, y):
-    return Binary("mul", x, y)
-
-
-_M_NEW = Binary("max", _v("a.m"), _v("b.m"))
-
-
-def _rescale(side: str) -> Unary:
-    return Unary("exp", Binary("sub", _v(f"{side}.m"), _M_NEW))
-
-
-# Online softmax: running max m, denominator l, numerator acc; one result, acc / l.
-ONLINE_SOFTMAX = Monoid(
-    "cuda_test_online_softmax", ("m", "l", "acc"),
-    (Const(float("-inf")), Const(0.0), Const(0.0)),
-    (_M_NEW,
-     _add(_mul(_v("a.l"), _rescale("a")), _mul(_v("b.l"), _rescale("b"))),
-     _add(_mul(_v("a.acc"), _rescale("a")), _mul(_v("b.acc"), _rescale("b")))),
-    (Binary("div", _v("acc"), _v("l")),))
-
-_N = _add(_v("a.n"), _v("b.n"))
-_DELTA = Binary("sub", _v("b.mean"), _v("a.mean"))
-
-# Welford: count, mean, sum of squared deviations; results mean and (population) variance.
-WELFORD = Monoid(
-    "cuda_test_welford", ("n", "mean", "m2"), (Const(0.0), Const(0.0), Const(0.0)),
-    (_N,
-     _add(_v("a.mean"), Binary("div", _mul(_DELTA, _v("b.n")), _N)),
-     _add(_add(_v("a.m2"), _v("b.m2")),
-          Binary("div", _mul(_mul(Unary("square", _DELTA), _v("a.n")), _v("b.n")), _N))),
-    (_v("mean"), Binary("div", _v("m2"), _v("n"))))
-
+# Monoids unknown to every rule pack.  The online softmax finalizes to o / l, the attention
+# output itself, so its fold is stored as it is.
+ONLINE_SOFTMAX = online_softmax("cuda_test_online_softmax")
 register_monoid(ONLINE_SOFTMAX)
 register_monoid(WELFORD)
-
-
-def flash_attention(n_q: int, b_q: int, n_k: int, b_k: int, d: int) -> BlockProgram:
-    """Fused attention as the rules derive it: one kernel, grid over query blocks, one loop
-    over key blocks folding (block max, block denominator, block numerator)."""
-    dims = {"q": Dim("q", n_q, b_q), "k": Dim("k", n_k, b_k), "d": Dim("d", d, d)}
-    tensors = {"Q": TensorDecl("Q", ("q", "d"), role="input"),
-               "K": TensorDecl("K", ("k", "d"), role="input"),
-               "V": TensorDecl("V", ("k", "d"), role="input"),
-               "O": TensorDecl("O", ("q", "d"), role="output")}
-    q, k, v = Load("Q", ("q", "d")), Load("K", ("k", "d")), Load("V", ("k", "d"))
-    s = _mul(Dot("d", q, k), Const(d ** -0.5))
-    block_max = BlockReduce("max", "k", s)
-    p = Unary("exp", Binary("sub", s, block_max))
-    o = Reduce("k", ONLINE_SOFTMAX.name,
-               Tuple((block_max, BlockReduce("sum", "k", p), Dot("k", p, v))))
-    return BlockProgram(dims, tensors, (Store("O", ("q", "d"), o),), ("O",),
-                        {ONLINE_SOFTMAX.name: ONLINE_SOFTMAX})
 
 
 def welford_layernorm(n_m: int, b_m: int, n_e: int, b_e: int, dtype: str = "f32"
                       ) -> BlockProgram:
     """LayerNorm in one kernel over (m, e) blocks: the statistics of each row come from a loop
     over the blocks of e with the Welford monoid, inside a grid that also spans e."""
-    dims = {"m": Dim("m", n_m, b_m), "e": Dim("e", n_e, b_e)}
-    tensors = {"X": TensorDecl("X", ("m", "e"), dtype, "input"),
-               "G": TensorDecl("G", ("e",), dtype, "input"),
-               "B": TensorDecl("B", ("e",), dtype, "input"),
-               "Y": TensorDecl("Y", ("m", "e"), dtype, "output")}
     x = Load("X", ("m", "e"))
-    mean = _mul(BlockReduce("sum", "e", x), Const(1.0 / b_e))
-    m2 = BlockReduce("sum", "e", Unary("square", Binary("sub", x, mean)))
-    stats = Reduce("e", WELFORD.name, Tuple((Const(float(b_e)), mean, m2)))
-    rstd = Unary("rsqrt", _add(Get(1, stats), Const(1e-5)))
-    y = _add(_mul(_mul(Binary("sub", x, Get(0, stats)), rstd), Load("G", ("e",))),
-             Load("B", ("e",)))
-    return BlockProgram(dims, tensors, (Store("Y", ("m", "e"), y),), ("Y",),
-                        {WELFORD.name: WELFORD})
+    stats = welford_stats(x, "e", b_e)
+    rstd = Unary("rsqrt", add(Get(1, stats), Const(1e-5)))
+    y = add(mul(mul(sub(x, Get(0, stats)), rstd), Load("G", ("e",))), Load("B", ("e",)))
+    return program({"m": (n_m, b_m), "e": (n_e, b_e)}, {"X": ("m", "e"), "G": ("e",), "B": ("e",)},
+                   [Store("Y", ("m", "e"), y)], monoids=(WELFORD,), dtype=dtype)
 
 
 FUSED = {
-    "flash_attention": lambda: flash_attention(96, 32, 192, 64, 16),
+    "flash_attention": lambda: flash_attention(96, 32, 192, 64, 16, ONLINE_SOFTMAX),
     "welford_layernorm": lambda: welford_layernorm(24, 8, 96, 32),
 }
 
@@ -241,10 +179,7 @@ def test_flash_attention_in_one_kernel_for_any_thread_count():
     assert len(module.kernels) == 1 and module.kernels[0].grid == 3
     # An independent reference: dense softmax attention in float64.
     inputs = random_inputs(p, seed=1)
-    q, k, v = (inputs[n].astype(np.float64) for n in "QKV")
-    s = q @ k.T * 0.25
-    e = np.exp(s - s.max(axis=1, keepdims=True))
-    want = (e / e.sum(axis=1, keepdims=True)) @ v
+    want = attention_reference(inputs["Q"], inputs["K"], inputs["V"])
     np.testing.assert_allclose(emulate(module, inputs)["O"], want, rtol=1e-4, atol=1e-5)
 
 
@@ -335,7 +270,7 @@ def test_race_check_sees_a_missing_barrier():
 def test_kernels_too_large_for_shared_memory_are_refused():
     # A 256 x 256 f32 score tile alone is 256 KiB, over the H100's 227 KiB per block.
     with pytest.raises(UsageError, match="shared memory"):
-        generate(flash_attention(512, 256, 512, 256, 64))
+        generate(flash_attention(512, 256, 512, 256, 64, ONLINE_SOFTMAX))
 
 
 @pytest.mark.parametrize("name", [*FUSED, *(p.stem for p in EXAMPLES)])
@@ -352,11 +287,8 @@ def test_shared_memory_stays_within_the_cost_models_footprint(name):
 
 
 def test_offsets_into_tensors_past_2_to_the_31_elements_are_64_bit():
-    dims = {"r": Dim("r", 2**16, 64), "c": Dim("c", 2**15, 64)}
-    tensors = {"X": TensorDecl("X", ("r", "c"), role="input"),
-               "Y": TensorDecl("Y", ("r", "c"), role="output")}
-    p = BlockProgram(dims, tensors, (Store("Y", ("r", "c"),
-                                           Unary("exp", Load("X", ("r", "c")))),), ("Y",))
+    p = program({"r": (2**16, 64), "c": (2**15, 64)}, {"X": ("r", "c")},
+                [Store("Y", ("r", "c"), Unary("exp", Load("X", ("r", "c"))))])
     source = generate(p).source
     assert source.count("(long long)") == 2  # the load and the store
     if shutil.which("nvcc"):
@@ -383,7 +315,7 @@ def test_compile_check_treats_warnings_as_errors():
 def test_launcher_runs_on_a_numpy_stand_in_for_cupy(monkeypatch):
     # q and k blocks of 64 x 64 with d = 64: over 48 KiB, so the launcher must raise the
     # function's dynamic shared-memory limit.
-    p = flash_attention(64, 64, 128, 64, 64)
+    p = flash_attention(64, 64, 128, 64, 64, ONLINE_SOFTMAX)
     module = generate(p)
     assert module.kernels[0].shared_bytes > 48 * 1024
     monkeypatch.setitem(sys.modules, "cupy", fake_cupy(module))

@@ -6,46 +6,12 @@ import numpy as np
 import pytest
 
 from bbrules.interp import run
-from bbrules.ir import (Binary, BlockProgram, BlockReduce, Const, Dim, Dot, Get, Load, Monoid,
-                        Reduce, Store, TensorDecl, Tuple, Unary, Var)
+from bbrules.ir import BlockReduce, Const, Get, Load, Reduce, Store, Unary, Var
+
+from irbuild import (ATTENTION_INPUTS, WELFORD, add, attention_reference, div, matmul, mul,
+                     online_softmax, program, rand, softmax_fold, sub, welford_stats)
 
 RTOL, ATOL = 1e-4, 1e-5
-
-
-def program(dims: dict[str, tuple[int, int]], inputs: dict[str, tuple[str, ...]],
-            kernels: list[Store], outputs: tuple[str, ...],
-            monoids: tuple[Monoid, ...] = ()) -> BlockProgram:
-    """A block program whose stored tensors are declared by their kernels."""
-    tensors = {n: TensorDecl(n, axes, "f32", "input") for n, axes in inputs.items()}
-    for k in kernels:
-        tensors[k.tensor] = TensorDecl(k.tensor, k.axes, "f32",
-                                       "output" if k.tensor in outputs else "temp")
-    return BlockProgram({n: Dim(n, e, b) for n, (e, b) in dims.items()}, tensors,
-                        tuple(kernels), outputs, {m.name: m for m in monoids})
-
-
-def rand(*shape: int, seed: int = 0) -> np.ndarray:
-    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
-
-
-def add(x, y):
-    return Binary("add", x, y)
-
-
-def sub(x, y):
-    return Binary("sub", x, y)
-
-
-def mul(x, y):
-    return Binary("mul", x, y)
-
-
-def div(x, y):
-    return Binary("div", x, y)
-
-
-def matmul(a: Load, b: Load, axis: str) -> Reduce:
-    return Reduce(axis, "sum", Dot(axis, a, b))
 
 
 def test_elementwise_broadcasts_by_axis_name_and_stores_in_declared_order():
@@ -74,14 +40,7 @@ def test_renamed_loads_read_the_block_of_the_use_axis():
     np.testing.assert_allclose(run(p, {"X": x})["G"], x @ x.T, rtol=RTOL, atol=ATOL)
 
 
-def attention_reference(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
-    s = q.astype(np.float64) @ k.T * 0.125
-    e = np.exp(s - s.max(axis=1, keepdims=True))
-    return (e / e.sum(axis=1, keepdims=True)) @ v
-
-
 ATTN_DIMS = {"q": (16, 4), "k": (24, 8), "d": (8, 8)}
-ATTN_INPUTS = {"Q": ("q", "d"), "K": ("k", "d"), "V": ("k", "d")}
 
 
 def attn_inputs() -> dict[str, np.ndarray]:
@@ -100,65 +59,40 @@ def test_unfused_attention_returns_every_stored_tensor():
         Store("O", ("q", "d"), matmul(Load("P", ("q", "k")), Load("V", ("k", "d")), "k")),
     ]
     x = attn_inputs()
-    out = run(program(ATTN_DIMS, ATTN_INPUTS, kernels, ("O",)), x)
+    out = run(program(ATTN_DIMS, ATTENTION_INPUTS, kernels, ("O",)), x)
     assert set(out) == {"S", "M", "E", "L", "P", "O"}
     s_ref = x["Q"] @ x["K"].T * 0.125
     np.testing.assert_allclose(out["S"], s_ref, rtol=RTOL, atol=ATOL)
     np.testing.assert_allclose(out["M"], s_ref.max(axis=1), rtol=RTOL, atol=ATOL)
-    np.testing.assert_allclose(out["O"], attention_reference(x["Q"], x["K"], x["V"]),
+    np.testing.assert_allclose(out["O"], attention_reference(x["Q"], x["K"], x["V"], 0.125),
                                rtol=RTOL, atol=ATOL)
 
 
-def online_softmax() -> Monoid:
-    """State (running max m, denominator l, numerator o); finalize to (o / l, logsumexp)."""
-    am, bm, al, bl, ao, bo = (Var(v) for v in ("a.m", "b.m", "a.l", "b.l", "a.o", "b.o"))
-    new_m = Binary("max", am, bm)
-    sa, sb = Unary("exp", sub(am, new_m)), Unary("exp", sub(bm, new_m))
-    return Monoid("online_softmax_test", ("m", "l", "o"),
-                  (Const(float("-inf")), Const(0.0), Const(0.0)),
-                  (new_m, add(mul(al, sa), mul(bl, sb)), add(mul(ao, sa), mul(bo, sb))),
-                  (div(Var("o"), Var("l")), add(Var("m"), Unary("log", Var("l")))))
+# Finalizes to (o / l, logsumexp): two results, each read by its own Get.
+LSE_SOFTMAX = online_softmax("online_softmax_test",
+                             (div(Var("o"), Var("l")), add(Var("m"), Unary("log", Var("l")))))
 
 
 def test_multi_component_monoid_gives_one_pass_attention_and_get_reads_each_result():
     s = mul(matmul(Load("Q", ("q", "d")), Load("K", ("k", "d")), "d"), Const(0.125))
-    m = BlockReduce("max", "k", s)
-    e = Unary("exp", sub(s, m))
-    body = Tuple((m, BlockReduce("sum", "k", e), Dot("k", e, Load("V", ("k", "d")))))
-    flash = Reduce("k", "online_softmax_test", body)
+    flash = softmax_fold(LSE_SOFTMAX.name, s, Load("V", ("k", "d")))
     kernels = [Store("O", ("q", "d"), Get(0, flash)),
                Store("OL", ("q", "d"), add(Get(0, flash), Get(1, flash)))]
     x = attn_inputs()
-    out = run(program(ATTN_DIMS, ATTN_INPUTS, kernels, ("O", "OL"), (online_softmax(),)), x)
-    o_ref = attention_reference(x["Q"], x["K"], x["V"])
+    out = run(program(ATTN_DIMS, ATTENTION_INPUTS, kernels, ("O", "OL"), (LSE_SOFTMAX,)), x)
+    o_ref = attention_reference(x["Q"], x["K"], x["V"], scale=0.125)
     np.testing.assert_allclose(out["O"], o_ref, rtol=RTOL, atol=ATOL)
     s_ref = x["Q"].astype(np.float64) @ x["K"].T * 0.125
     lse = s_ref.max(axis=1) + np.log(np.exp(s_ref - s_ref.max(axis=1, keepdims=True)).sum(axis=1))
     np.testing.assert_allclose(out["OL"], o_ref + lse[:, None], rtol=RTOL, atol=ATOL)
 
 
-def welford() -> Monoid:
-    """State (count n, mean, M2); finalize to (mean, variance)."""
-    an, bn, amu, bmu, am2, bm2 = (Var(v) for v in ("a.n", "b.n", "a.mean", "b.mean", "a.m2",
-                                                     "b.m2"))
-    n = add(an, bn)
-    delta = sub(bmu, amu)
-    return Monoid("welford_test", ("n", "mean", "m2"), (Const(0.0), Const(0.0), Const(0.0)),
-                  (n, add(amu, div(mul(delta, bn), n)),
-                   add(add(am2, bm2), div(mul(mul(Unary("square", delta), an), bn), n))),
-                  (Var("mean"), div(Var("m2"), Var("n"))))
-
-
 def test_welford_monoid_gives_mean_and_variance_in_one_loop():
     x = rand(6, 32) + 100.0
-    xs = Load("X", ("m", "e"))
-    block_mean = mul(BlockReduce("sum", "e", xs), Const(1 / 8))
-    body = Tuple((Const(8.0), block_mean,
-                  BlockReduce("sum", "e", Unary("square", sub(xs, block_mean)))))
-    stats = Reduce("e", "welford_test", body)
+    stats = welford_stats(Load("X", ("m", "e")), "e", 8)
     kernels = [Store("MU", ("m",), Get(0, stats)), Store("VAR", ("m",), Get(1, stats))]
     p = program({"m": (6, 3), "e": (32, 8)}, {"X": ("m", "e")}, kernels, ("MU", "VAR"),
-                (welford(),))
+                (WELFORD,))
     out = run(p, {"X": x})
     np.testing.assert_allclose(out["MU"], x.mean(axis=1), rtol=RTOL)
     np.testing.assert_allclose(out["VAR"], x.astype(np.float64).var(axis=1), rtol=1e-3)

@@ -2,7 +2,7 @@
 
 Every example at small shapes (several blocks per axis, non-square blocks, and one block per
 axis), hand-built fused programs (Flash Attention with an online-softmax monoid, LayerNorm +
-matmul with a Welford monoid, both registered here and unknown to the backend), the loops the
+matmul with a Welford monoid, both built in `irbuild` and unknown to the backend), the loops the
 generated code runs (exactly the schedule's), its peak memory, and random programs.
 """
 
@@ -20,11 +20,13 @@ from bbrules import dense, interp
 from bbrules.codegen import numpy_gen
 from bbrules.frontend import load_program, parse_program
 from bbrules.inputs import random_inputs
-from bbrules.ir import (Binary, BlockProgram, BlockReduce, Const, Dim, Dot, Get, Load, Monoid,
-                        Reduce, Store, TensorDecl, Tuple, Unary, Var)
+from bbrules.ir import (BlockProgram, BlockReduce, Const, Dot, Get, Load, Monoid, Reduce, Store,
+                        Unary, Var)
 from bbrules.lower import lower
 from bbrules.schedule import Loop, schedule_kernel, walk_steps
 
+from irbuild import (WELFORD, add, attention_reference, div, flash_attention, mul, online_softmax,
+                     program, rand, sub, welford_stats)
 from strategies import programs
 
 EXAMPLES = sorted((Path(__file__).parent.parent / "examples").glob("*.bbp"))
@@ -84,74 +86,22 @@ def test_examples_match_interpreter_and_dense(path, pool):
 
 
 # --------------------------------------------------------------------------------------------
-# Hand-built fused programs with monoids defined here.
+# Hand-built fused programs with monoids the backend does not know.
 
 
-def online_softmax() -> Monoid:
-    """State (running max, denominator, numerator); combine rescales by exp(m_old - m_new)."""
-    m = Binary("max", Var("a.m"), Var("b.m"))
-    scale_a = Unary("exp", Binary("sub", Var("a.m"), m))
-    scale_b = Unary("exp", Binary("sub", Var("b.m"), m))
-
-    def rescaled(c: str) -> Binary:
-        return Binary("add", Binary("mul", Var(f"a.{c}"), scale_a),
-                      Binary("mul", Var(f"b.{c}"), scale_b))
-
-    return Monoid("test_online_softmax", ("m", "l", "o"),
-                  (Const(float("-inf")), Const(0.0), Const(0.0)),
-                  (m, rescaled("l"), rescaled("o")), (Var("l"), Var("o")))
+# Finalizes to (l, o): the stored output divides the two results outside the fold.
+LO_SOFTMAX = online_softmax("test_online_softmax", (Var("l"), Var("o")))
 
 
-def welford() -> Monoid:
-    """State (count, mean, M2): the numerically stable one-pass mean and variance."""
-    n = Binary("add", Var("a.n"), Var("b.n"))
-    delta = Binary("sub", Var("b.mean"), Var("a.mean"))
-    mean = Binary("add", Var("a.mean"), Binary("div", Binary("mul", delta, Var("b.n")), n))
-    m2 = Binary("add", Binary("add", Var("a.m2"), Var("b.m2")),
-                Binary("div", Binary("mul", Binary("mul", Binary("mul", delta, delta),
-                                                   Var("a.n")), Var("b.n")), n))
-    return Monoid("test_welford", ("n", "mean", "m2"), (Const(0.0), Const(0.0), Const(0.0)),
-                  (n, mean, m2), (Var("mean"), Binary("div", Var("m2"), Var("n"))))
-
-
-def program(dims: dict[str, tuple[int, int]], inputs: dict[str, tuple[str, ...]],
-            kernels: list[Store], monoids: tuple[Monoid, ...] = ()) -> BlockProgram:
-    """A block program whose last kernel is the output."""
-    tensors = {n: TensorDecl(n, axes, "f32", "input") for n, axes in inputs.items()}
-    for k in kernels:
-        role = "output" if k is kernels[-1] else "temp"
-        tensors[k.tensor] = TensorDecl(k.tensor, k.axes, "f32", role)
-    return BlockProgram({n: Dim(n, e, b) for n, (e, b) in dims.items()}, tensors,
-                        tuple(kernels), (kernels[-1].tensor,), {m.name: m for m in monoids})
-
-
-def flash_attention(n: int, d: int, bq: int, bk: int) -> BlockProgram:
-    """One kernel, grid over query blocks, one loop over key blocks (no N x N tile)."""
-    m = online_softmax()
-    q, k, v = Load("Q", ("q", "d")), Load("K", ("k", "d")), Load("V", ("k", "d"))
-    s = Binary("mul", Dot("d", q, k), Const(1 / np.sqrt(d)))
-    block_max = BlockReduce("max", "k", s)
-    e = Unary("exp", Binary("sub", s, block_max))
-    state = Reduce("k", m.name, Tuple((block_max, BlockReduce("sum", "k", e), Dot("k", e, v))))
-    out = Binary("div", Get(1, state), Get(0, state))
-    return program({"q": (n, bq), "k": (n, bk), "d": (d, d)},
-                   {"Q": ("q", "d"), "K": ("k", "d"), "V": ("k", "d")},
-                   [Store("O", ("q", "d"), out)], (m,))
-
-
-def attention_reference(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
-    s = q.astype(np.float64) @ k.T.astype(np.float64) / np.sqrt(q.shape[1])
-    p = np.exp(s - s.max(axis=1, keepdims=True))
-    return (p / p.sum(axis=1, keepdims=True)) @ v
-
-
-def rand(*shape: int, seed: int = 0, loc: float = 0.0) -> np.ndarray:
-    return (np.random.default_rng(seed).standard_normal(shape) + loc).astype(np.float32)
+def flash(n: int, d: int, bq: int, bk: int) -> BlockProgram:
+    """Flash Attention over n queries and n keys, reading o / l from the fold's two results."""
+    return flash_attention(n, bq, n, bk, d, LO_SOFTMAX,
+                           lambda fold: div(Get(1, fold), Get(0, fold)))
 
 
 @pytest.mark.parametrize("n, d, bq, bk", [(48, 8, 16, 12), (64, 16, 64, 8), (32, 4, 8, 32)])
 def test_flash_attention_matches_plain_attention(n, d, bq, bk):
-    p = flash_attention(n, d, bq, bk)
+    p = flash(n, d, bq, bk)
     inputs = {"Q": rand(n, d, seed=1), "K": rand(n, d, seed=2), "V": rand(n, d, seed=3)}
     got = numpy_gen.run(p, inputs)["O"]
     assert_close(got, interp.run(p, inputs)["O"], "vs interpreter")
@@ -161,7 +111,7 @@ def test_flash_attention_matches_plain_attention(n, d, bq, bk):
 
 def test_fused_attention_never_allocates_n_by_n():
     n, d, bk = 1024, 16, 64
-    fused = numpy_gen.load(flash_attention(n, d, 64, bk))
+    fused = numpy_gen.load(flash(n, d, 64, bk))
     unfused_ast = parse_program(
         "dim q = 1024 / 64\ndim k = 1024 / 64\ndim d = 16\n"
         "input Q[q, d], K[k, d], V[k, d] : f32\n"
@@ -189,22 +139,17 @@ def test_fused_attention_never_allocates_n_by_n():
 def layernorm_matmul(m: int, e: int, n: int, bm: int, be: int, bn: int) -> BlockProgram:
     """Y = LayerNorm(X) @ W, fused: rstd * (X @ GW - mean * 1^T GW) + B @ W, every reduction
     over e in one loop (the scheduler merges the four siblings)."""
-    w = welford()
     x, g, b, wt = Load("X", ("m", "e")), Load("G", ("e",)), Load("B", ("e",)), Load("W", ("e", "n"))
-    block_mean = Binary("mul", BlockReduce("sum", "e", x), Const(1.0 / be))
-    centred = Binary("sub", x, block_mean)
-    stats = Reduce("e", w.name, Tuple((Const(float(be)), block_mean,
-                                        BlockReduce("sum", "e", Unary("square", centred)))))
-    gw = Binary("mul", g, wt)
+    stats = welford_stats(x, "e", be)
+    gw = mul(g, wt)
     xgw = Reduce("e", "sum", Dot("e", x, gw))
     ones_gw = Reduce("e", "sum", BlockReduce("sum", "e", gw))
     bw = Reduce("e", "sum", Dot("e", b, wt))
-    rstd = Unary("rsqrt", Binary("add", Get(1, stats), Const(1e-5)))
-    y = Binary("add", Binary("mul", rstd, Binary("sub", xgw, Binary("mul", Get(0, stats), ones_gw))),
-               bw)
+    rstd = Unary("rsqrt", add(Get(1, stats), Const(1e-5)))
+    y = add(mul(rstd, sub(xgw, mul(Get(0, stats), ones_gw))), bw)
     return program({"m": (m, bm), "e": (e, be), "n": (n, bn)},
                    {"X": ("m", "e"), "G": ("e",), "B": ("e",), "W": ("e", "n")},
-                   [Store("Y", ("m", "n"), y)], (w,))
+                   [Store("Y", ("m", "n"), y)], monoids=(WELFORD,))
 
 
 def test_welford_layernorm_matmul_runs_in_one_loop():
@@ -228,15 +173,11 @@ def test_layernorm_statistics_over_the_grid_axis_itself(block):
     """The store's grid includes e and a reduction loops over e: inside the loop, e is the
     loop's block; outside, every block of the grid.  Over one block the fold is simplified
     (no loop), which must not change the statistics."""
-    w = welford()
     x = Load("X", ("m", "e"))
-    block_mean = Binary("mul", BlockReduce("sum", "e", x), Const(1.0 / block))
-    stats = Reduce("e", w.name, Tuple((Const(float(block)), block_mean, BlockReduce(
-        "sum", "e", Unary("square", Binary("sub", x, block_mean))))))
-    y = Binary("mul", Binary("sub", x, Get(0, stats)),
-               Unary("rsqrt", Binary("add", Get(1, stats), Const(1e-5))))
+    stats = welford_stats(x, "e", block)
+    y = mul(sub(x, Get(0, stats)), Unary("rsqrt", add(Get(1, stats), Const(1e-5))))
     p = program({"m": (12, 4), "e": (16, block)}, {"X": ("m", "e")},
-                [Store("Y", ("m", "e"), y)], (w,))
+                [Store("Y", ("m", "e"), y)], monoids=(WELFORD,))
     inputs = {"X": rand(12, 16, seed=5, loc=3.0)}
     x64 = inputs["X"].astype(np.float64)
     want = (x64 - x64.mean(1, keepdims=True)) / np.sqrt(x64.var(1, keepdims=True) + 1e-5)
@@ -262,8 +203,9 @@ def test_a_temporary_an_accumulator_aliases_is_not_overwritten():
     accumulator alias that array; a later step must not write into it in place."""
     last = Monoid("test_last", ("s",), (Const(0.0),), (Var("b.s"),), (Var("s"),))
     e = Unary("exp", Load("A", ("q",)))
-    y = Binary("add", Reduce("k", last.name, e), Unary("neg", e))
-    p = program({"q": (8, 4), "k": (6, 2)}, {"A": ("q",)}, [Store("Y", ("q",), y)], (last,))
+    y = add(Reduce("k", last.name, e), Unary("neg", e))
+    p = program({"q": (8, 4), "k": (6, 2)}, {"A": ("q",)}, [Store("Y", ("q",), y)],
+                monoids=(last,))
     inputs = {"A": rand(8, seed=1)}
     got = numpy_gen.run(p, inputs)["Y"]
     assert_close(got, interp.run(p, inputs)["Y"], "vs interpreter")
@@ -275,8 +217,8 @@ def test_transposed_store_renamed_load_and_scalar_tiles():
     and an all-constant subterm."""
     a = Load("A", ("i", "j"))
     twin = Load("A", ("i", "t"))
-    c = Unary("exp", Binary("add", Const(1.0), Const(0.5)))
-    value = Binary("mul", Binary("sub", a, Reduce("t", "max", BlockReduce("max", "t", twin))), c)
+    c = Unary("exp", add(Const(1.0), Const(0.5)))
+    value = mul(sub(a, Reduce("t", "max", BlockReduce("max", "t", twin))), c)
     p = program({"i": (6, 3), "j": (8, 4), "t": (8, 4)}, {"A": ("i", "j")},
                 [Store("T", ("j", "i"), value)])
     inputs = {"A": rand(6, 8, seed=3)}
@@ -287,7 +229,7 @@ def test_transposed_store_renamed_load_and_scalar_tiles():
 
 
 def test_inputs_are_checked():
-    p = flash_attention(16, 4, 8, 8)
+    p = flash(16, 4, 8, 8)
     module = numpy_gen.load(p)
     with pytest.raises(ValueError, match="missing input 'V'"):
         module.run(Q=rand(16, 4), K=rand(16, 4))
