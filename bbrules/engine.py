@@ -781,7 +781,9 @@ def run_checks(pack: RulePack, budget: Budget = CHECK_BUDGET) -> list[CheckFailu
     A check runs only the rule (or ruleset) it names, from a fresh e-graph holding just its
     term, until saturation or `budget`.  `term => expect` holds when the expected term is then
     in the term's e-class, `term !=> expect` when it is not (so the direction of a one-way rule
-    is checked), and a bare `term` when the rules never match it.
+    is checked), and a bare `term` when the rules never match it.  A `load(store(v))` of a
+    check term is a load of the intermediate tensor `check.stored` names, written as `fuse`
+    writes a program's: carrying the value stored, renamed to the load's axes.
     """
     failures = []
     compiled: dict[str, CompiledPack] = {}
@@ -792,7 +794,7 @@ def run_checks(pack: RulePack, budget: Budget = CHECK_BUDGET) -> list[CheckFailu
             compiled[target] = compile_pack(pack, chosen)
         cp = compiled[target]
         sat = Saturator(cp, check.dims)
-        sat.add_terms({"term": check.term})
+        sat.add_terms({"term": check.term}, check.stored)
         stats = sat.run(budget, stages=[Stage("check", tuple(cp.rulesets))])
         graph = sat.freeze()
         same = check.expect is not None and graph.lookup(check.expect) == graph.named["term"]

@@ -21,12 +21,14 @@ the outputs has at most `EXHAUSTIVE_LIMIT` candidates it is enumerated.  Otherwi
 search runs from two seeds: the input program itself, and a forward-everything program picked
 by a tree cost that multiplies a loop body by its trip count (so nested loop-invariant
 reductions, which the scheduler would run as separate passes, look expensive).  It takes the
-first single change of the current candidate that lowers the cost, and when none does, tries
-each change together with one change below it (see `Extractor.local_search`).  That suffices
-on the paper's programs because every step towards the fused form (forward a load, move a
-factor out of a loop, switch to an online monoid) is cheaper by itself once what it exposes
-is chosen well.  The search is bounded by a count of priced candidates, not by a clock, so the
-result does not depend on the machine's speed.
+first move that lowers the cost, and when none does, tries each move together with one change
+below it (see `Extractor.local_search`).  A move is a single change of one choice, or a change
+of several choices that only pay off together (see `Extractor.moves`): every load of an
+intermediate tensor forwarded, or every one materialised, at once (a tensor read through
+renamed references has a load class per reference); and the users of a shared value switching
+away from it at once (the RMSNorm sum of squares leaves its own pass only when both the gate
+and the up projection sink it into their loop).  The search is bounded by a count of built
+candidates, not by a clock, so the result does not depend on the machine's speed.
 
 Ties break on the cost key (objective, flops, kernels), then on the program text, so the result
 never depends on hash order.  The input program is always a candidate: the result is never
@@ -38,7 +40,8 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Iterator, Mapping
+from itertools import product
+from typing import Iterable, Iterator, Mapping, TypeAlias
 
 from .cost import ProgramCost, cost_kernel, cost_program
 from .engine import ClassGraph, ENode
@@ -47,10 +50,16 @@ from .ir import (BUILTIN_MONOIDS, MONOIDS, BlockProgram, IRError, Load, Node, St
 from .targets import Target
 
 EXHAUSTIVE_LIMIT = 1000  # candidates: at about half a millisecond each, at most half a second
-MAX_EVALUATIONS = 2_000  # local search prices at most this many candidates per extraction
+MAX_EVALUATIONS = 2_000  # local search builds at most this many candidates per extraction
 MOVES_PER_CLASS = 12  # options of one class a local search step tries
+RELEASE_USERS = 4  # a shared class is released only from at most this many users at once
+RELEASE_WAYS = 3  # options per user a release move combines
+RELEASE_MOVES = 4  # release moves per shared class
 FOLLOWUP_SLACK = 2.0  # a move is combined with follow-ups only if at most this much costlier
 _COMMUTATIVE = {"add", "mul", "max", "min"}
+
+Slot: TypeAlias = int | str  # an e-class's use choice, or a stored tensor's definition choice
+Move: TypeAlias = tuple[tuple[Slot, int], ...]  # new option indices for some slots
 
 
 @dataclass(frozen=True)
@@ -88,6 +97,15 @@ class Choice:
     def with_define(self, t: str, i: int) -> Choice:
         return Choice(self.use, {**self.define, t: i})
 
+    def changed(self, move: Move) -> Choice:
+        use, define = dict(self.use), dict(self.define)
+        for slot, i in move:
+            if isinstance(slot, str):
+                define[slot] = i
+            else:
+                use[slot] = i
+        return Choice(use, define)
+
 
 @dataclass(frozen=True)
 class Built:
@@ -106,13 +124,20 @@ class Extractor:
         self.target = target
         self.objective = objective
         self.max_kernels = max_kernels
-        self.stored = {k.tensor for k in source.kernels}
+        self.stored = tuple(k.tensor for k in source.kernels)
         self.options = {c: _prune(ns) for c, ns in graph.classes.items()}
+        self.load_option = {c: {n.attrs[0]: i for i, n in enumerate(ns) if self.is_stored_load(n)}
+                            for c, ns in self.options.items()}
         self.definitions = {t: [i for i, n in enumerate(self.options[graph.named[t]])
                                 if not self.is_stored_load(n)]
                             for t in self.stored}
         self.compulsory = sum(_tensor_bytes(source, t) for t in source.tensors.values()
                               if t.role == "input" or t.name in source.outputs)
+        # Every term node built, once: equal terms of different candidates are then the same
+        # object, so comparing them (cache lookups) stops at the first shared child instead of
+        # walking both DAGs, which takes time exponential in the depth of their sharing.
+        self.interned: dict[Node, Node] = {}
+        self.built = 0
         self.priced = 0
         self.rejected = 0
         self.cache: dict[tuple, tuple | None] = {}
@@ -136,7 +161,8 @@ class Extractor:
         def make(node: ENode) -> Node:
             if node.kind == "Reduce":
                 monoids.add(node.attrs[1])
-            return node.build(tuple(term(k) for k in node.children))
+            built = node.build(tuple(term(k) for k in node.children))
+            return self.interned.setdefault(built, built)
 
         def term(c: int) -> Node:
             if c in memo:
@@ -213,6 +239,8 @@ class Extractor:
                            self.target, self.compulsory)
 
     def evaluate(self, choice: Choice) -> tuple[tuple, Built] | None:
+        """The key and program of a candidate, or None if it is invalid or rejected."""
+        self.built += 1
         try:
             built = self.build(choice)
         except _Invalid:
@@ -326,15 +354,14 @@ class Extractor:
         return self.tree
 
     def local_search(self, start: Choice, budget: int) -> tuple[tuple, Built] | None:
-        """First-improvement descent on the cost key from `start`, pricing at most up to
-        `budget` candidates in all.
+        """First-improvement descent on the cost key from `start`, building at most up to
+        `budget` candidates in all (`self.built`).
 
-        The moves are every single change of a reached class or of a stored tensor's
-        definition, scanned in a fixed order that resumes after the last accepted move.  When
-        a whole scan finds nothing better, one more scan also tries each move together with
-        each single change of the classes it newly reaches: those start from default choices,
-        and a good change is often held back by one bad default below it.  Only a strictly
-        lower key is progress, so the walk is deterministic and ends.
+        The moves (see `moves`) are scanned in a fixed order that resumes after the last
+        accepted move.  When a whole scan finds nothing better, one more scan also tries each
+        move together with each single change of the classes it newly reaches: those start
+        from default choices, and a good change is often held back by one bad default below
+        it.  Only a strictly lower key is progress, so the walk is deterministic and ends.
         """
         current = self.evaluate(start)
         if current is None:
@@ -342,9 +369,9 @@ class Extractor:
         choice = start
         resume = 0
         deep = False
-        while self.priced < budget:
+        while self.built < budget:
             moves = self.moves(choice, current[1])
-            step = self.scan(moves, resume, current, budget, deep)
+            step = self.scan(choice, moves, resume, current, budget, deep)
             if step is None:
                 if deep:
                     break
@@ -355,44 +382,153 @@ class Extractor:
             deep = False
         return current
 
-    def scan(self, moves: list[Choice], resume: int, current: tuple[tuple, Built], budget: int,
-             deep: bool) -> tuple[int, tuple[tuple, Built], Choice] | None:
+    def scan(self, choice: Choice, moves: list[Move], resume: int, current: tuple[tuple, Built],
+             budget: int, deep: bool) -> tuple[int, tuple[tuple, Built], Choice] | None:
         """The first move (from position `resume`, cyclically) that lowers the key, with its
-        position and result; with `deep`, moves combined with one follow-up change count."""
+        position, result and choice; with `deep`, moves combined with one follow-up change
+        count."""
         key, built = current
         for n in range(resume, resume + len(moves)):
-            if self.priced >= budget:
+            if self.built >= budget:
                 return None
             move = moves[n % len(moves)]
-            found = self.evaluate(move)
+            moved = choice.changed(move)
+            found = self.evaluate(moved)
             if found is not None and found[0] < key:
-                return n, found, move
+                return n, found, moved
             if deep and (found is None or _near(found[0], key)):
-                for m in self.followups(move, built):
-                    found = self.evaluate(m)
+                for extra in self.followups(moved, None if found is None else found[1], built):
+                    if self.built >= budget:
+                        return None
+                    further = moved.changed(extra)
+                    found = self.evaluate(further)
                     if found is not None and found[0] < key:
-                        return n, found, m
+                        return n, found, further
         return None
 
-    def moves(self, choice: Choice, built: Built) -> list[Choice]:
-        """Every single change of a class or definition `built` depends on."""
-        out = [choice.with_use(c, i) for c in built.reached
-               for i in self.alternatives(c) if i != choice.use[c]]
-        out += [choice.with_define(t, j) for t in built.defined
-                for j in range(len(self.definitions[t])) if j != choice.define[t]]
+    # -- moves
+
+    def moves(self, choice: Choice, built: Built) -> list[Move]:
+        """Every single change of a class or definition `built` depends on, then the coupled
+        changes (`tensor_moves`, `release_moves`) that are not single changes already."""
+        out = self.single_moves(choice, built.reached, built.defined)
+        seen = set(out)
+        for move in (*self.tensor_moves(choice, built), *self.release_moves(choice, built)):
+            if move and move not in seen:
+                seen.add(move)
+                out.append(move)
         return out
 
-    def followups(self, move: Choice, before: Built) -> list[Choice]:
-        """Single changes of the classes and definitions `move` reaches that `before` did not."""
-        try:
-            after = self.build(move)
-        except _Invalid:
-            return []
+    def single_moves(self, choice: Choice, classes: Iterable[int],
+                     tensors: Iterable[str]) -> list[Move]:
+        out: list[Move] = [((c, i),) for c in classes for i in self.alternatives(c)
+                           if i != choice.use[c]]
+        out += [((t, j),) for t in tensors for j in range(len(self.definitions[t]))
+                if j != choice.define[t]]
+        return out
+
+    def tensor_moves(self, choice: Choice, built: Built) -> list[Move]:
+        """Per intermediate tensor, decide all its loads at once: materialise it everywhere
+        the candidate could load it, or forward every load of it.
+
+        A tensor read through several references (renamed axes: `S[q, k]` and `S[q, t]`)
+        has a load class per reference, and it leaves global memory only when every one of
+        them is forwarded: one at a time, each step keeps the kernel and looks no better.
+        The choices a move forces come with it: forwarded uses of a tensor under its own axes
+        take its kernel's definition, and a materialised kernel defines what the uses
+        computed.
+        """
+        out: list[Move] = []
+        for t in self.stored:
+            loads = [c for c in built.reached if t in self.load_option[c]]
+            if not loads:
+                continue
+            root = self.graph.named[t]
+            stored = [c for c in loads if choice.use[c] == self.load_option[c][t]]
+            materialise: list[tuple[Slot, int]] = [(c, self.load_option[c][t]) for c in loads
+                                                   if c not in stored]
+            if root in loads and root not in stored and choice.use[root] in self.definitions[t]:
+                materialise.append((t, self.definitions[t].index(choice.use[root])))
+            forward = [(c, i) for c in stored
+                       if (i := self.forwarded(choice, c, t)) != choice.use[c]]
+            out += [tuple(materialise), tuple(forward)]
+        return out
+
+    def forwarded(self, choice: Choice, c: int, t: str) -> int:
+        """The option replacing a load of `t` in class `c` when `t` is forwarded."""
+        if c == self.graph.named[t] and self.definitions[t]:
+            return self.definitions[t][choice.define[t]]
+        values = [i for i in self.alternatives(c) if not self.is_stored_load(self.options[c][i])]
+        return values[0] if values else choice.use[c]
+
+    def release_moves(self, choice: Choice, built: Built) -> list[Move]:
+        """For each class that several chosen nodes use, those nodes switch away from it
+        together.
+
+        A value that sibling terms share costs until its last user stops needing it: the
+        sum of squares that RMSNorm's gate and up projections both scale by disappears from
+        its own pass over the row only when both switch to the form that sinks it into their
+        loop, and each switch alone costs more.  With up to `RELEASE_USERS` users, each
+        user's `RELEASE_WAYS` best options (by tree cost) that do not use the class are
+        combined, fewest rank points first, `RELEASE_MOVES` combinations per class.
+        """
+        users: dict[int, list[Slot]] = {}
+        for slot in (*built.reached, *built.defined):
+            node = self.chosen(choice, slot)
+            if isinstance(slot, int) and self.is_stored_load(node):
+                continue
+            for k in dict.fromkeys(node.children):
+                users.setdefault(k, []).append(slot)
+        out: list[Move] = []
+        for shared, slots in users.items():
+            if not 2 <= len(slots) <= RELEASE_USERS:
+                continue
+            ways = [self.without(choice, s, shared)[:RELEASE_WAYS] for s in slots]
+            if not all(ways):
+                continue
+            combos = sorted(product(*(range(len(w)) for w in ways)), key=sum)[:RELEASE_MOVES]
+            out += [tuple((s, w[r]) for s, w, r in zip(slots, ways, ranks)) for ranks in combos]
+        return out
+
+    def without(self, choice: Choice, slot: Slot, shared: int) -> list[int]:
+        """The options of `slot`, best first, other than its current one, that neither use
+        class `shared` nor load a stored tensor."""
+        return [i for i in self.slot_options(slot)
+                if i != self.current(choice, slot)
+                and shared not in self.slot_node(slot, i).children
+                and not self.is_stored_load(self.slot_node(slot, i))]
+
+    def followups(self, moved: Choice, after: Built | None, before: Built) -> list[Move]:
+        """Single changes of the classes and definitions `moved` (built as `after`, unless
+        None) reaches that `before` did not."""
+        if after is None:
+            try:
+                after = self.build(moved)
+            except _Invalid:
+                return []
         reached = set(before.reached)
         defined = set(before.defined)
-        fresh = Built(after.program, tuple(c for c in after.reached if c not in reached),
-                      tuple(t for t in after.defined if t not in defined))
-        return self.moves(move, fresh)
+        return self.single_moves(moved, [c for c in after.reached if c not in reached],
+                                 [t for t in after.defined if t not in defined])
+
+    # -- slots: a class's use choice (int) or a stored tensor's definition choice (str)
+
+    def slot_options(self, slot: Slot) -> list[int]:
+        if isinstance(slot, str):
+            return list(range(len(self.definitions[slot])))
+        return self.alternatives(slot)
+
+    def slot_node(self, slot: Slot, i: int) -> ENode:
+        if isinstance(slot, str):
+            return self.options[self.graph.named[slot]][self.definitions[slot][i]]
+        return self.options[slot][i]
+
+    @staticmethod
+    def current(choice: Choice, slot: Slot) -> int:
+        return choice.define[slot] if isinstance(slot, str) else choice.use[slot]
+
+    def chosen(self, choice: Choice, slot: Slot) -> ENode:
+        return self.slot_node(slot, self.current(choice, slot))
 
 
 def extract(graph: ClassGraph, source: BlockProgram, target: Target, objective: str = "time",
@@ -407,8 +543,10 @@ def extract(graph: ClassGraph, source: BlockProgram, target: Target, objective: 
         found = [r for r in map(ex.evaluate, candidates) if r is not None]
     else:
         method = "local search"
-        for seed in (ex.seed_from(source), ex.default_choice()):
-            r = ex.local_search(seed, MAX_EVALUATIONS)
+        seeds = (ex.seed_from(source), ex.default_choice())
+        for n, seed in enumerate(seeds):
+            # Each seed may build an equal share of what the earlier ones left.
+            r = ex.local_search(seed, ex.built + (MAX_EVALUATIONS - ex.built) // (len(seeds) - n))
             if r is not None:
                 found.append(r)
     original = ex.price(source)

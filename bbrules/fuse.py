@@ -143,7 +143,8 @@ def _chain(source: BlockProgram, result: BlockProgram, rules: list[Rule],
                 env: dict[str, object] = {}
                 if isinstance(made, PVar) or not _matches(made, term, env, source.dims):
                     continue
-                found.setdefault(rule.name, show_node(term))
+                if rule.name not in found:  # a term prints as a tree: print one per rule
+                    found[rule.name] = show_node(term)
                 before = _instantiate(source_side, env, source.dims)
                 if before is not None:
                     todo.extend(n for n in postorder(before) if n not in old and n not in seen)

@@ -125,6 +125,8 @@ class Check:
 
     Terms are ground IR terms over loads of tensors declared in the check's `dims`/`tensors`
     header (see the rule-language docs); `expect` is None for a bare "must not change" check.
+    `stored` gives the tensors that `load(store(v))` in the terms reads: name -> (its axes,
+    the value stored), as a program's kernels would store them.
     """
 
     rule: str
@@ -133,6 +135,7 @@ class Check:
     negated: bool = False
     dims: dict[str, tuple[int, int]] = field(default_factory=dict)
     span: Span | None = field(default=None, compare=False)
+    stored: dict[str, tuple[tuple[str, ...], Node]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -21,10 +21,11 @@ from pathlib import Path
 from lark import Token
 
 from .errors import SourceError, Span
-from .exprsyntax import (Call, Expr, ExprTransformer, MonoidDecl, Name, Num, PatVar, Resolver,
-                         Scope, Size, article, parse, resolve_monoid)
+from .exprsyntax import (Call, Expr, ExprTransformer, Indexed, MonoidDecl, Name, Num, PatVar,
+                         Resolver, Scope, Size, article, parse, resolve_monoid)
 from .instantiate import NotInstantiable, checked_type, flipped, instances
-from .ir import BUILTIN_MONOIDS, IRError, Node, Store, Type, register_monoid, show_node, type_of
+from .ir import (BUILTIN_MONOIDS, IRError, Load, Node, Store, TileType, Type, postorder,
+                 register_monoid, show_node, type_of)
 from .rule import AxisEq, AxisIn, Check, ConstCmp, Guard, PConst, Rule, RulePack, Stage, TripsEq
 
 # Declarations as parsed, before resolution ---------------------------------------------------
@@ -155,6 +156,70 @@ def _read(text: str, path: str) -> _File:
 
 
 # Resolution -------------------------------------------------------------------------------
+
+
+class _CheckResolver(Resolver):
+    """Resolves the terms of one check, where `load(store(v))` reads back a stored block.
+
+    Each distinct stored value becomes an intermediate tensor named `store1`, `store2`, ...
+    over the value's axes (in the order its loads name them), and the load becomes a load of
+    it, so the engine meets exactly what a program gives it: a load of an intermediate that
+    carries the value its kernel stores.  `load(store(v), rename(k, t))` reads the block under
+    renamed axes, as a program reads `S[q, k]` as `S[q, t]`.
+    """
+
+    def __init__(self, scope: Scope):
+        super().__init__(scope)
+        self.stored: dict[str, tuple[tuple[str, ...], Node]] = {}
+        self.plain: dict[str, Span] = {}  # tensors loaded by name, where first
+
+    def call(self, e: Call) -> Node:
+        if e.func == "store":
+            raise self.error(e.span, "store(...) appears only inside load(store(...))")
+        if e.func == "load" and e.args and isinstance(e.args[0], Call) and \
+                e.args[0].func == "store":
+            return self.stored_load(e.args[0], e.args[1:])
+        return super().call(e)
+
+    def load(self, e: Expr) -> Node:
+        if isinstance(e, Indexed):
+            self.plain.setdefault(e.tensor, e.span)
+        return super().load(e)
+
+    def stored_load(self, store: Call, renames: tuple[Expr, ...]) -> Load:
+        if len(store.args) != 1:
+            raise self.error(store.span, f"store takes 1 argument (x), got {len(store.args)}")
+        value = self.value(store.args[0])
+        try:
+            t = type_of(value)
+        except IRError as err:
+            raise self.error(store.args[0].span, f"ill-formed check term: {err}") from None
+        if not isinstance(t, TileType) or t.shape != t.deps:
+            raise self.error(store.args[0].span, f"only a tile whose shape equals its "
+                                                 f"dependencies can be stored; this one has "
+                                                 f"{_show_type(t)}")
+        seen = dict.fromkeys(a for n in postorder(value) if isinstance(n, Load) for a in n.axes)
+        axes = tuple(a for a in seen if a in t.shape)  # in the order the value's loads name them
+        name = next((n for n, sv in self.stored.items() if sv == (axes, value)),
+                    f"store{len(self.stored) + 1}")
+        self.stored[name] = (axes, value)
+        mapping: dict[str, str] = {}
+        for r in renames:
+            if not (isinstance(r, Call) and r.func == "rename" and len(r.args) == 2 and
+                    all(isinstance(a, Name) for a in r.args)):
+                raise self.error(r.span, "expected rename(axis, new name) after load(store(...))")
+            old, new = r.args
+            if old.name not in axes:
+                raise self.error(old.span, f"'{old.name}' is not an axis of the stored block "
+                                           f"(its axes: {', '.join(axes) or 'none'})")
+            if old.name in mapping:
+                raise self.error(old.span, f"'{old.name}' is renamed twice")
+            mapping[old.name] = new.name
+        renamed = tuple(mapping.get(a, a) for a in axes)
+        if len(set(renamed)) != len(renamed):
+            raise self.error(renames[-1].span, f"the renaming gives the block two axes of the "
+                                               f"same name ({', '.join(renamed)})")
+        return Load(name, renamed)
 
 
 def _error(f: _File, span: Span, message: str) -> SourceError:
@@ -325,16 +390,21 @@ class _PackBuilder:
         if d.arrow is not None and d.arrow.text == "<=>":
             raise _error(f, d.arrow.span, "a check expects '=>' (rewrites to) or '!=>' (does "
                                           "not rewrite to)")
-        resolver = Resolver(Scope(f.text, monoids=self.monoid_names))
+        resolver = _CheckResolver(Scope(f.text, monoids=self.monoid_names))
         term = self.ground(f, resolver, d.term)
         expect = None if d.expect is None else self.ground(f, resolver, d.expect)
+        for tensor, span in resolver.plain.items():
+            if tensor in resolver.stored:
+                raise _error(f, span, f"'{tensor}' names a stored block in this check; load "
+                                      f"another tensor")
         dims: dict[str, tuple[int, int]] = {}
         for s in d.sizes:
             if s.name.name in dims:
                 raise _error(f, s.name.span, f"size of '{s.name.name}' given twice")
             dims[s.name.name] = _size(f, s)
         self.pack.checks.append(Check(target, term, expect,
-                                      d.arrow is None or d.arrow.text == "!=>", dims, d.rule.span))
+                                      d.arrow is None or d.arrow.text == "!=>", dims, d.rule.span,
+                                      resolver.stored))
 
     @staticmethod
     def ground(f: _File, resolver: Resolver, e: Expr) -> Node:

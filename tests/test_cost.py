@@ -16,12 +16,17 @@ from pathlib import Path
 import pytest
 
 from bbrules.cli import main
+from bbrules.codegen.cuda_gen import generate
 from bbrules.cost import KernelCost, ProgramCost, cost_kernel, cost_program
 from bbrules.frontend import load_program
-from bbrules.ir import (Binary, BlockProgram, BlockReduce, Const, Dim, Dot, Get, Load, Monoid,
-                        Reduce, Store, TensorDecl, Tuple, Unary, Var)
+from bbrules.fuse import fuse
+from bbrules.ir import (BlockProgram, BlockReduce, Const, Dot, IRError, Load, Reduce, Store,
+                        TensorDecl, Unary)
 from bbrules.lower import lower
+from bbrules.packs import load_packs
 from bbrules.targets import Target, get_target
+from irbuild import (ATTENTION_INPUTS, add, div, matmul, mul, online_softmax, program,
+                     softmax_fold, sub)
 
 REPO = Path(__file__).resolve().parent.parent
 ATTENTION = REPO / "examples" / "attention.bbp"
@@ -29,41 +34,9 @@ H100 = get_target("h100")
 F = 4  # bytes per f32
 
 
-def program(dims: dict[str, tuple[int, int]], inputs: dict[str, tuple[str, ...]],
-            kernels: list[Store], outputs: tuple[str, ...],
-            monoids: tuple[Monoid, ...] = (), dtype: str = "f32") -> BlockProgram:
-    """A block program whose stored tensors are declared by their kernels."""
-    tensors = {n: TensorDecl(n, axes, dtype, "input") for n, axes in inputs.items()}
-    for k in kernels:
-        tensors[k.tensor] = TensorDecl(k.tensor, k.axes, "f32",
-                                       "output" if k.tensor in outputs else "temp")
-    return BlockProgram({n: Dim(n, e, b) for n, (e, b) in dims.items()}, tensors,
-                        tuple(kernels), outputs, {m.name: m for m in monoids})
-
-
 def machine(capacity: int = 1 << 30, processors: int = 1, bandwidth: float = 1e9,
             peak: float = 1e9, peak_f16: float = 1e9, launch: float = 0.0) -> Target:
     return Target("test", bandwidth, capacity, processors, peak, peak_f16, launch)
-
-
-def add(x, y):
-    return Binary("add", x, y)
-
-
-def sub(x, y):
-    return Binary("sub", x, y)
-
-
-def mul(x, y):
-    return Binary("mul", x, y)
-
-
-def div(x, y):
-    return Binary("div", x, y)
-
-
-def matmul(a, b, axis: str) -> Reduce:
-    return Reduce(axis, "sum", Dot(axis, a, b))
 
 
 def bsum(axis: str, x):
@@ -130,30 +103,17 @@ def test_cost_command_prints_the_closed_form_traffic(capsys):
 # Flash Attention, built by hand
 
 
-def online_softmax() -> Monoid:
-    """State (running max m, denominator l, numerator o); identity (-inf, 0, 0); combine
-    rescales l and o by exp(a.m - max) and exp(b.m - max); finalize to o / l."""
-    am, bm, al, bl, ao, bo = (Var(v) for v in ("a.m", "b.m", "a.l", "b.l", "a.o", "b.o"))
-    new_m = Binary("max", am, bm)
-    sa, sb = Unary("exp", sub(am, new_m)), Unary("exp", sub(bm, new_m))
-    return Monoid("online_softmax_cost_test", ("m", "l", "o"),
-                  (Const(float("-inf")), Const(0.0), Const(0.0)),
-                  (new_m, add(mul(al, sa), mul(bl, sb)), add(mul(ao, sa), mul(bo, sb))),
-                  (div(Var("o"), Var("l")),))
-
-
-ATTN_INPUTS = {"Q": ("q", "d"), "K": ("k", "d"), "V": ("k", "d")}
+ONLINE_SOFTMAX = online_softmax("online_softmax_cost_test")
 
 
 def flash_attention(n: int, block: int, d: int = 64, n_k: int | None = None) -> BlockProgram:
-    """One kernel over query blocks; one loop over key blocks carrying (m, l, o)."""
+    """One kernel over query blocks; one loop over key blocks carrying (m, l, o), the scores
+    a contraction over d (one block, so a loop of one trip) scaled by 0.125."""
     s = mul(matmul(Load("Q", ("q", "d")), Load("K", ("k", "d")), "d"), Const(0.125))
-    m = bmax("k", s)
-    e = Unary("exp", sub(s, m))
-    body = Tuple((m, bsum("k", e), Dot("k", e, Load("V", ("k", "d")))))
-    o = Get(0, Reduce("k", "online_softmax_cost_test", body))
+    o = softmax_fold(ONLINE_SOFTMAX.name, s, Load("V", ("k", "d")))
     dims = {"q": (n, block), "k": (n_k or n, block), "d": (d, d)}
-    return program(dims, ATTN_INPUTS, [Store("O", ("q", "d"), o)], ("O",), (online_softmax(),))
+    return program(dims, ATTENTION_INPUTS, [Store("O", ("q", "d"), o)], ("O",),
+                   (ONLINE_SOFTMAX,))
 
 
 def test_flash_attention_reads_k_and_v_once_per_query_block_and_fits():
@@ -281,10 +241,13 @@ def test_resident_slabs_are_admitted_in_order_within_a_quarter_of_local_memory(
     read = sum(points * (slab[t] if t in resident else tile[t] * n_e * n_h) for t in ("G", "X"))
     read += points * (F * 16 * 16 * n_e * n_h + F * 16 * 16 * n_h)  # W1 and W2 tiles
     assert k.bytes_read == read
-    # G, X (unless resident), G*X (8x16), the W1 and W2 tiles and the (m,h) and (m,n)
-    # accumulators; both dots add into their accumulators in place
+    # Both dots add into their accumulators, (m,h) and (m,n), in place.  In order: the two
+    # accumulators, G and X (unless resident), G*X (8x16), then the W1 tile (16x16) at the
+    # first dot.  G and X are dead by then, but the gap they leave is too small for W1, which
+    # first fit places above G*X.  The W2 tile comes after the inner loop, in the space its
+    # tiles left.  Resident slabs stay for the whole kernel.
     local = sum(slab[t] if t in resident else tile[t] for t in ("G", "X"))
-    assert k.footprint == local + F * (8 * 16 + 16 * 16 + 16 * 16 + 8 * 16 + 8 * 16)
+    assert k.footprint == local + F * (8 * 16 + 8 * 16 + 8 * 16 + 16 * 16)
 
 
 def rowstats(dependent: bool) -> BlockProgram:
@@ -324,6 +287,93 @@ def test_flops_count_operators_dots_combines_and_recomputation():
                 [Store("Y", ("m", "n"), y)], ("Y",))
     per_point = ne * (5 * bm * be + 2 * bm * bn * be + bm * bn) + bm * bn
     assert cost_program(p, H100).flops == nm * nn * per_point
+
+
+# --------------------------------------------------------------------------------------------
+# Footprint by liveness
+
+
+def test_an_elementwise_chain_is_computed_in_the_pass_that_reads_it():
+    # Y[m] = bsum_e exp(X) + bmax_e (X * 2), one block of e, so no loop.  exp(X) and X * 2 are
+    # each read once, by an in-tile reduction over their own tile, and the sum is read once,
+    # by the store: none is materialised.  The X tile (8 x 16) lives until bmax reads it, with
+    # the two row results (8 each) that the store adds.
+    x = Load("X", ("m", "e"))
+    y = add(bsum("e", Unary("exp", x)), bmax("e", mul(x, Const(2.0))))
+    p = program({"m": (32, 8), "e": (16, 16)}, {"X": ("m", "e")}, [Store("Y", ("m",), y)],
+                ("Y",))
+    assert cost_program(p, H100).footprint == F * (8 * 16 + 8 + 8)
+
+
+def test_a_value_broadcast_to_a_larger_tile_is_materialised():
+    # Y[m, e] = X * (R + 1): R + 1 spans m only, and fusing it into the (m, e) product would
+    # recompute it for every column, so it is a tile of its own (8), computed while R (8) is
+    # live; the product itself is computed as it is stored.
+    x, r = Load("X", ("m", "e")), Load("R", ("m",))
+    p = program({"m": (32, 8), "e": (16, 16)}, {"X": ("m", "e"), "R": ("m",)},
+                [Store("Y", ("m", "e"), mul(x, add(r, Const(1.0))))], ("Y",))
+    assert cost_program(p, H100).footprint == F * (8 * 16 + 8 + 8)
+
+
+def test_a_tile_read_in_a_loop_stays_for_the_whole_loop_and_first_fit_leaves_holes():
+    # Y[m, n] = sum_e bsum_e(X[m, e] G[m, n]) + max_e bmax_e(X G), e in blocks of one: one loop
+    # over e with two accumulators (8 x 32 each).  G (8 x 32) is loaded before the loop and
+    # read by the product early in every iteration; it stays until the loop ends, so the
+    # row sums and maxima computed after the product cannot take its place.  In order: G at
+    # 0, the accumulators above it, X (8 x 1), the product X G (8 x 32, read twice, so
+    # materialised), then bsum and bmax, each 8 x 32, above the product: X's 32-byte hole is
+    # too small for them.  Live at most: 6 tiles of 8 x 32 (6144 bytes); placed: 6176.
+    x, g = Load("X", ("m", "e")), Load("G", ("m", "n"))
+    xg = mul(x, g)
+    y = add(Reduce("e", "sum", bsum("e", xg)), Reduce("e", "max", bmax("e", xg)))
+    p = program({"m": (16, 8), "e": (8, 1), "n": (32, 32)}, {"X": ("m", "e"), "G": ("m", "n")},
+                [Store("Y", ("m", "n"), y)], ("Y",))
+    (k,) = cost_program(p, machine()).kernels
+    assert k.loops == 1
+    assert k.footprint == F * (6 * 8 * 32 + 8)
+
+
+def test_a_dot_before_a_loop_of_one_trip_is_its_accumulator():
+    # The lowered S[q, k] = sum[d] Q K * 0.125 with d one block of 64: the Q and K tiles
+    # (64 x 64) and the dot's, which is the loop's accumulator; the scaling is computed as S
+    # is stored.
+    cost = cost_program(lower(load_program(ATTENTION)), H100)
+    assert cost.kernels[0].tensor == "S"
+    assert cost.kernels[0].footprint == 3 * F * 64 * 64
+
+
+def test_softmax_over_256_column_blocks_fuses_within_local_memory():
+    # Y[r, c] = exp(X - M) / L over 64 x 256 blocks: one X tile (64 KiB) and the M and L rows
+    # (64 each); the subtraction, exponential and division are one pass, as Y is stored.
+    # Counting each of them as a tile of its own would take four 64 KiB tiles, over an H100's
+    # 227 KiB.
+    x, m, l = Load("X", ("r", "c")), Load("M", ("r",)), Load("L", ("r",))
+    y = div(Unary("exp", sub(x, m)), l)
+    p = program({"r": (4096, 64), "c": (4096, 256)},
+                {"X": ("r", "c"), "M": ("r",), "L": ("r",)}, [Store("Y", ("r", "c"), y)], ("Y",))
+    (k,) = cost_program(p, H100).kernels
+    assert k.legal and k.footprint == F * (64 * 256 + 64 + 64)
+    source = lower(load_program(REPO / "examples" / "softmax.bbp"))
+    fused = fuse(source, load_packs([]), H100)
+    assert fused.after.legal and fused.after.n_kernels < fused.before.n_kernels
+
+
+def test_a_kernel_whose_schedule_reads_a_value_before_computing_it_is_illegal():
+    # Every axis is one block, so both loops sit in the kernel body.  The loop over i that
+    # sums rows of A merges with the one over i that needs sum_j A*A, and the loop over j
+    # that needs sum_i A with the one that computes sum_j A*A: each merged loop needs the
+    # other's result, and the schedule reads one before it is computed.  No generator can
+    # emit that, so pricing it as legal would let extraction choose it.
+    a = Load("A", ("i", "j"))
+    by_rows = Reduce("j", "sum", bsum("j", Reduce("i", "sum", bsum("i", a))))
+    by_cols = Reduce("i", "sum", bsum("i", Reduce("j", "sum", Dot("j", a, a))))
+    y = add(add(Unary("tanh", by_rows), Unary("tanh", by_cols)), a)
+    p = program({"i": (1, 1), "j": (1, 1)}, {"A": ("i", "j")}, [Store("Y", ("i", "j"), y)],
+                ("Y",))
+    with pytest.raises(IRError, match="no value"):
+        generate(p)
+    (k,) = cost_program(p, H100).kernels
+    assert not k.legal and k.time == math.inf
 
 
 def test_in_place_accumulation_only_for_additive_combines():
@@ -372,9 +422,9 @@ def test_half_precision_inputs_halve_their_traffic():
 
 def test_a_kernel_that_does_not_fit_is_illegal_and_sorts_last():
     p = elementwise(64)
-    fits, tight = machine(capacity=200), machine(capacity=100)
-    # X tile (64 B) + constant (4 B) + product (64 B) = 132 bytes
-    assert cost_program(p, fits).kernels[0].footprint == 132
+    # the X tile (64 B): the product is computed as it is stored, the constant is a literal
+    fits, tight = machine(capacity=64), machine(capacity=63)
+    assert cost_program(p, fits).kernels[0].footprint == 64
     ok, bad = cost_program(p, fits), cost_program(p, tight)
     assert ok.legal and not bad.legal and bad.time == math.inf
     assert ok.key() < bad.key() and ok.key("traffic") < bad.key("traffic")
@@ -398,6 +448,16 @@ def test_key_orders_by_legality_objective_flops_then_kernels():
     assert sorted(reversed(ranked), key=ProgramCost.key) == ranked
     with pytest.raises(ValueError, match="objective"):
         ranked[0].key("energy")
+
+
+def test_equal_kernels_built_apart_share_one_cached_cost():
+    # extraction builds every candidate from fresh nodes: equal kernels must still be found
+    first, again = flash_attention(256, 32), flash_attention(256, 32)
+    k1, k2 = first.kernels[0], again.kernels[0]
+    assert k1 == k2 and k1 is not k2 and k1.value.x is not k2.value.x
+    assert cost_kernel(again, k2, H100) is cost_kernel(first, k1, H100)
+    other = flash_attention(256, 64)
+    assert cost_kernel(other, other.kernels[0], H100) != cost_kernel(first, k1, H100)
 
 
 def test_the_cache_keys_on_the_dims_and_tensors_a_kernel_uses():
