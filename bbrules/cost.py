@@ -54,9 +54,7 @@ tile taking a whole number of `TILE_ALIGN`-byte units (first fit, as `codegen.cu
 shared memory).  That is at least the bytes live at any one point, and more where a freed gap
 is too small for the next tile: a model that promised only the live bytes would call kernels
 legal that the generator must refuse.  A kernel whose footprint exceeds the target's local
-capacity is illegal, and so is one whose schedule reads a value before the step that computes
-it (merging loops over different axes that need each other's results can order them so),
-since no code generator can emit it.
+capacity is illegal.
 
 Time.  share = min(1, grid_points / processors): a grid smaller than the chip uses only that
 fraction of bandwidth and flops.  time = max(bytes / (bandwidth x share), compute / share) +
@@ -79,7 +77,7 @@ from typing import Mapping
 
 from .ir import (MONOIDS, Binary, BlockProgram, BlockReduce, Const, Dim, Dot, Get, IRError, Load,
                  Monoid, Node, Reduce, Store, TensorDecl, Tuple, Unary, Var, monoid, postorder,
-                 register_monoid, shape)
+                 register_monoid, shape, show_node)
 from .ops import BINARY, UNARY
 from .schedule import Loop, Step, schedule_kernel
 from .targets import Target
@@ -349,16 +347,11 @@ class _Value:
 
 
 class _Scope:
-    """The values visible in a loop body: its own, then those of the bodies enclosing it.
-
-    A node found in none of them is one the schedule reads before computing it: it is noted
-    in `unscheduled` (shared by nested scopes) and read as an empty reference.
-    """
+    """The values visible in a loop body: its own, then those of the bodies enclosing it."""
 
     def __init__(self, parent: _Scope | None = None):
         self.parent = parent
         self.bound: dict[Node, _Value] = {}
-        self.unscheduled: list[Node] = [] if parent is None else parent.unscheduled
 
     def __getitem__(self, n: Node) -> _Value:
         scope: _Scope | None = self
@@ -367,8 +360,7 @@ class _Scope:
             if v is not None:
                 return v
             scope = scope.parent
-        self.unscheduled.append(n)
-        return _Value(0, 0, (), inline=True)
+        raise RuntimeError(f"the schedule reads {show_node(n)} before computing it")
 
 
 class _KernelCoster:
@@ -433,7 +425,7 @@ class _KernelCoster:
         stored = self.tensors[self.store.tensor]
         written = math.prod(self.dims[a].extent for a in stored.axes) * stored.itemsize
         footprint = sum(self.slab_bytes(n) for n in resident) + self.local_bytes()
-        legal = footprint <= self.target.local_capacity and not top.unscheduled
+        legal = footprint <= self.target.local_capacity
         time = self.time(read + written) if legal else math.inf
         return KernelCost(self.store.tensor, self.store.axes, self.grid_points, read, written,
                           self.flops, footprint, legal, time, self.loops,

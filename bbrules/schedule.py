@@ -10,9 +10,8 @@ depends on it is invariant (this keeps a Q tile of attention, whose `d` axis is 
 the loop over keys).
 
 Sibling loops.  Reductions over the same axis placed in the same loop body share one loop when
-neither needs the other's result: reduction r2 needs r1 when r1 occurs in r2's body.  Each
-reduction gets a level (one more than the highest level of a same-axis, same-place reduction it
-needs) and reductions with equal level share a loop, whose body computes every shared node once.
+that makes no loop need its own result (reduction r2 needs r1 when r1 occurs in r2's body, and
+a loop needs what its reductions need); the shared loop's body computes every shared node once.
 Merging is done top-down, so reductions nested inside merged loops merge in turn.
 """
 
@@ -96,32 +95,50 @@ class _Scheduler:
         """Map every path of reductions to the path of merged loops it runs in."""
         loop_path: dict[Path, LoopPath] = {(): ()}
         for depth in range(max(map(len, self.placed), default=0) + 1):
-            siblings: dict[LoopPath, set[tuple[Path, Reduce]]] = defaultdict(set)
+            siblings: dict[LoopPath, dict[tuple[Path, Reduce], None]] = defaultdict(dict)
             for p, nodes in self.placed.items():
                 if len(p) == depth:
                     for r in nodes:
                         if isinstance(r, Reduce):
-                            siblings[loop_path[p]].add((p, r))
+                            siblings[loop_path[p]][(p, r)] = None
             for lp, members in siblings.items():
-                levels = _levels({r for _, r in members})
+                loops = _share_loops(list(dict.fromkeys(r for _, r in members)))
                 for p, r in members:
-                    loop_path[p + (r,)] = lp + ((r.axis, levels[r]),)
+                    loop_path[p + (r,)] = lp + ((r.axis, loops[r]),)
         return loop_path
 
 
-def _levels(reduces: set[Reduce]) -> dict[Reduce, int]:
-    """Level of each reduction among same-axis siblings: 1 + the highest level it needs."""
-    level: dict[Reduce, int] = {}
+def _share_loops(reduces: list[Reduce]) -> dict[Reduce, int]:
+    """Assign reductions placed in one loop body to loops, numbered from 0.
 
-    def visit(r: Reduce) -> int:
-        if r not in level:
-            needed = [s for s in _reduces_under(r.x) if s in reduces and s.axis == r.axis]
-            level[r] = 1 + max((visit(s) for s in needed), default=-1)
-        return level[r]
+    Reduction r needs s when s occurs in r's body, and a loop needs every loop that one of its
+    reductions needs.  Taking reductions in dependency order (walk order among equals), each
+    joins the first loop over its axis that it does not itself need, directly or through other
+    loops: so no loop ever needs its own result, whatever the axes of the loops between.
+    """
+    members = set(reduces)
+    needs = {r: [s for s in _reduces_under(r.x) if s in members and s != r] for r in reduces}
+    depth: dict[Reduce, int] = {}
 
-    for r in reduces:  # levels are longest chains: the visiting order does not change them
-        visit(r)
-    return level
+    def chain(r: Reduce) -> int:
+        if r not in depth:
+            depth[r] = 1 + max((chain(s) for s in needs[r]), default=-1)
+        return depth[r]
+
+    loop_of: dict[Reduce, int] = {}
+    axes: list[str] = []
+    upstream: list[set[int]] = []  # the loops each loop needs, transitively
+    for r in sorted(reduces, key=chain):
+        need = set().union(*({loop_of[s]} | upstream[loop_of[s]] for s in needs[r]))
+        i = next((i for i, a in enumerate(axes) if a == r.axis and i not in need), len(axes))
+        if i == len(axes):
+            axes.append(r.axis)
+            upstream.append(set())
+        loop_of[r] = i
+        for loop in upstream:
+            if loop is upstream[i] or i in loop:
+                loop |= need
+    return loop_of
 
 
 def schedule_kernel(store: Store, trips: Mapping[str, int]) -> KernelSchedule:

@@ -478,7 +478,7 @@ class _KernelGen:
 
     def _inst(self, n: Node, scope: _Scope, path: tuple[int, ...]) -> _Inst:
         match n:
-            case Load(tensor, axes):
+            case Load(_, axes):
                 blocks = {a: self.blocks.get(a, "0") for a in axes}
                 for a, b in blocks.items():
                     if b == "0" and self.trips[a] != 1:

@@ -37,7 +37,7 @@ from bbrules.ir import (Axis, Binary, BlockProgram, BlockReduce, Const, Dim, Dot
                         Load, Node, Reduce, Store, TileType, Tuple, Unary, Var, children, monoid,
                         postorder, show_kernel, tile_type, type_of, validate)
 from bbrules.ops import BINARY, TILE_REDUCE, UNARY, OpInfo
-from bbrules.schedule import Compute, Loop, Step, schedule_kernel
+from bbrules.schedule import Loop, Step, schedule_kernel
 
 _INFIX = {"add": "+", "sub": "-", "mul": "*", "div": "/"}
 _RESERVED = {"np", "f32", "run", "inputs", "_input", "UNARY", "BINARY", "TILE_REDUCE"}
