@@ -479,4 +479,7 @@ def main(argv: list[str] | None = None) -> int:
         print(err, file=sys.stderr)
     except UsageError as err:
         print(f"bbrules: error: {err}", file=sys.stderr)
+    except BrokenPipeError:  # the reader went away (`bbrules apply ... | head`): not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     return 2
