@@ -72,6 +72,42 @@ def _cached_hash(self: object) -> int:
     return h
 
 
+def _is_node(x: object) -> bool:
+    return getattr(type(x), "__hash__", None) is _cached_hash
+
+
+def _dag_eq(self: object, other: object) -> bool:
+    """Structural equality in time linear in the DAGs' sizes.
+
+    The generated dataclass equality compares two equal DAGs built separately as trees,
+    revisiting every shared subterm once per path to it: exponential in the depth of a fused
+    program.  Here each pair of subterms is compared once.
+    """
+    if self is other:
+        return True
+    seen: set[tuple[int, int]] = set()
+    stack = [(self, other)]
+    while stack:
+        a, b = stack.pop()
+        if a is b or (id(a), id(b)) in seen:
+            continue
+        if type(a) is not type(b) or hash(a) != hash(b):
+            return False
+        seen.add((id(a), id(b)))
+        for f in a.__dataclass_fields__:
+            x, y = a.__dict__[f], b.__dict__[f]
+            if isinstance(x, tuple) and isinstance(y, tuple) and len(x) == len(y):
+                pairs = zip(x, y)
+            else:
+                pairs = ((x, y),)
+            for u, v in pairs:
+                if _is_node(u) and _is_node(v):
+                    stack.append((u, v))
+                elif u != v:
+                    return False
+    return True
+
+
 @dataclass(frozen=True)
 class Load:
     """G -> L: the current block of global tensor `tensor`, its dimensions named `axes`.
@@ -82,6 +118,7 @@ class Load:
     """
 
     __hash__ = _cached_hash
+    __eq__ = _dag_eq
 
     tensor: str
     axes: tuple[Axis, ...]
@@ -90,6 +127,7 @@ class Load:
 @dataclass(frozen=True)
 class Const:
     __hash__ = _cached_hash
+    __eq__ = _dag_eq
 
     value: float
 
@@ -99,6 +137,7 @@ class Var:
     """A named operand inside a monoid's combine/finalize expressions (`a.m`, `b.m`, `m`)."""
 
     __hash__ = _cached_hash
+    __eq__ = _dag_eq
 
     name: str
 
@@ -106,6 +145,7 @@ class Var:
 @dataclass(frozen=True)
 class Unary:
     __hash__ = _cached_hash
+    __eq__ = _dag_eq
 
     op: str
     x: Node
@@ -114,6 +154,7 @@ class Unary:
 @dataclass(frozen=True)
 class Binary:
     __hash__ = _cached_hash
+    __eq__ = _dag_eq
 
     op: str
     x: Node
@@ -125,6 +166,7 @@ class BlockReduce:
     """Reduce inside the tile along `axis` (`bsum`, `bmax`, `bmin`)."""
 
     __hash__ = _cached_hash
+    __eq__ = _dag_eq
 
     op: str
     axis: Axis
@@ -136,6 +178,7 @@ class Dot:
     """Tile contraction over `axis`: sum over the axis of x * y (a block matmul)."""
 
     __hash__ = _cached_hash
+    __eq__ = _dag_eq
 
     axis: Axis
     x: Node
@@ -152,6 +195,7 @@ class Reduce:
     """
 
     __hash__ = _cached_hash
+    __eq__ = _dag_eq
 
     axis: Axis
     monoid: str
@@ -161,6 +205,7 @@ class Reduce:
 @dataclass(frozen=True)
 class Tuple:
     __hash__ = _cached_hash
+    __eq__ = _dag_eq
 
     items: tuple[Node, ...]
 
@@ -168,6 +213,7 @@ class Tuple:
 @dataclass(frozen=True)
 class Get:
     __hash__ = _cached_hash
+    __eq__ = _dag_eq
 
     index: int
     x: Node
@@ -181,6 +227,7 @@ class Store:
     """L -> G: materialise `value` into `tensor` for every block of `axes`.  One kernel."""
 
     __hash__ = _cached_hash
+    __eq__ = _dag_eq
 
     tensor: str
     axes: tuple[Axis, ...]
