@@ -3,8 +3,9 @@
 import pytest
 
 from bbrules.ir import (Binary, BlockProgram, BlockReduce, Const, Dim, Dot, Get, IRError, Load,
-                        Monoid, Reduce, Store, TensorDecl, Tuple, Unary, Var, deps, register_monoid,
-                        sched_deps, shape, show_kernel, show_node, type_of, validate)
+                        Monoid, Node, Reduce, Store, TensorDecl, Tuple, Unary, Var, deps,
+                        register_monoid, sched_deps, shape, show_kernel, show_node, type_of,
+                        validate)
 
 Q = Load("Q", ("q", "d"))
 K = Load("K", ("k", "d"))
@@ -116,3 +117,17 @@ def test_shared_subterms_print_once_as_let_bindings():
     text = show_kernel(Store("E", ("q", "k"), e))
     assert text.count("dot(d,") == 1
     assert "let t0 = " in text
+
+
+def _doubling(depth: int, leaf: Node) -> Node:
+    x = leaf
+    for _ in range(depth):
+        x = Binary("add", x, x)
+    return x
+
+
+def test_equality_of_separately_built_dags_is_linear_not_a_tree_walk():
+    # As trees these have 2^60 leaves: a tree-walking comparison would never finish.
+    assert _doubling(60, Load("Q", ("q", "d"))) == _doubling(60, Load("Q", ("q", "d")))
+    assert _doubling(60, Load("Q", ("q", "d"))) != _doubling(60, Load("K", ("k", "d")))
+    assert Tuple((Q, K)) != Tuple((Q, K, V)) and Tuple((Q, K)) == Tuple((Q, K))
