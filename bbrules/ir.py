@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from functools import cache
-from typing import Iterator, Union
+from typing import Any, Callable, Iterator, Union
 
 from .ops import BINARY, UNARY
 
@@ -221,6 +221,40 @@ class Get:
 
 Node = Union[Load, Const, Var, Unary, Binary, BlockReduce, Dot, Reduce, Tuple, Get]
 
+# Every value-node kind, in declaration order.  Passes with per-kind semantics register one
+# implementation per kind in a `KindTable`; a test fails when a table lacks a kind.
+KINDS: tuple[type, ...] = (Load, Const, Var, Unary, Binary, BlockReduce, Dot, Reduce, Tuple, Get)
+
+
+class KindTable:
+    """One pass's semantics, one implementation per node kind (`@table.on(Unary)`).
+
+    `table(node, *args)` calls the implementation registered for the node's kind; `missing()`
+    names the kinds without one, which the coverage test reports.  `exempt` lists kinds that
+    cannot reach this pass, with the reason.
+    """
+
+    def __init__(self, name: str, exempt: dict[type, str] | None = None):
+        self.name = name
+        self.impl: dict[type, Callable[..., Any]] = {}
+        self.exempt = dict(exempt or {})
+
+    def on(self, *kinds: type) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        def register(fn: Callable[..., Any]) -> Callable[..., Any]:
+            for k in kinds:
+                self.impl[k] = fn
+            return fn
+        return register
+
+    def __call__(self, n: Node, *args: Any, **kwargs: Any) -> Any:
+        fn = self.impl.get(type(n))
+        if fn is None:
+            raise IRError(f"{self.name}: no implementation for {type(n).__name__} nodes")
+        return fn(n, *args, **kwargs)
+
+    def missing(self) -> list[str]:
+        return [k.__name__ for k in KINDS if k not in self.impl and k not in self.exempt]
+
 
 @dataclass(frozen=True)
 class Store:
@@ -372,6 +406,11 @@ def register_monoid(m: Monoid) -> None:
     MONOIDS[m.name] = m
     type_of.cache_clear()
     sched_deps.cache_clear()
+
+
+def monoid_of(r: Reduce) -> Monoid:
+    """The monoid a reduction folds with."""
+    return monoid(r.monoid)
 
 
 def monoid(name: str) -> Monoid:

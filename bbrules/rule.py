@@ -63,6 +63,11 @@ class CExpr:
 Pattern = Union[Node, PVar, PConst, Stored, CExpr, AxisSize]
 
 
+def pattern_var(x: object) -> str | None:
+    """The name of the pattern variable `x` stands for in an axis or monoid field, else None."""
+    return x if isinstance(x, str) and x.startswith("?") else None
+
+
 # Guards -------------------------------------------------------------------------------------
 
 
