@@ -17,7 +17,7 @@ from .errors import SourceError, Span
 from .exprsyntax import (Expr, ExprTransformer, MonoidDecl, Name, Num, Resolver, Scope, Size,
                          parse, resolve_monoid)
 from .ir import (BUILTIN_MONOIDS, DTYPE_BYTES, BlockProgram, Dim, IRError, Monoid, Store,
-                 TensorDecl, register_monoid, validate)
+                 TensorDecl, validate)
 
 
 @dataclass(frozen=True)
@@ -118,7 +118,7 @@ class _Builder:
         kernels = [d for d in decls if isinstance(d, _Kernel)]
         stores = tuple(self.kernel(k) for k in kernels)
         outputs = tuple(t.name for t in self.tensors.values() if t.role == "output")
-        program = BlockProgram(self.dims, self.tensors, stores, outputs, self.monoids)
+        program = BlockProgram(self.dims, self.tensors, stores, outputs)
         self.validate(program, kernels)
         source = decls[0].path if decls and isinstance(decls[0], _Source) else None
         return BlockFile(program, source)
@@ -161,19 +161,14 @@ class _Builder:
             raise self.error(d.name.span, f"monoid '{name}' is declared twice")
         if name in BUILTIN_MONOIDS:
             raise self.error(d.name.span, f"'{name}' is a built-in monoid")
-        m = resolve_monoid(d, self.text)
-        try:
-            register_monoid(m)
-        except IRError as e:
-            raise self.error(d.name.span, str(e)) from None
-        self.monoids[name] = m
+        self.monoids[name] = resolve_monoid(d, self.text)
 
     def kernel(self, k: _Kernel) -> Store:
         header = (k.name.name, [a.name for a in k.axes])
         if (k.target.name, [a.name for a in k.target_axes]) != header:
             raise self.error(k.target.span, f"kernel {k.name.name}[{_axes(k.axes)}] must end "
                                             f"by storing {k.name.name}[{_axes(k.axes)}]")
-        scope = Scope(self.text, monoids=frozenset(BUILTIN_MONOIDS) | frozenset(self.monoids),
+        scope = Scope(self.text, monoids={**BUILTIN_MONOIDS, **self.monoids},
                       dims=frozenset(self.dims), tensors=self.tensors)
         resolver = Resolver(scope)
         for let in k.lets:

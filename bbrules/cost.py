@@ -75,9 +75,9 @@ from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from typing import Mapping
 
-from .ir import (MONOIDS, Binary, BlockProgram, BlockReduce, Const, Dim, Dot, Get, IRError, Load,
-                 Monoid, Node, Reduce, Store, TensorDecl, Tuple, Unary, Var, monoid, postorder,
-                 register_monoid, shape, show_node)
+from .ir import (Binary, BlockProgram, BlockReduce, Const, Dim, Dot, Get, IRError, Load,
+                 Monoid, Node, Reduce, Store, TensorDecl, Tuple, Unary, Var, postorder, shape,
+                 show_node)
 from .ops import BINARY, UNARY
 from .schedule import Loop, Step, schedule_kernel
 from .targets import Target
@@ -232,17 +232,14 @@ def fmt_flops(f: float) -> str:
 
 
 def cost_program(p: BlockProgram, target: Target) -> ProgramCost:
-    """Cost every kernel of `p` on `target`; registers the monoids `p` carries."""
-    for m in p.monoids.values():
-        if MONOIDS.get(m.name) != m:
-            register_monoid(m)
+    """Cost every kernel of `p` on `target`."""
     compulsory = sum(_tensor_bytes(p, t) for t in p.tensors.values()
                      if t.role == "input" or t.name in p.outputs)
     return ProgramCost(tuple(cost_kernel(p, k, target) for k in p.kernels), target, compulsory)
 
 
 def cost_kernel(p: BlockProgram, store: Store, target: Target) -> KernelCost:
-    """Cost one kernel of `p` (its monoids must be registered, as `cost_program` does)."""
+    """Cost one kernel of `p`."""
     axes, tensors = _uses(store)
     return _cost_kernel(store, tuple(p.dims[a] for a in axes),
                         tuple(p.tensors[t] for t in tensors), target)
@@ -479,7 +476,7 @@ class _KernelCoster:
             case Get(i, Tuple(items)):
                 return scope[items[i]]
             case Get(i, Reduce() as r):
-                trivial = isinstance(monoid(r.monoid).finalize[i], Var)
+                trivial = isinstance(r.monoid.finalize[i], Var)
                 sh = self.shape(n)
                 return self.value(0 if trivial else self.tile_bytes(n), at, path, (scope[r],),
                                   inline=trivial, fusible=not trivial, space=sh)
@@ -523,7 +520,7 @@ class _KernelCoster:
         end = self.loop_end[ident] = self.point()
         combines = []
         for r in loop.reduces:
-            m = monoid(r.monoid)
+            m = r.monoid
             parts = _components(r)
             shapes = tuple(self.shape(c) for c in parts)
             combine, finalize = _monoid_flops(m, shapes)

@@ -38,11 +38,10 @@ from typing import Callable, Iterable, Mapping, NoReturn
 from egglog.bindings import EGraph
 
 from .errors import SourceError, Span
-from .ir import (MONOIDS, Binary, BlockReduce, Const, Dot, Get, Load, Monoid,
-                 Node, Reduce, Tuple, Unary, Var, children, postorder, register_monoid,
-                 show_node)
-from .rule import (AxisEq, AxisIn, AxisSize, Check, CExpr, ConstCmp, Guard, Pattern, PConst,
-                   PVar, Rule, RulePack, Stage, Stored, TripsEq)
+from .ir import (BUILTIN_MONOIDS, KINDS, Const, Get, Kind, Load, Monoid, Node, Sort, Var, attrs,
+                 build, children, postorder, rename_axes, show_node)
+from .rule import (AxisEq, AxisIn, AxisSize, Check, CExpr, ConstCmp, Guard, PAxis, Pattern,
+                   PConst, PMonoid, PVar, Rule, RulePack, Stage, Stored, TripsEq)
 
 ANALYSIS = "__analysis"
 MIN_TUPLE = 2
@@ -94,11 +93,9 @@ class StageStats:
 class ENode:
     """One e-node: an IR node whose children are e-class ids.
 
-    `kind` is the IR class name (`Load`, `Const`, `Unary`, ...).  `attrs` are its non-child
-    fields in IR order: (tensor, axes) for a load, (value,) for a constant, (op,) for unary and
-    binary, (op, axis) for `BlockReduce`, (axis,) for `Dot`, (axis, monoid) for `Reduce`,
-    (index,) for `Get`, () for `Tuple`.  A load of a stored intermediate has its carried value's
-    class as its only child.
+    `kind` is the IR class name (`Load`, `Const`, `Unary`, ...).  `attrs` are its attribute
+    fields in declaration order (`ir.attrs`), a reduction's monoid as the `Monoid` itself.  A
+    load of a stored intermediate has its carried value's class as its only child.
     """
 
     kind: str
@@ -107,48 +104,12 @@ class ENode:
 
     def build(self, kids: tuple[Node, ...]) -> Node:
         """The IR node with the given child terms (a stored load ignores its carried value)."""
-        match self.kind:
-            case "Load":
-                return Load(self.attrs[0], self.attrs[1])
-            case "Const":
-                return Const(self.attrs[0])
-            case "Unary":
-                return Unary(self.attrs[0], kids[0])
-            case "Binary":
-                return Binary(self.attrs[0], kids[0], kids[1])
-            case "BlockReduce":
-                return BlockReduce(self.attrs[0], self.attrs[1], kids[0])
-            case "Dot":
-                return Dot(self.attrs[0], kids[0], kids[1])
-            case "Reduce":
-                return Reduce(self.attrs[0], self.attrs[1], kids[0])
-            case "Tuple":
-                return Tuple(kids)
-            case "Get":
-                return Get(self.attrs[0], kids[0])
-        raise ValueError(f"unknown e-node kind {self.kind}")
+        return build(KIND_BY_NAME[self.kind], self.attrs, kids)
 
 
 def enode_key(n: Node) -> tuple[str, tuple]:
     """(kind, attrs) of an IR node, as its e-node has them."""
-    match n:
-        case Load(t, axes):
-            return "Load", (t, axes)
-        case Const(v):
-            return "Const", (v,)
-        case Unary(op, _) | Binary(op, _, _):
-            return type(n).__name__, (op,)
-        case BlockReduce(op, a, _):
-            return "BlockReduce", (op, a)
-        case Dot(a, _, _):
-            return "Dot", (a,)
-        case Reduce(a, m, _):
-            return "Reduce", (a, m)
-        case Get(i, _):
-            return "Get", (i,)
-        case Tuple():
-            return "Tuple", ()
-    raise ValueError(f"not a term node: {n!r}")
+    return type(n).__name__, attrs(n)
 
 
 @dataclass
@@ -206,8 +167,25 @@ def _f64(v: float) -> str:
     return repr(float(v))
 
 
-def _axis(a: str) -> str:
-    return a if a.startswith("?") else _q(a)
+def _axis(a: str | PAxis) -> str:
+    return a.name if isinstance(a, PAxis) else _q(a)
+
+
+def _attr_text(value: object, sort: Sort) -> str:
+    """An attribute as an egglog literal (or a pattern variable), by what its field holds."""
+    match value:
+        case PAxis(name) | PMonoid(name):
+            return name
+    match sort:
+        case Sort.AXES:
+            return _q(",".join(value))  # type: ignore[arg-type]
+        case Sort.NUMBER:
+            return _f64(value)  # type: ignore[arg-type]
+        case Sort.INDEX:
+            return str(int(value))  # type: ignore[call-overload]
+        case Sort.MONOID:
+            return _q(value.name)  # type: ignore[attr-defined]
+    return _q(str(value))
 
 
 def _set(axes: Iterable[str]) -> str:
@@ -303,7 +281,7 @@ class _RuleCompiler:
             case Const(v):
                 return _f64(v)
             case AxisSize(kind, axis):
-                return f"(a{kind} {_axis(axis)})"
+                return f"(a{kind} {axis})"
             case CExpr(op, (x,)) if op in _CONST_UNARY:
                 return _CONST_UNARY[op].format(x=self.const_expr(x))
             case CExpr(op, (x, y)) if op in _CONST_BINARY:
@@ -326,11 +304,11 @@ class _RuleCompiler:
             case AxisIn(axis, analysis, var, negated):
                 s = self.analysis_of(var, analysis)
                 op = "set-not-contains" if negated else "set-contains"
-                self.facts.append(f"({op} {s} {_axis(axis)})")
+                self.facts.append(f"({op} {s} {axis})")
             case AxisEq(left, right, negated):
-                self.facts.append(f"({'!=' if negated else '='} {_axis(left)} {_axis(right)})")
+                self.facts.append(f"({'!=' if negated else '='} {left} {right})")
             case TripsEq(left, right):
-                self.facts.append(f"(= (atrips {_axis(left)}) (atrips {_axis(right)}))")
+                self.facts.append(f"(= (atrips {left}) (atrips {right}))")
             case ConstCmp(var, op, value):
                 self.facts.append(f"({_CMP[op]} {self.const_expr(PConst(var))} "
                                   f"{self.const_expr(value)})")
@@ -338,28 +316,17 @@ class _RuleCompiler:
 
 def node_text(p: Pattern, sub: Callable[[Pattern], str]) -> str:
     """One constructor application in egglog syntax, its children written by `sub`."""
-    match p:
-        case Load(t, axes):
-            return f"(Ld {_q(t)} {_q(','.join(axes))})"
-        case Const(v):
-            return f"(Cst {_f64(v)})"
-        case Unary(op, x):
-            return f"(Un {_q(op)} {sub(x)})"
-        case Binary(op, x, y):
-            return f"(Bin {_q(op)} {sub(x)} {sub(y)})"
-        case BlockReduce(op, a, x):
-            return f"(BRed {_q(op)} {_axis(a)} {sub(x)})"
-        case Dot(a, x, y):
-            return f"(Dot {_axis(a)} {sub(x)} {sub(y)})"
-        case Reduce(a, m, x):
-            return f"(Red {_axis(a)} {_axis(m)} {sub(x)})"
-        case Tuple(items):
-            if not MIN_TUPLE <= len(items) <= MAX_TUPLE:
-                raise ValueError(f"tuples have {MIN_TUPLE} to {MAX_TUPLE} components")
-            return f"(Tup{len(items)} {' '.join(sub(i) for i in items)})"
-        case Get(i, x):
-            return f"(Get {i} {sub(x)})"
-    raise ValueError(f"not a node: {p!r}")
+    kind = getattr(type(p), "kind", None)
+    if kind is None or kind.egg is None:
+        raise ValueError(f"not a term node: {p!r}")
+    args = [_attr_text(getattr(p, f), kind.sort_of(f)) for f in kind.attr_fields]
+    kids = [sub(c) for c in children(p)]
+    egg = kind.egg
+    if any(s is Sort.CHILDREN for _, s in kind.fields):
+        if not MIN_TUPLE <= len(kids) <= MAX_TUPLE:
+            raise ValueError(f"tuples have {MIN_TUPLE} to {MAX_TUPLE} components")
+        egg += str(len(kids))
+    return f"({' '.join([egg, *args, *kids])})"
 
 
 def _egg_rules(rule: Rule) -> list[tuple[str, Pattern, Pattern]]:
@@ -376,7 +343,13 @@ def rule_of(egg_name: str) -> str:
 
 
 def _analysis_rules(monoids: Iterable[Monoid]) -> list[str]:
-    """Rules computing shape and deps of every constructor from its children's."""
+    """Rules computing shape and deps of every constructor from its children's.
+
+    Derived from the kind declarations: a node spans and depends on what its children do,
+    less the axis it works along from its shape (an in-tile reduction, a contraction).  A load
+    gets its sets as facts when it is added; tuples are typed per component through `Get`;
+    a reduction's results are typed per monoid.
+    """
     def rule(query: str, kids: Iterable[str], shape: str, deps: str) -> str:
         binds = " ".join(f"(= ?s{k} (shape ?{k})) (= ?d{k} (deps ?{k}))" for k in kids)
         return (f"(rule ((= ?e {query}) {binds}) ((set (shape ?e) {shape}) "
@@ -388,14 +361,20 @@ def _analysis_rules(monoids: Iterable[Monoid]) -> list[str]:
             out = f"(set-union {out} {s})"
         return out
 
-    out = [
-        rule("(Cst ?c)", [], "(set-empty)", "(set-empty)"),
-        rule("(Un ?f ?x)", ["x"], "?sx", "?dx"),
-        rule("(BRed ?f ?a ?x)", ["x"], "(set-remove ?sx ?a)", "?dx"),
-        rule("(Bin ?f ?x ?y)", ["x", "y"], "(set-union ?sx ?sy)", "(set-union ?dx ?dy)"),
-        rule("(Dot ?a ?x ?y)", ["x", "y"], "(set-remove (set-union ?sx ?sy) ?a)",
-             "(set-union ?dx ?dy)"),
-    ]
+    out = []
+    for cls in KINDS:
+        kind = cls.kind
+        if kind.egg is None or kind.loop or cls in (Load, Get) \
+                or any(s is Sort.CHILDREN for _, s in kind.fields):
+            continue
+        names = [f"?{f}" for f in kind.attr_fields]
+        kids = [f for f, _ in kind.child_fields]
+        shape = union([f"?s{k}" for k in kids])
+        axis = next((f for f in kind.attr_fields if kind.sort_of(f) is Sort.AXIS), None)
+        if axis is not None:
+            shape = f"(set-remove {shape} ?{axis})"
+        query = f"({' '.join([kind.egg, *names, *('?' + k for k in kids)])})"
+        out.append(rule(query, kids, shape, union([f"?d{k}" for k in kids])))
     for n in range(MIN_TUPLE, MAX_TUPLE + 1):
         names = [f"x{i}" for i in range(n)]
         tup = f"(Tup{n} {' '.join('?' + x for x in names)})"
@@ -415,19 +394,38 @@ def _analysis_rules(monoids: Iterable[Monoid]) -> list[str]:
     return out
 
 
+_EGG_SORT = {Sort.NUMBER: "f64", Sort.INDEX: "i64", Sort.CHILD: "Term"}
+
+
+def _constructors() -> dict[str, tuple[Kind, tuple[str, ...]]]:
+    """Every Term constructor: its kind and its argument sorts.  A tuple has one constructor
+    per arity (egglog constructors have a fixed arity); a load of a stored intermediate
+    (`LdS`) carries the value it reads as one more argument."""
+    out = {}
+    for cls in KINDS:
+        kind = cls.kind
+        if kind.egg is None:
+            continue
+        sorts = tuple(_EGG_SORT.get(s, "String") for f, s in kind.fields if not s.is_child)
+        kids = tuple("Term" for _, s in kind.child_fields if s is Sort.CHILD)
+        if any(s is Sort.CHILDREN for _, s in kind.fields):
+            for n in range(MIN_TUPLE, MAX_TUPLE + 1):
+                out[f"{kind.egg}{n}"] = (kind, sorts + ("Term",) * n)
+        else:
+            out[kind.egg] = (kind, sorts + kids)
+        if cls is Load:
+            out["LdS"] = (kind, sorts + ("Term",))
+    return out
+
+
+CONSTRUCTORS = _constructors()
+TERM_CONSTRUCTORS = tuple(CONSTRUCTORS)
+KIND_BY_NAME = {cls.__name__: cls.kind for cls in KINDS}
+
 _PRELUDE = f"""
 (sort AxSet (Set String))
 (datatype Term
-  (Ld String String)
-  (LdS String String Term)
-  (Cst f64)
-  (Un String Term)
-  (Bin String Term Term)
-  (BRed String String Term)
-  (Dot String Term Term)
-  (Red String String Term)
-  {' '.join(f"(Tup{n} {' '.join(['Term'] * n)})" for n in range(MIN_TUPLE, MAX_TUPLE + 1))}
-  (Get i64 Term))
+  {' '.join(f"({' '.join((name, *sorts))})" for name, (_, sorts) in CONSTRUCTORS.items())})
 (function shape (Term) AxSet :merge (set-intersect old new))
 (function deps (Term) AxSet :merge (set-intersect old new))
 (function ablock (String) f64 :merge old)
@@ -435,9 +433,6 @@ _PRELUDE = f"""
 (function atrips (String) f64 :merge old)
 (ruleset {ANALYSIS})
 """
-
-TERM_CONSTRUCTORS = ("Ld", "LdS", "Cst", "Un", "Bin", "BRed", "Dot", "Red", "Get",
-                     *(f"Tup{n}" for n in range(MIN_TUPLE, MAX_TUPLE + 1)))
 
 
 @dataclass(frozen=True)
@@ -449,14 +444,13 @@ class CompiledPack:
     egg_rules: dict[str, str]  # egglog ruleset -> egglog rule name
     stages: tuple[Stage, ...]
     ground_loads: tuple[Load, ...]
+    monoids: dict[str, Monoid]  # what the monoid names in the e-graph mean
 
 
 def compile_pack(pack: RulePack, rules: Iterable[Rule] | None = None) -> CompiledPack:
     """The egglog program of `pack` (or of just `rules` of it, for check cases)."""
-    for m in pack.monoids:
-        register_monoid(m)
     chosen = list(pack.rules if rules is None else rules)
-    lines = [_PRELUDE, *_analysis_rules(MONOIDS.values())]
+    lines = [_PRELUDE, *_analysis_rules(pack_monoids(pack).values())]
     rulesets: dict[str, list[str]] = {}
     egg_rules: dict[str, str] = {}
     loads: list[Load] = []
@@ -470,7 +464,12 @@ def compile_pack(pack: RulePack, rules: Iterable[Rule] | None = None) -> Compile
             rulesets.setdefault(rule.ruleset, []).append(rs)
             egg_rules[rs] = name
     return CompiledPack("\n".join(lines), rulesets, egg_rules, _stages(pack, rulesets),
-                        tuple(dict.fromkeys(loads)))
+                        tuple(dict.fromkeys(loads)), pack_monoids(pack))
+
+
+def pack_monoids(pack: RulePack) -> dict[str, Monoid]:
+    """What each monoid name means in the e-graph of `pack`: the builtins and its own."""
+    return {**BUILTIN_MONOIDS, **{m.name: m for m in pack.monoids}}
 
 
 def _stages(pack: RulePack, rulesets: Mapping[str, list[str]]) -> tuple[Stage, ...]:
@@ -482,50 +481,6 @@ def _stages(pack: RulePack, rulesets: Mapping[str, list[str]]) -> tuple[Stage, .
 
 # --------------------------------------------------------------------------------------------
 # Terms
-
-
-def rename_axes(n: Node, mapping: Mapping[str, str]) -> Node | None:
-    """`n` with every axis renamed by `mapping` simultaneously, or None if that would capture
-    an axis (a target name already used in `n` by an axis that is not renamed away)."""
-    moved = {a: b for a, b in mapping.items() if a != b}
-    if not moved:
-        return n
-    used = set()
-    for m in postorder(n):
-        match m:
-            case Load(_, axes):
-                used.update(axes)
-            case Reduce(a, _, _) | Dot(a, _, _) | BlockReduce(_, a, _):
-                used.add(a)
-    if any(b in used and b not in moved for b in moved.values()):
-        return None
-    memo: dict[Node, Node] = {}
-
-    def ren(a: str) -> str:
-        return moved.get(a, a)
-
-    for m in postorder(n):
-        kids = tuple(memo[c] for c in children(m))
-        match m:
-            case Load(t, axes):
-                memo[m] = Load(t, tuple(map(ren, axes)))
-            case Reduce(a, mono, _):
-                memo[m] = Reduce(ren(a), mono, kids[0])
-            case Dot(a, _, _):
-                memo[m] = Dot(ren(a), *kids)
-            case BlockReduce(op, a, _):
-                memo[m] = BlockReduce(op, ren(a), kids[0])
-            case Unary(op, _):
-                memo[m] = Unary(op, kids[0])
-            case Binary(op, _, _):
-                memo[m] = Binary(op, *kids)
-            case Tuple():
-                memo[m] = Tuple(kids)
-            case Get(i, _):
-                memo[m] = Get(i, kids[0])
-            case _:
-                memo[m] = m
-    return memo[n]
 
 
 class TermWriter:
@@ -702,10 +657,11 @@ class Saturator:
 
     def freeze(self) -> ClassGraph:
         """The current e-graph as e-classes of e-nodes, with the class of every root."""
-        return _read_back(self.egraph, self.roots)
+        return _read_back(self.egraph, self.roots, self.compiled.monoids)
 
 
-def _read_back(egraph: EGraph, roots: Mapping[str, str]) -> ClassGraph:
+def _read_back(egraph: EGraph, roots: Mapping[str, str], monoids: Mapping[str, Monoid]
+               ) -> ClassGraph:
     frozen = egraph.freeze()
     ids: dict[object, int] = {}
 
@@ -720,7 +676,7 @@ def _read_back(egraph: EGraph, roots: Mapping[str, str]) -> ClassGraph:
         for row in fn.rows:
             if row.subsumed:
                 continue
-            node = _decode(egraph, name, row.inputs, cid)
+            node = _decode(egraph, name, row.inputs, cid, monoids)
             classes.setdefault(cid(row.output), []).append(node)
     named = {}
     for key, g in roots.items():
@@ -729,28 +685,25 @@ def _read_back(egraph: EGraph, roots: Mapping[str, str]) -> ClassGraph:
     return ClassGraph({c: tuple(dict.fromkeys(ns)) for c, ns in classes.items()}, named)
 
 
-def _decode(egraph: EGraph, name: str, inputs: list, cid: Callable[[object], int]) -> ENode:
-    s = egraph.value_to_string
-    match name:
-        case "Ld":
-            return ENode("Load", (s(inputs[0]), _axes(s(inputs[1]))), ())
-        case "LdS":
-            return ENode("Load", (s(inputs[0]), _axes(s(inputs[1]))), (cid(inputs[2]),))
-        case "Cst":
-            return ENode("Const", (egraph.value_to_f64(inputs[0]),), ())
-        case "Un":
-            return ENode("Unary", (s(inputs[0]),), (cid(inputs[1]),))
-        case "Bin":
-            return ENode("Binary", (s(inputs[0]),), (cid(inputs[1]), cid(inputs[2])))
-        case "BRed":
-            return ENode("BlockReduce", (s(inputs[0]), s(inputs[1])), (cid(inputs[2]),))
-        case "Dot":
-            return ENode("Dot", (s(inputs[0]),), (cid(inputs[1]), cid(inputs[2])))
-        case "Red":
-            return ENode("Reduce", (s(inputs[0]), s(inputs[1])), (cid(inputs[2]),))
-        case "Get":
-            return ENode("Get", (egraph.value_to_i64(inputs[0]),), (cid(inputs[1]),))
-    return ENode("Tuple", (), tuple(cid(v) for v in inputs))
+def _decode(egraph: EGraph, name: str, inputs: list, cid: Callable[[object], int],
+            monoids: Mapping[str, Monoid]) -> ENode:
+    """One row of a Term constructor as an e-node, attributes decoded by their sorts."""
+    kind = CONSTRUCTORS[name][0]
+    values = []
+    for f, value in zip(kind.attr_fields, inputs):
+        match kind.sort_of(f):
+            case Sort.NUMBER:
+                values.append(egraph.value_to_f64(value))
+            case Sort.INDEX:
+                values.append(egraph.value_to_i64(value))
+            case Sort.AXES:
+                values.append(_axes(egraph.value_to_string(value)))
+            case Sort.MONOID:
+                values.append(monoids[egraph.value_to_string(value)])
+            case _:
+                values.append(egraph.value_to_string(value))
+    kids = tuple(cid(v) for v in inputs[len(kind.attr_fields):])
+    return ENode(kind.name, tuple(values), kids)
 
 
 def _axes(text: str) -> tuple[str, ...]:

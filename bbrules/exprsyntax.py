@@ -14,17 +14,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import cache
 from importlib.resources import files
-from typing import Union
+from typing import Mapping, Union
 
 from lark import Lark, Token, Transformer, Tree, UnexpectedCharacters, UnexpectedInput, v_args
 from lark.lexer import PatternStr
 from lark.visitors import merge_transformers
 
 from .errors import SourceError, Span
-from .ir import (BUILTIN_MONOIDS, Binary, BlockReduce, Const, Dot, Get, Load, Monoid, Node,
-                 Reduce, TensorDecl, Tuple, Unary, Var)
+from .ir import (BUILTIN_MONOIDS, KINDS, Binary, Const, Kind, Load, Monoid, Node, Sort,
+                 TensorDecl, Unary, Var)
 from .ops import UNARY
-from .rule import AxisSize, CExpr, Pattern, PConst, PVar, Stored
+from .rule import AxisSize, CExpr, PAxis, Pattern, PConst, PMonoid, PVar, Stored
 
 # --------------------------------------------------------------------------------------------
 # Syntax trees
@@ -285,13 +285,11 @@ def parse(grammar_name: str, text: str, path: str, transformer: ExprTransformer)
 # --------------------------------------------------------------------------------------------
 # Syntax trees -> IR nodes and patterns
 
-# Functions other than the unary operators: name -> (argument count, argument description).
-_FUNCTIONS: dict[str, tuple[int, str]] = {
-    "max": (2, "x, y"), "min": (2, "x, y"),
-    "bsum": (2, "axis, x"), "bmax": (2, "axis, x"), "bmin": (2, "axis, x"),
-    "dot": (3, "axis, x, y"), "reduce": (3, "axis, monoid, x"), "get": (2, "index, x"),
-    "load": (1, "T[axes]"), "const": (1, "constant"),
-}
+# Call syntax: every spelling a node kind declares (`kinds.Kind.calls`), plus the forms that
+# are not a node of their own: `load(T[axes])` (or `load(store(?v))` in a rule) and `const(...)`.
+_CALLS: dict[str, tuple[Kind, str | None]] = {
+    name: (k.kind, op) for k in KINDS for name, op in k.kind.calls()}
+_SPECIAL: dict[str, str] = {"load": "T[axes]", "const": "constant"}
 _SIZES = ("block", "extent", "trips")
 
 
@@ -301,7 +299,7 @@ class Scope:
 
     `locals`: `let` names of a kernel.  `variables`: the `Var` names a monoid part may use.
     `dims` / `tensors`: declared axes and tensors, when known, for early errors.  `monoids`:
-    the monoid names `reduce` accepts.  `patterns`: `?x` and `const(?c)` allowed (a rule side).
+    the monoids `reduce` may name (the builtins and those declared where the text is).  `patterns`: `?x` and `const(?c)` allowed (a rule side).
     `rhs`: constant arithmetic allowed inside `const(...)`.  `elementwise`: only constants,
     variables and elementwise operators (a monoid's parts).  `kinds` records, per pattern
     variable, whether it stands for a value, axis, monoid or constant, and where it first
@@ -309,7 +307,7 @@ class Scope:
     """
 
     text: str
-    monoids: frozenset[str] = frozenset(BUILTIN_MONOIDS)
+    monoids: Mapping[str, Monoid] = field(default_factory=lambda: dict(BUILTIN_MONOIDS))
     locals: dict[str, Node] = field(default_factory=dict)
     variables: frozenset[str] = frozenset()
     dims: frozenset[str] | None = None
@@ -367,35 +365,34 @@ class Resolver:
         raise AssertionError(e)
 
     def call(self, e: Call) -> Pattern:
-        f, args = e.func, e.args
-        if f in UNARY:
-            self.arity(e, 1, "x")
-            return Unary(f, self.value(args[0]))
-        if f == "tuple":
-            if not args:
-                raise self.error(e.span, "tuple takes at least one argument")
+        """A function call: a node kind's declared spelling, `load(...)` or `const(...)`.
+
+        Each argument is resolved by what the kind's field holds (an axis, a monoid, a
+        component index, a value), so a new kind needs no code here."""
+        if e.func in _SPECIAL:
+            self.arity(e, 1, _SPECIAL[e.func])
             self.not_elementwise(e)
-            return Tuple(tuple(self.value(a) for a in args))
-        if f not in _FUNCTIONS:
-            raise self.error(e.span, f"unknown function '{f}'")
-        self.arity(e, *_FUNCTIONS[f])
-        if f in ("max", "min"):
-            return Binary(f, self.value(args[0]), self.value(args[1]))
-        self.not_elementwise(e)
-        match f:
-            case "bsum" | "bmax" | "bmin":
-                return BlockReduce(f[1:], self.axis(args[0]), self.value(args[1]))
-            case "dot":
-                return Dot(self.axis(args[0]), self.value(args[1]), self.value(args[2]))
-            case "reduce":
-                return Reduce(self.axis(args[0]), self.monoid(args[1]), self.value(args[2]))
-            case "get":
-                return Get(self.index(args[0]), self.value(args[1]))
-            case "load":
-                return self.load(args[0])
-            case "const":
-                return self.const(args[0])
-        raise AssertionError(f)
+            return self.load(e.args[0]) if e.func == "load" else self.const(e.args[0])
+        if e.func not in _CALLS:
+            raise self.error(e.span, f"unknown function '{e.func}'")
+        kind, op = _CALLS[e.func]
+        if not kind.elementwise:
+            self.not_elementwise(e)
+        variadic = any(s is Sort.CHILDREN for _, s in kind.fields)
+        if variadic and not e.args:
+            raise self.error(e.span, f"{e.func} takes at least one argument")
+        if not variadic:
+            self.arity(e, len(kind.params), ", ".join(kind.params))
+        values: dict[str, object] = {}
+        args = list(e.args)
+        for f, sort in kind.fields:
+            if sort is Sort.OP:
+                values[f] = op
+            elif sort is Sort.CHILDREN:
+                values[f] = tuple(self.value(a) for a in args)
+            else:
+                values[f] = self._resolvers[sort](self, args.pop(0))
+        return kind.cls(**values)
 
     def arity(self, e: Call, n: int, params: str) -> None:
         if len(e.args) != n:
@@ -407,9 +404,9 @@ class Resolver:
             raise self.error(e.span, f"a monoid's parts are elementwise: '{e.func}' is not "
                                      f"allowed here")
 
-    def axis(self, e: Expr) -> str:
+    def axis(self, e: Expr) -> str | PAxis:
         if isinstance(e, PatVar):
-            return self.use(e, "axis")
+            return PAxis(self.use(e, "axis"))
         if not isinstance(e, Name):
             raise self.error(e.span, "expected an axis name")
         if self.scope.patterns:
@@ -418,15 +415,15 @@ class Resolver:
             raise self.error(e.span, f"unknown axis '{e.name}' (not declared with dim)")
         return e.name
 
-    def monoid(self, e: Expr) -> str:
+    def monoid(self, e: Expr) -> Monoid | PMonoid:
         if isinstance(e, PatVar):
-            return self.use(e, "monoid")
+            return PMonoid(self.use(e, "monoid"))
         if not isinstance(e, Name):
             raise self.error(e.span, "expected a monoid name")
         if e.name not in self.scope.monoids:
             known = ", ".join(sorted(self.scope.monoids))
             raise self.error(e.span, f"unknown monoid '{e.name}' (known: {known})")
-        return e.name
+        return self.scope.monoids[e.name]
 
     def index(self, e: Expr) -> int:
         if not (isinstance(e, Num) and e.value == int(e.value) and e.value >= 0):
@@ -482,6 +479,12 @@ class Resolver:
                 return CExpr(f, (self.cexpr(args[0]), self.cexpr(args[1])))
         raise self.error(e.span, "expected constant arithmetic over ?c, numbers, block(?a), "
                                    "extent(?a) and trips(?a)")
+
+
+Resolver._resolvers = {
+    Sort.AXIS: Resolver.axis, Sort.MONOID: Resolver.monoid, Sort.INDEX: Resolver.index,
+    Sort.CHILD: Resolver.value,
+}
 
 
 def article(kind: str) -> str:

@@ -45,7 +45,7 @@ from typing import Iterable, Iterator, Mapping, TypeAlias
 
 from .cost import ProgramCost, cost_kernel, cost_program
 from .engine import ClassGraph, ENode
-from .ir import (BUILTIN_MONOIDS, MONOIDS, BlockProgram, IRError, Load, Node, Store, TensorDecl,
+from .ir import (BlockProgram, IRError, Load, Node, Store, TensorDecl,
                  TileType, postorder, sched_deps, show_program, type_of, validate)
 from .targets import Target
 
@@ -156,11 +156,8 @@ class Extractor:
         on_path: set[int] = set()
         kernels: dict[str, Store] = {}
         defining: set[str] = set()
-        monoids: set[str] = set()
 
         def make(node: ENode) -> Node:
-            if node.kind == "Reduce":
-                monoids.add(node.attrs[1])
             built = node.build(tuple(term(k) for k in node.children))
             return self.interned.setdefault(built, built)
 
@@ -195,7 +192,7 @@ class Extractor:
 
         for out in self.source.outputs:
             require(out)
-        return Built(self.program(tuple(kernels.values()), monoids), tuple(memo),
+        return Built(self.program(tuple(kernels.values())), tuple(memo),
                      tuple(kernels))
 
     def kernel_ok(self, store: Store) -> bool:
@@ -211,12 +208,11 @@ class Extractor:
                 self.kernel_checks[store] = False
         return self.kernel_checks[store]
 
-    def program(self, kernels: tuple[Store, ...], monoids: set[str]) -> BlockProgram:
+    def program(self, kernels: tuple[Store, ...]) -> BlockProgram:
         stored = {k.tensor for k in kernels}
         tensors = {n: t for n, t in self.source.tensors.items()
                    if t.role == "input" or n in stored}
-        return BlockProgram(self.source.dims, tensors, kernels, self.source.outputs,
-                            {m: MONOIDS[m] for m in sorted(monoids) if m not in BUILTIN_MONOIDS})
+        return BlockProgram(self.source.dims, tensors, kernels, self.source.outputs)
 
     # -- pricing
 

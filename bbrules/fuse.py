@@ -12,21 +12,22 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Mapping, get_args
+from typing import Mapping
 
 import numpy as np
 
 from .cost import ProgramCost, cost_program
-from .engine import Budget, Progress, Saturator, StageStats, compile_pack, rename_axes
+from .engine import Budget, Progress, Saturator, StageStats, compile_pack
 from .extract import ExtractStats, extract
-from .ir import (Binary, BlockProgram, BlockReduce, Const, Dim, Dot, Get, Load, Node, Reduce,
-                 Tuple, Unary, children, postorder, show_node, validate)
+from .ir import (KINDS, Binary, BlockProgram, BlockReduce, Const, Dim, Dot, Get, Load, Node,
+                 Reduce, Tuple, Unary, children, postorder, rebuild, rename_axes, show_node,
+                 validate)
 from .ops import BINARY, UNARY
-from .rule import AxisSize, CExpr, Pattern, PConst, PVar, Rule, RulePack, Stored
+from .rule import AxisSize, CExpr, Pattern, PConst, PVar, Rule, RulePack, Stored, pattern_var
 from .targets import Target
 
 EXPLAIN_LIMIT = 2000  # terms examined when explaining (commutativity can feed itself)
-_NODE_TYPES = get_args(Node)
+_NODE_TYPES = tuple(KINDS)
 
 
 @dataclass(frozen=True)
@@ -168,38 +169,17 @@ def _forwarded(p: BlockProgram) -> dict[str, Node]:
                 decl = p.tensors[n.tensor].axes
                 memo[n] = rename_axes(values[n.tensor], dict(zip(decl, n.axes))) or n
             else:
-                memo[n] = _rebuild(n, tuple(memo[c] for c in children(n)))
+                memo[n] = rebuild(n, tuple(memo[c] for c in children(n)))
         values[k.tensor] = memo[k.value]
     return values
-
-
-def _rebuild(n: Node, kids: tuple[Node, ...]) -> Node:
-    match n:
-        case Unary(op, _):
-            return Unary(op, kids[0])
-        case Binary(op, _, _):
-            return Binary(op, *kids)
-        case BlockReduce(op, a, _):
-            return BlockReduce(op, a, kids[0])
-        case Dot(a, _, _):
-            return Dot(a, *kids)
-        case Reduce(a, m, _):
-            return Reduce(a, m, kids[0])
-        case Tuple():
-            return Tuple(kids)
-        case Get(i, _):
-            return Get(i, kids[0])
-    return n
 
 
 def _instantiate(p: Pattern, env: Mapping[str, object], sizes: Mapping[str, Dim]
                  ) -> Node | None:
     """A pattern with its variables replaced by `env`'s bindings, or None if one is unbound."""
-    def axis(a: str) -> str | None:
-        if not a.startswith("?"):
-            return a
-        v = env.get(a)
-        return v if isinstance(v, str) else None
+    def axis(a: object) -> object | None:
+        name = pattern_var(a)
+        return a if name is None else env.get(name)
 
     def sub(q: Pattern) -> Node | None:
         return _instantiate(q, env, sizes)
@@ -226,7 +206,7 @@ def _instantiate(p: Pattern, env: Mapping[str, object], sizes: Mapping[str, Dim]
         case Reduce(a, m, _):
             ax, mono = axis(a), axis(m)
             return None if ax is None or mono is None else Reduce(ax, mono, kids[0])
-    return _rebuild(p, tuple(k for k in kids if k is not None))
+    return rebuild(p, tuple(k for k in kids if k is not None))
 
 
 def _short(text: str, width: int = 120) -> str:
@@ -241,8 +221,9 @@ def _matches(p: Pattern, n: Node, env: dict[str, object], sizes: Mapping[str, Di
         env[var] = value
         return True
 
-    def name(field_value: str, value: str) -> bool:
-        return bind(field_value, value) if field_value.startswith("?") else field_value == value
+    def name(field_value: object, value: object) -> bool:
+        var = pattern_var(field_value)
+        return bind(var, value) if var is not None else field_value == value
 
     match p:
         case PVar(v):

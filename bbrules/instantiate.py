@@ -18,16 +18,16 @@ import operator
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
-from typing import Callable
+from typing import Callable, Mapping
 
 import numpy as np
 
-from .ir import (MONOIDS, Binary, BlockReduce, Const, Dim, Dot, Get, IRError, Load, Node, Reduce,
-                 Store, TensorDecl, TileType, Tuple, Type, Unary, Var, children, show_node,
-                 type_of)
+from .ir import (BUILTIN_MONOIDS, BlockReduce, Const, Dim, IRError, Load, Monoid, Node, Sort,
+                 Store, TensorDecl, TileType, Tuple, Type, attrs, children, map_attrs,
+                 show_node, type_of)
 from .ops import BINARY, UNARY
-from .rule import (AxisEq, AxisIn, AxisSize, CExpr, ConstCmp, Guard, Pattern, PConst, PVar, Rule,
-                   Stored, TripsEq)
+from .rule import (AxisEq, AxisIn, AxisSize, CExpr, ConstCmp, Guard, PAxis, Pattern, PConst,
+                   PMonoid, PVar, Rule, Stored, TripsEq)
 
 _COMPARE: dict[str, Callable[[float, float], bool]] = {
     "<": operator.lt, "<=": operator.le, ">": operator.gt, ">=": operator.ge,
@@ -69,11 +69,12 @@ def variables(p: Pattern) -> dict[str, str]:
                 kinds[name] = "constant"
             case AxisSize(_, axis):
                 kinds[axis] = "axis"
-            case Reduce(axis, monoid, _):
-                kinds.update({v: k for v, k in ((axis, "axis"), (monoid, "monoid"))
-                              if v.startswith("?")})
-            case BlockReduce(_, axis, _) | Dot(axis, _, _) if axis.startswith("?"):
-                kinds[axis] = "axis"
+            case _ if hasattr(type(s), "kind"):
+                for a in attrs(s):
+                    if isinstance(a, PAxis):
+                        kinds[a.name] = "axis"
+                    elif isinstance(a, PMonoid):
+                        kinds[a.name] = "monoid"
     return kinds
 
 
@@ -83,7 +84,7 @@ class Instance:
 
     dims: dict[str, Dim]
     axes: dict[str, str] = field(default_factory=dict)
-    monoids: dict[str, str] = field(default_factory=dict)
+    monoids: dict[str, Monoid] = field(default_factory=dict)
     values: dict[str, Node] = field(default_factory=dict)
     consts: dict[str, float] = field(default_factory=dict)
     inputs: dict[str, TensorDecl] = field(default_factory=dict)
@@ -91,7 +92,7 @@ class Instance:
     def describe(self) -> str:
         parts = [f"{v} = {a} ({self.dims[a].extent}/{self.dims[a].block})"
                  for v, a in self.axes.items()]
-        parts += [f"{v} = {m}" for v, m in self.monoids.items()]
+        parts += [f"{v} = {m.name}" for v, m in self.monoids.items()]
         parts += [f"{v} = {show_node(n)}" for v, n in self.values.items()]
         parts += [f"{v} = {c!r}" for v, c in self.consts.items()]
         return ", ".join(parts)
@@ -122,25 +123,15 @@ class Instance:
                 return Const(self.constant(p))
             case Stored(v):
                 return self.stored(self.build(v, stored), stored)
-            case Load() | Const() | Var():
-                return p
-            case Unary(op, x):
-                return Unary(op, self.build(x, stored))
-            case Binary(op, x, y):
-                return Binary(op, self.build(x, stored), self.build(y, stored))
-            case BlockReduce(op, axis, x):
-                return BlockReduce(op, self.axes.get(axis, axis), self.build(x, stored))
-            case Dot(axis, x, y):
-                return Dot(self.axes.get(axis, axis), self.build(x, stored),
-                           self.build(y, stored))
-            case Reduce(axis, monoid, x):
-                return Reduce(self.axes.get(axis, axis), self.monoids.get(monoid, monoid),
-                              self.build(x, stored))
-            case Tuple(items):
-                return Tuple(tuple(self.build(i, stored) for i in items))
-            case Get(i, x):
-                return Get(i, self.build(x, stored))
-        raise AssertionError(p)
+        kids = tuple(self.build(c, stored) for c in children(p))
+        return map_attrs(map_attrs(p, Sort.AXIS, self.axis, kids), Sort.MONOID, self.monoid,
+                         kids)
+
+    def axis(self, a: str | PAxis) -> str:
+        return self.axes[a.name] if isinstance(a, PAxis) else a
+
+    def monoid(self, m: Monoid | PMonoid) -> Monoid:
+        return self.monoids[m.name] if isinstance(m, PMonoid) else m
 
     @staticmethod
     def stored(value: Node, stored: dict[Node, Store]) -> Node:
@@ -178,16 +169,17 @@ def checked_type(n: Node) -> Type:
 class _Sampler:
     """Random bindings for one rule's variables.
 
-    A monoid variable is bound to any monoid registered with the IR; the type check then keeps
-    the ones whose arity fits.
+    A monoid variable is bound to any of `monoids` (the builtins and the rule's pack's); the
+    type check then keeps the ones whose arity fits.
     """
 
     BLOCKS = (1, 2, 3, 4)      # block sizes
     TRIPS = (1, 1, 2, 3)       # blocks per axis: a single block is a case of its own
     CONSTANTS = (0.0, 1.0, -1.0, 2.0, 0.5, -0.25)
 
-    def __init__(self, rule: Rule, rng: random.Random):
+    def __init__(self, rule: Rule, rng: random.Random, monoids: Mapping[str, Monoid]):
         self.rng = rng
+        self.monoids = [monoids[name] for name in sorted(monoids)]
         self.kinds = variables(rule.lhs)
         self.fixed = {g.var: g.value for g in rule.guards
                       if isinstance(g, ConstCmp) and g.op == "=="}
@@ -201,7 +193,7 @@ class _Sampler:
         chosen = (rng.sample(pool, len(by_kind["axis"])) if rng.random() < 0.8
                   else rng.choices(pool, k=len(by_kind["axis"])))
         inst.axes = dict(zip(by_kind["axis"], chosen))
-        inst.monoids = {v: rng.choice(sorted(MONOIDS)) for v in by_kind["monoid"]}
+        inst.monoids = {v: rng.choice(self.monoids) for v in by_kind["monoid"]}
         for v in by_kind["value"]:
             inst.values[v] = self.value(v[1:], pool, inst)
         for v in by_kind["constant"]:
@@ -234,10 +226,11 @@ class _Sampler:
         return node
 
 
-def instances(rule: Rule, rng: random.Random, tries: int) -> Iterator[Instance]:
+def instances(rule: Rule, rng: random.Random, tries: int,
+              monoids: Mapping[str, Monoid] = BUILTIN_MONOIDS) -> Iterator[Instance]:
     """Random bindings (out of `tries` attempts) under which the guards hold and the left side
-    is well formed."""
-    sampler = _Sampler(rule, rng)
+    is well formed; monoid variables range over `monoids`."""
+    sampler = _Sampler(rule, rng, monoids)
     for _ in range(tries):
         inst = sampler.sample()
         try:

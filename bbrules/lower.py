@@ -13,8 +13,8 @@ from __future__ import annotations
 from itertools import combinations
 
 from .errors import SourceError
-from .ir import (BlockProgram, BlockReduce, Binary, Const, Dot, IRError, Load, Node, Reduce,
-                 Store, Unary, tile_type, validate)
+from .ir import (BUILTIN_MONOIDS, SUM, BlockProgram, BlockReduce, Binary, Const, Dot, IRError,
+                 Load, Node, Reduce, Store, Unary, tile_type, validate)
 from .program import Apply, Expr, Number, Program, Reduction, Ref, Statement, factors, free_axes
 
 Factor = tuple[Expr, bool]  # an expression and whether it divides
@@ -59,7 +59,7 @@ def lower_expr(e: Expr) -> Node:
         case Reduction("sum", axis, body):
             return _sum(axis, body)
         case Reduction(op, axis, body):
-            return Reduce(axis, op, BlockReduce(op, axis, lower_expr(body)))
+            return Reduce(axis, BUILTIN_MONOIDS[op], BlockReduce(op, axis, lower_expr(body)))
     raise TypeError(f"not a program expression: {e!r}")
 
 
@@ -68,10 +68,10 @@ def _sum(axis: str, body: Expr) -> Node:
     inside = [f for f in fs if axis in free_axes(f[0])]
     outside = [f for f in fs if axis not in free_axes(f[0])]
     if len(inside) == 1:
-        loop = Reduce(axis, "sum", BlockReduce("sum", axis, _product(inside)))
+        loop = Reduce(axis, SUM, BlockReduce("sum", axis, _product(inside)))
     else:
         left, right = _split(inside)
-        loop = Reduce(axis, "sum", Dot(axis, _product(left), _product(right)))
+        loop = Reduce(axis, SUM, Dot(axis, _product(left), _product(right)))
     result: Node = loop
     for f, divides in outside:
         result = Binary("div" if divides else "mul", result, lower_expr(f))

@@ -2,9 +2,11 @@
 
 A pattern is an IR term (`bbrules.ir` node classes) in which
 - a child may be a `PVar` (`?x`), matching any value;
-- an axis field (`Reduce.axis`, `Dot.axis`, `BlockReduce.axis`) or a monoid name may be a
-  string starting with `?` (`?a`), matching any axis / monoid;
+- an axis field (`Reduce.axis`, `Dot.axis`, `BlockReduce.axis`) may be a `PAxis` (`?a`) and a
+  monoid field a `PMonoid` (`?m`), matching any axis / monoid;
 - a constant may be a `PConst` (`?c`), matching any constant (so rules can fold constants).
+
+Every variable keeps its `?` in its name, as the rule text writes it.
 
 The parser (`bbrules.rulefile`) builds these; the engine (`bbrules.engine`) compiles them to
 egglog; the soundness checker (`bbrules.soundness`) instantiates them on random tiles.
@@ -25,12 +27,38 @@ class PVar:
 
     name: str
 
+    def __str__(self) -> str:
+        return self.name
+
 
 @dataclass(frozen=True)
 class PConst:
     """A pattern variable standing for any constant (`?c` in a constant position)."""
 
     name: str
+
+    def __str__(self) -> str:
+        return f"const({self.name})"
+
+
+@dataclass(frozen=True)
+class PAxis:
+    """A pattern variable standing for any axis, in an axis field (`?a`)."""
+
+    name: str
+
+    def __str__(self) -> str:
+        return self.name
+
+
+@dataclass(frozen=True)
+class PMonoid:
+    """A pattern variable standing for any monoid, in a monoid field (`?m`)."""
+
+    name: str
+
+    def __str__(self) -> str:
+        return self.name
 
 
 @dataclass(frozen=True)
@@ -43,13 +71,17 @@ class Stored:
 
     value: Pattern
 
+    def __str__(self) -> str:
+        from .ir import show_node
+        return f"load(store({show_node(self.value)}))"
+
 
 @dataclass(frozen=True)
 class AxisSize:
     """`block(?a)`, `extent(?a)` or `trips(?a)`: a size of the axis bound to `?a`, as a constant."""
 
     kind: str  # "block", "extent" or "trips"
-    axis: str
+    axis: str  # the axis variable's name
 
 
 @dataclass(frozen=True)
@@ -65,7 +97,7 @@ Pattern = Union[Node, PVar, PConst, Stored, CExpr, AxisSize]
 
 def pattern_var(x: object) -> str | None:
     """The name of the pattern variable `x` stands for in an axis or monoid field, else None."""
-    return x if isinstance(x, str) and x.startswith("?") else None
+    return x.name if isinstance(x, (PAxis, PMonoid)) else None
 
 
 # Guards -------------------------------------------------------------------------------------

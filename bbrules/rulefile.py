@@ -17,6 +17,7 @@ import random
 from dataclasses import dataclass, replace
 from itertools import islice
 from pathlib import Path
+from typing import Mapping
 
 from lark import Token
 
@@ -24,8 +25,8 @@ from .errors import SourceError, Span
 from .exprsyntax import (Call, Expr, ExprTransformer, Indexed, MonoidDecl, Name, Num, PatVar,
                          Resolver, Scope, Size, article, parse, resolve_monoid)
 from .instantiate import NotInstantiable, checked_type, flipped, instances
-from .ir import (BUILTIN_MONOIDS, IRError, Load, Node, Store, TileType, Type, postorder,
-                 register_monoid, show_node, type_of)
+from .ir import (BUILTIN_MONOIDS, IRError, Load, Monoid, Node, Store, TileType, Type,
+                 postorder, show_node, type_of)
 from .rule import AxisEq, AxisIn, Check, ConstCmp, Guard, PConst, Rule, RulePack, Stage, TripsEq
 
 # Declarations as parsed, before resolution ---------------------------------------------------
@@ -235,8 +236,9 @@ class _PackBuilder:
         self.rulesets = {r.ruleset for r in base.rules}
 
     @property
-    def monoid_names(self) -> frozenset[str]:
-        return frozenset(BUILTIN_MONOIDS) | {m.name for m in self.base.monoids + self.pack.monoids}
+    def monoids(self) -> dict[str, Monoid]:
+        """The monoids a rule of this pack may name: builtins, earlier packs', its own."""
+        return {**BUILTIN_MONOIDS, **{m.name: m for m in self.base.monoids + self.pack.monoids}}
 
     def build(self, files: list[_File]) -> RulePack:
         for f in files:
@@ -271,10 +273,10 @@ class _PackBuilder:
         if name in {m.name for m in self.pack.monoids}:
             raise _error(f, d.name.span, f"monoid '{name}' is declared twice in this pack")
         m = resolve_monoid(d, f.text, f.doc(d.span))
-        try:
-            register_monoid(m)
-        except IRError as e:
-            raise _error(f, d.name.span, str(e)) from None
+        earlier = self.monoids.get(name)
+        if earlier is not None and earlier != m:
+            raise _error(f, d.name.span, f"monoid '{name}' is already defined differently by "
+                                         f"an earlier pack")
         if m not in self.base.monoids:  # an earlier pack's identical monoid is not repeated
             self.pack.monoids.append(m)
 
@@ -312,9 +314,9 @@ class _PackBuilder:
         if d.arrow.text not in ("=>", "<=>"):
             raise _error(f, d.arrow.span, "a rule rewrites with '=>' or '<=>'")
         two_way = d.arrow.text == "<=>"
-        lhs_scope = Scope(f.text, monoids=self.monoid_names, patterns=True)
+        lhs_scope = Scope(f.text, monoids=self.monoids, patterns=True)
         lhs = Resolver(lhs_scope).value(d.lhs)
-        rhs_scope = Scope(f.text, monoids=self.monoid_names, patterns=True, rhs=not two_way)
+        rhs_scope = Scope(f.text, monoids=self.monoids, patterns=True, rhs=not two_way)
         rhs = Resolver(rhs_scope).value(d.rhs)
         self.bound(f, rhs_scope.kinds, lhs_scope.kinds, "left")
         if two_way:
@@ -323,7 +325,7 @@ class _PackBuilder:
         rule = Rule(d.name.name, lhs, rhs, guards, two_way, ruleset, f.doc(d.name.span),
                     d.name.span)
         for direction in (rule, flipped(rule)) if two_way else (rule,):
-            mismatch = _type_mismatch(direction)
+            mismatch = _type_mismatch(direction, self.monoids)
             if mismatch:
                 raise _error(f, d.arrow.span, mismatch)
         self.pack.rules.append(rule)
@@ -390,7 +392,7 @@ class _PackBuilder:
         if d.arrow is not None and d.arrow.text == "<=>":
             raise _error(f, d.arrow.span, "a check expects '=>' (rewrites to) or '!=>' (does "
                                           "not rewrite to)")
-        resolver = _CheckResolver(Scope(f.text, monoids=self.monoid_names))
+        resolver = _CheckResolver(Scope(f.text, monoids=self.monoids))
         term = self.ground(f, resolver, d.term)
         expect = None if d.expect is None else self.ground(f, resolver, d.expect)
         for tensor, span in resolver.plain.items():
@@ -427,13 +429,14 @@ def _size(f: _File, s: Size) -> tuple[int, int]:
     return int(extent), int(block)
 
 
-def _type_mismatch(rule: Rule, tries: int = 150, samples: int = 4) -> str | None:
+def _type_mismatch(rule: Rule, monoids: Mapping[str, Monoid], tries: int = 150,
+                   samples: int = 4) -> str | None:
     """Why the sides of `rule` differ in shape or deps, if some instantiation shows it.
 
     The left side is instantiated on fresh tiles (deterministically, seeded by the rule's
     name); a rule whose left side no random choice makes well formed is not judged here.
     """
-    for inst in islice(instances(rule, random.Random(rule.name), tries), samples):
+    for inst in islice(instances(rule, random.Random(rule.name), tries, monoids), samples):
         stored: dict[Node, Store] = {}
         lhs, rhs = inst.build(rule.lhs, stored), inst.build(rule.rhs, stored)
         try:

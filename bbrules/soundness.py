@@ -18,13 +18,14 @@ from __future__ import annotations
 import random
 import zlib
 from dataclasses import dataclass
+from typing import Mapping
 
 import numpy as np
 
 from .instantiate import Instance, NotInstantiable, checked_type, flipped, instances
 from .interp import run
-from .ir import (BlockProgram, Get, IRError, Node, Reduce, Store, TensorDecl, TileType,
-                 register_monoid, show_node, tile_type, type_of, validate)
+from .ir import (BUILTIN_MONOIDS, SUM, BlockProgram, Get, IRError, Monoid, Node, Reduce, Store,
+                 TensorDecl, TileType, show_node, tile_type, type_of, validate)
 from .rule import Rule, RulePack
 
 RTOL = 1e-4
@@ -70,7 +71,7 @@ def _side_kernels(value: Node, prefix: str) -> list[Store]:
     for i, part in enumerate(parts):
         pt = tile_type(part)
         for axis in sorted(pt.deps - pt.shape):
-            part = Reduce(axis, "sum", part)
+            part = Reduce(axis, SUM, part)
         kernels.append(Store(f"{prefix}{i}", tuple(sorted(pt.shape)), part))
     return kernels
 
@@ -119,8 +120,9 @@ def _inputs(program: BlockProgram, seed: int) -> dict[str, np.ndarray]:
             for name in program.inputs}
 
 
-def _first_case(rule: Rule, rng: random.Random) -> _Case | None:
-    for inst in instances(rule, rng, TRIES):
+def _first_case(rule: Rule, rng: random.Random, monoids: Mapping[str, Monoid]
+                ) -> _Case | None:
+    for inst in instances(rule, rng, TRIES, monoids):
         try:
             return _case(rule, inst)
         except NotInstantiable:
@@ -128,11 +130,12 @@ def _first_case(rule: Rule, rng: random.Random) -> _Case | None:
     return None
 
 
-def _check_rule(rule: Rule, rtol: float, trials: int, seed: int) -> Unsound | None:
+def _check_rule(rule: Rule, rtol: float, trials: int, seed: int,
+                monoids: Mapping[str, Monoid]) -> Unsound | None:
     for direction in (rule, flipped(rule)) if rule.bidirectional else (rule,):
         for trial in range(trials):
             key = f"{seed}/{rule.name}/{trial}"
-            case = _first_case(direction, random.Random(key))
+            case = _first_case(direction, random.Random(key), monoids)
             if case is None:
                 return Unsound(rule, "", None, float("nan"),
                                f"could not instantiate (no well-formed left-hand side in "
@@ -158,11 +161,11 @@ def check_soundness(pack: RulePack, trials: int = 20, seed: int = 0) -> list[Uns
     Each rule is tried on `trials` random instantiations (both directions of a two-way rule);
     the tolerance is relative, `pack.tolerances[rule]` or 1e-4, plus an absolute 1e-5.
     """
-    for m in pack.monoids:
-        register_monoid(m)
+    monoids = {**BUILTIN_MONOIDS, **{m.name: m for m in pack.monoids}}
     failures = []
     for rule in pack.rules:
-        failure = _check_rule(rule, pack.tolerances.get(rule.name, RTOL), trials, seed)
+        failure = _check_rule(rule, pack.tolerances.get(rule.name, RTOL), trials, seed,
+                              monoids)
         if failure is not None:
             failures.append(failure)
     return failures

@@ -50,7 +50,7 @@ import numpy as np
 
 from bbrules.errors import UsageError
 from bbrules.ir import (Binary, BlockProgram, BlockReduce, Const, Dot, Get, IRError, Load, Monoid,
-                        Node, Reduce, Store, Tuple, Unary, Var, monoid, postorder, shape,
+                        Node, Reduce, Store, Tuple, Unary, Var, postorder, shape,
                         validate)
 from bbrules.ops import BINARY, TILE_REDUCE, UNARY
 from bbrules.schedule import Compute, Loop, Step, schedule_kernel
@@ -519,7 +519,7 @@ class _KernelGen:
         return op
 
     def _red(self, r: Reduce, scope: _Scope, op: _LoopOp) -> _Red:
-        m = monoid(r.monoid)
+        m = r.monoid
         body = scope.lookup(r.x)
         contribs = body.args if body.kind == "tuple" else (body,)
         shapes = tuple(c.shape for c in contribs)

@@ -34,7 +34,7 @@ from typing import AbstractSet, Callable, Mapping, Sequence, Union
 import numpy as np
 
 from bbrules.ir import (Axis, Binary, BlockProgram, BlockReduce, Const, Dim, Dot, Get, IRError,
-                        Load, Node, Reduce, Store, TileType, Tuple, Unary, Var, children, monoid,
+                        Load, Node, Reduce, Store, TileType, Tuple, Unary, Var, children,
                         postorder, show_kernel, tile_type, type_of, validate)
 from bbrules.ops import BINARY, TILE_REDUCE, UNARY, OpInfo
 from bbrules.schedule import Loop, Step, schedule_kernel
@@ -417,12 +417,12 @@ class _KernelWriter:
         """
         d = self.p.dims[loop.axis]
         looping = d.blocks > 1
-        folds = ", ".join(dict.fromkeys(r.monoid for r in loop.reduces))
+        folds = ", ".join(dict.fromkeys(r.monoid.name for r in loop.reduces))
         init = [f"# loop over {loop.axis} ({d.blocks} x {d.block}) folding {folds}" if looping
                 else f"# {folds} over {loop.axis}: one block, no loop"]
         states: list[tuple[Reduce, list[str]]] = []
         for r in loop.reduces:
-            m = monoid(r.monoid)
+            m = r.monoid
             acc = [self.fresh(c) for c in m.state] if looping else []
             if looping:
                 shared, identity = _expressions(m.identity, {}, self.fns, self.fresh)
@@ -461,7 +461,7 @@ class _KernelWriter:
         A one-component fold whose last operation is a ufunc may write into the contribution
         when this is its last use (the accumulator then takes over that buffer).
         """
-        m = monoid(r.monoid)
+        m = r.monoid
         contribution = self.lookup(r.x)
         parts = contribution if isinstance(contribution, tuple) else (contribution,)
         env = {f"a.{c}": a for c, a in zip(m.state, acc)}
@@ -489,7 +489,7 @@ class _KernelWriter:
         contribution itself, not a pass adding zero to it.  A component that simplifies to an
         operand *is* that operand: `acc` gets its name, and no array is copied.
         """
-        m = monoid(r.monoid)
+        m = r.monoid
         contribution = self.lookup(r.x)
         parts = contribution if isinstance(contribution, tuple) else (contribution,)
         env = {f"b.{c}": b for c, b in zip(m.state, parts)}
@@ -517,7 +517,7 @@ class _KernelWriter:
         defs: list[str] = []
         owned: set[str] = set()
         for r, acc in states:
-            m = monoid(r.monoid)
+            m = r.monoid
             env = dict(zip(m.state, acc))
             shared, texts = _expressions(m.finalize, env, self.fns, self.fresh)
             lines += shared
@@ -583,7 +583,7 @@ def _fresh_state(r: Reduce) -> tuple[bool, ...]:
     True when the component's combine is an operator (not a bare operand, which would alias
     the contribution) and its tile spans an axis (so it is an array, not a numpy scalar).
     """
-    m = monoid(r.monoid)
+    m = r.monoid
     t = type_of(r.x)
     parts = t if isinstance(t, tuple) else (t,)
     return tuple(isinstance(e, (Unary, Binary)) and bool(p.shape)

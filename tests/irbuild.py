@@ -6,9 +6,8 @@ monoids that are not in any rule pack) build them from these pieces: operator sh
 multi-component monoids (online softmax and Welford) with the folds that use them, a
 hand-fused Flash Attention, and the plain-numpy references the results are checked against.
 
-Monoids are registered globally by name (`bbrules.ir.register_monoid` refuses a name that is
-redefined differently), so a test that needs a variant of the online softmax gives it a name
-of its own.
+A reduction holds its monoid, so a test may define a variant of the online softmax under the
+same name as another without the two meeting.
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ from typing import Callable
 
 import numpy as np
 
-from bbrules.ir import (Binary, BlockProgram, BlockReduce, Const, Dim, Dot, Load, Monoid, Node,
+from bbrules.ir import (SUM, Binary, BlockProgram, BlockReduce, Const, Dim, Dot, Load, Monoid, Node,
                         Reduce, Store, TensorDecl, Tuple, Unary, Var)
 
 
@@ -39,12 +38,12 @@ def div(x: Node, y: Node) -> Binary:
 
 def matmul(a: Node, b: Node, axis: str) -> Reduce:
     """The contraction of `a` and `b` over every block of `axis`."""
-    return Reduce(axis, "sum", Dot(axis, a, b))
+    return Reduce(axis, SUM, Dot(axis, a, b))
 
 
 def program(dims: dict[str, tuple[int, int]], inputs: dict[str, tuple[str, ...]],
             kernels: list[Store], outputs: tuple[str, ...] | None = None,
-            monoids: tuple[Monoid, ...] = (), dtype: str = "f32") -> BlockProgram:
+            dtype: str = "f32") -> BlockProgram:
     """A block program whose stored tensors are declared by their kernels.
 
     `dims` maps each axis to (extent, block) and `inputs` each input to its axes.  A stored
@@ -57,7 +56,7 @@ def program(dims: dict[str, tuple[int, int]], inputs: dict[str, tuple[str, ...]]
         tensors[k.tensor] = TensorDecl(k.tensor, k.axes, dtype,
                                        "output" if k.tensor in outputs else "temp")
     return BlockProgram({n: Dim(n, e, b) for n, (e, b) in dims.items()}, tensors,
-                        tuple(kernels), outputs, {m.name: m for m in monoids})
+                        tuple(kernels), outputs)
 
 
 def rand(*shape: int, seed: int = 0, loc: float = 0.0) -> np.ndarray:
@@ -88,7 +87,7 @@ def online_softmax(name: str,
                   (new_m, rescaled("l"), rescaled("o")), finalize)
 
 
-def softmax_fold(monoid: str, s: Node, v: Node) -> Reduce:
+def softmax_fold(monoid: Monoid, s: Node, v: Node) -> Reduce:
     """The loop over key blocks (axis k) of an online-softmax monoid: each block of scores `s`
     contributes its row max, its denominator sum(exp(s - max)) and its numerator
     exp(s - max) @ v."""
@@ -106,9 +105,9 @@ def flash_attention(n_q: int, b_q: int, n_k: int, b_k: int, d: int, monoid: Mono
     loop over key blocks, scores scaled by 1 / sqrt(d), d one block.  `readout` turns the fold
     into the stored O; the default suits a monoid whose one result is the attention output."""
     s = mul(Dot("d", Load("Q", ("q", "d")), Load("K", ("k", "d"))), Const(d ** -0.5))
-    out = readout(softmax_fold(monoid.name, s, Load("V", ("k", "d"))))
+    out = readout(softmax_fold(monoid, s, Load("V", ("k", "d"))))
     return program({"q": (n_q, b_q), "k": (n_k, b_k), "d": (d, d)}, ATTENTION_INPUTS,
-                   [Store("O", ("q", "d"), out)], monoids=(monoid,))
+                   [Store("O", ("q", "d"), out)])
 
 
 def attention_reference(q: np.ndarray, k: np.ndarray, v: np.ndarray,
@@ -142,4 +141,4 @@ def welford_stats(x: Node, axis: str, block: int) -> Reduce:
     block contributes its count, its own mean and its own sum of squared deviations."""
     block_mean = mul(BlockReduce("sum", axis, x), Const(1.0 / block))
     m2 = BlockReduce("sum", axis, Unary("square", sub(x, block_mean)))
-    return Reduce(axis, WELFORD.name, Tuple((Const(float(block)), block_mean, m2)))
+    return Reduce(axis, WELFORD, Tuple((Const(float(block)), block_mean, m2)))

@@ -7,8 +7,9 @@ import pytest
 
 from bbrules.blockfile import load_block_program, parse_block_program
 from bbrules.errors import SourceError
-from bbrules.ir import (MONOIDS, Binary, BlockProgram, BlockReduce, Const, Dim, Dot, Get, Load,
-                        Monoid, Reduce, Store, TensorDecl, Tuple, Unary, Var, show_program)
+from bbrules.ir import (MAX, MIN, SUM, Binary, BlockProgram, BlockReduce, Const, Dim, Dot, Get, Load,
+                        Monoid, Reduce, Store, TensorDecl, Tuple, Unary, Var, postorder,
+                        show_program)
 
 # Online softmax with the output accumulator in the state: (running max, denominator, numerator).
 _m, _l, _o = (Var(f"{s}.{c}") for s in "a" for c in "mlo")
@@ -42,7 +43,7 @@ def _tensors(*decls: tuple[str, tuple[str, ...], str]) -> dict[str, TensorDecl]:
 
 def flash_attention() -> BlockProgram:
     """One kernel: scores, the online-softmax loop over k with a 3-component monoid."""
-    s = Binary("mul", Reduce("d", "sum", Dot("d", Load("Q", ("q", "d")), Load("K", ("k", "d")))),
+    s = Binary("mul", Reduce("d", SUM, Dot("d", Load("Q", ("q", "d")), Load("K", ("k", "d")))),
                Const(0.125))
     m = BlockReduce("max", "k", s)
     p = Unary("exp", Binary("sub", s, m))
@@ -51,8 +52,8 @@ def flash_attention() -> BlockProgram:
         _dims(q=(8, 4), k=(12, 4), d=(4, 4)),
         _tensors(("Q", ("q", "d"), "input"), ("K", ("k", "d"), "input"),
                  ("V", ("k", "d"), "input"), ("O", ("q", "d"), "output")),
-        (Store("O", ("q", "d"), Reduce("k", ONLINE.name, body)),),
-        ("O",), {ONLINE.name: ONLINE})
+        (Store("O", ("q", "d"), Reduce("k", ONLINE, body)),),
+        ("O",))
 
 
 def every_node() -> BlockProgram:
@@ -60,15 +61,15 @@ def every_node() -> BlockProgram:
     constants, infinities, and a tuple read back with get."""
     x = Load("X", ("s", "e"))
     xk = Load("X", ("k", "e"))  # the same tensor, its first axis renamed
-    row_max = Reduce("e", "max", BlockReduce("max", "e", x))
+    row_max = Reduce("e", MAX, BlockReduce("max", "e", x))
     centred = Binary("sub", x, row_max)
-    pair = Reduce("e", PAIR.name, Tuple((BlockReduce("sum", "e", centred),
+    pair = Reduce("e", PAIR, Tuple((BlockReduce("sum", "e", centred),
                                      BlockReduce("sum", "e", Unary("square", centred)))))
     var = Binary("div", Get(1, pair), Const(16.0))
     norm = Binary("mul", centred, Unary("rsqrt", Binary("add", var, Const(1e-05))))
     clipped = Binary("min", Binary("max", norm, Const(float("-inf"))), Const(float("inf")))
-    scores = Reduce("e", "sum", Dot("e", Load("Y", ("s", "e")), xk))
-    low = Reduce("k", "min", BlockReduce("min", "k", scores))
+    scores = Reduce("e", SUM, Dot("e", Load("Y", ("s", "e")), xk))
+    low = Reduce("k", MIN, BlockReduce("min", "k", scores))
     return BlockProgram(
         _dims(s=(8, 4), k=(8, 4), e=(16, 8)),
         _tensors(("X", ("s", "e"), "input"), ("Y", ("s", "e"), "temp"),
@@ -76,7 +77,7 @@ def every_node() -> BlockProgram:
         (Store("Y", ("s", "e"), Binary("sub", Unary("neg", clipped), Const(-2.5))),
          Store("Z", ("s",), Binary("add", low,
                                    Binary("mul", Const(-1.0), Get(0, pair))))),
-        ("Z",), {PAIR.name: PAIR})
+        ("Z",))
 
 
 @pytest.mark.parametrize("build", [flash_attention, every_node])
@@ -98,12 +99,13 @@ def test_round_trip_through_a_file_with_its_source(tmp_path) -> None:
     assert read.source == "../examples/attention.bbp"
 
 
-def test_declared_monoid_is_registered() -> None:
+def test_a_declared_monoid_travels_with_the_program() -> None:
     text = show_program(flash_attention()).replace(ONLINE.name, "online_blockfile_fresh")
-    MONOIDS.pop("online_blockfile_fresh", None)
     program = parse_block_program(text).program
-    assert MONOIDS["online_blockfile_fresh"] == program.monoids["online_blockfile_fresh"]
     assert program.monoids["online_blockfile_fresh"].combine == ONLINE.combine
+    [reduce] = [n for k in program.kernels for n in postorder(k.value)
+                if isinstance(n, Reduce) and n.axis == "k"]
+    assert reduce.monoid is program.monoids["online_blockfile_fresh"]
 
 
 def test_hand_written_file() -> None:

@@ -22,7 +22,7 @@ from bbrules.cost import KernelCost, ProgramCost, cost_kernel, cost_program
 from bbrules.frontend import load_program
 from bbrules.fuse import fuse
 from bbrules.interp import run
-from bbrules.ir import (BlockProgram, BlockReduce, Const, Dot, Load, Reduce, Store, TensorDecl,
+from bbrules.ir import (SUM, MAX, BlockProgram, BlockReduce, Const, Dot, Load, Reduce, Store, TensorDecl,
                         Unary)
 from bbrules.lower import lower
 from bbrules.packs import load_packs
@@ -113,10 +113,9 @@ def flash_attention(n: int, block: int, d: int = 64, n_k: int | None = None) -> 
     """One kernel over query blocks; one loop over key blocks carrying (m, l, o), the scores
     a contraction over d (one block, so a loop of one trip) scaled by 0.125."""
     s = mul(matmul(Load("Q", ("q", "d")), Load("K", ("k", "d")), "d"), Const(0.125))
-    o = softmax_fold(ONLINE_SOFTMAX.name, s, Load("V", ("k", "d")))
+    o = softmax_fold(ONLINE_SOFTMAX, s, Load("V", ("k", "d")))
     dims = {"q": (n, block), "k": (n_k or n, block), "d": (d, d)}
-    return program(dims, ATTENTION_INPUTS, [Store("O", ("q", "d"), o)], ("O",),
-                   (ONLINE_SOFTMAX,))
+    return program(dims, ATTENTION_INPUTS, [Store("O", ("q", "d"), o)], ("O",))
 
 
 def test_flash_attention_reads_k_and_v_once_per_query_block_and_fits():
@@ -165,7 +164,7 @@ def test_512_by_512_score_tiles_do_not_fit_local_memory():
 def test_a_load_that_does_not_depend_on_the_loop_is_hoisted_out_of_it():
     # Y[m] = sum_e X[m, e] * R[m]: R is read once per grid point, X once
     dims = {"m": (32, 8), "e": (48, 16)}
-    y = Reduce("e", "sum", bsum("e", mul(Load("X", ("m", "e")), Load("R", ("m",)))))
+    y = Reduce("e", SUM, bsum("e", mul(Load("X", ("m", "e")), Load("R", ("m",)))))
     p = program(dims, {"X": ("m", "e"), "R": ("m",)}, [Store("Y", ("m",), y)], ("Y",))
     (k,) = cost_program(p, H100).kernels
     assert k.bytes_read == F * (32 * 48 + 32) and k.bytes_written == F * 32
@@ -176,7 +175,7 @@ def qk_rowsum(d_block: int) -> BlockProgram:
     """Y[q] = sum_k sum_d Q[q, d] K[k, d]: the Q load sits inside the loop over k."""
     dims = {"q": (64, 16), "k": (96, 16), "d": (64, d_block)}
     s = matmul(Load("Q", ("q", "d")), Load("K", ("k", "d")), "d")
-    y = Reduce("k", "sum", bsum("k", s))
+    y = Reduce("k", SUM, bsum("k", s))
     return program(dims, {"Q": ("q", "d"), "K": ("k", "d")}, [Store("Y", ("q",), y)], ("Y",))
 
 
@@ -209,7 +208,7 @@ def test_a_re_read_temporary_is_never_resident():
     dims = {"q": (64, 16), "k": (96, 16), "d": (64, 32)}
     q2 = Store("Q2", ("q", "d"), mul(Load("Q", ("q", "d")), Const(2.0)))
     s = matmul(Load("Q2", ("q", "d")), Load("K", ("k", "d")), "d")
-    y = Store("Y", ("q",), Reduce("k", "sum", bsum("k", s)))
+    y = Store("Y", ("q",), Reduce("k", SUM, bsum("k", s)))
     p = program(dims, {"Q": ("q", "d"), "K": ("k", "d")}, [q2, y], ("Y",))
     k = cost_program(p, machine(capacity=1 << 20)).kernels[1]
     assert k.resident == ()
@@ -255,11 +254,11 @@ def test_resident_slabs_are_admitted_in_order_within_a_quarter_of_local_memory(
 
 def rowstats(dependent: bool) -> BlockProgram:
     s = Load("S", ("q", "k"))
-    mx = Reduce("k", "max", bmax("k", s))
+    mx = Reduce("k", MAX, bmax("k", s))
     if dependent:  # sum_k exp(S - max_k S) needs the max first
-        y = Reduce("k", "sum", bsum("k", Unary("exp", sub(s, mx))))
+        y = Reduce("k", SUM, bsum("k", Unary("exp", sub(s, mx))))
     else:  # max_k S + sum_k S: independent
-        y = add(mx, Reduce("k", "sum", bsum("k", s)))
+        y = add(mx, Reduce("k", SUM, bsum("k", s)))
     return program({"q": (32, 8), "k": (64, 16)}, {"S": ("q", "k")},
                    [Store("Y", ("q",), y)], ("Y",))
 
@@ -328,7 +327,7 @@ def test_a_tile_read_in_a_loop_stays_for_the_whole_loop_and_first_fit_leaves_hol
     # too small for them.  Live at most: 6 tiles of 8 x 32 (6144 bytes); placed: 6176.
     x, g = Load("X", ("m", "e")), Load("G", ("m", "n"))
     xg = mul(x, g)
-    y = add(Reduce("e", "sum", bsum("e", xg)), Reduce("e", "max", bmax("e", xg)))
+    y = add(Reduce("e", SUM, bsum("e", xg)), Reduce("e", MAX, bmax("e", xg)))
     p = program({"m": (16, 8), "e": (8, 1), "n": (32, 32)}, {"X": ("m", "e"), "G": ("m", "n")},
                 [Store("Y", ("m", "n"), y)], ("Y",))
     (k,) = cost_program(p, machine()).kernels
@@ -367,8 +366,8 @@ def test_loops_that_would_need_each_other_are_not_merged():
     # needs sum_i A with the one that computes sum_j A*A, would make each merged loop need the
     # other's result.  The schedule merges only one pair; the program runs and is legal.
     a = Load("A", ("i", "j"))
-    by_rows = Reduce("j", "sum", bsum("j", Reduce("i", "sum", bsum("i", a))))
-    by_cols = Reduce("i", "sum", bsum("i", Reduce("j", "sum", Dot("j", a, a))))
+    by_rows = Reduce("j", SUM, bsum("j", Reduce("i", SUM, bsum("i", a))))
+    by_cols = Reduce("i", SUM, bsum("i", Reduce("j", SUM, Dot("j", a, a))))
     y = add(add(Unary("tanh", by_rows), Unary("tanh", by_cols)), a)
     p = program({"i": (1, 1), "j": (1, 1)}, {"A": ("i", "j")}, [Store("Y", ("i", "j"), y)],
                 ("Y",))
@@ -386,7 +385,7 @@ def test_in_place_accumulation_only_for_additive_combines():
     a, w = Load("A", ("m", "e")), Load("W", ("e", "n"))
     inputs = {"A": ("m", "e"), "W": ("e", "n")}
     summed = program(dims, inputs, [Store("Y", ("m", "n"), matmul(a, w, "e"))], ("Y",))
-    maxed = program(dims, inputs, [Store("Y", ("m", "n"), Reduce("e", "max", Dot("e", a, w)))],
+    maxed = program(dims, inputs, [Store("Y", ("m", "n"), Reduce("e", MAX, Dot("e", a, w)))],
                     ("Y",))
     tiles = F * (8 * 16 + 16 * 4)
     assert cost_program(summed, H100).footprint == tiles + F * 8 * 4

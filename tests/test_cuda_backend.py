@@ -27,7 +27,7 @@ from bbrules.errors import UsageError
 from bbrules.frontend import load_program, parse_program
 from bbrules.fuse import fuse
 from bbrules.inputs import random_inputs
-from bbrules.ir import BlockProgram, Const, Get, Load, Store, Unary, postorder, register_monoid
+from bbrules.ir import BlockProgram, Const, Get, Load, Store, Unary, postorder
 from bbrules.lower import lower
 from bbrules.packs import load_packs
 from bbrules.targets import get_target
@@ -103,8 +103,6 @@ def fused_by_the_pack(stem: str) -> BlockProgram:
 # Monoids unknown to every rule pack.  The online softmax finalizes to o / l, the attention
 # output itself, so its fold is stored as it is.
 ONLINE_SOFTMAX = online_softmax("cuda_test_online_softmax")
-register_monoid(ONLINE_SOFTMAX)
-register_monoid(WELFORD)
 
 
 def welford_layernorm(n_m: int, b_m: int, n_e: int, b_e: int, dtype: str = "f32"
@@ -116,7 +114,7 @@ def welford_layernorm(n_m: int, b_m: int, n_e: int, b_e: int, dtype: str = "f32"
     rstd = Unary("rsqrt", add(Get(1, stats), Const(1e-5)))
     y = add(mul(mul(sub(x, Get(0, stats)), rstd), Load("G", ("e",))), Load("B", ("e",)))
     return program({"m": (n_m, b_m), "e": (n_e, b_e)}, {"X": ("m", "e"), "G": ("e",), "B": ("e",)},
-                   [Store("Y", ("m", "e"), y)], monoids=(WELFORD,), dtype=dtype)
+                   [Store("Y", ("m", "e"), y)], dtype=dtype)
 
 
 FUSED = {

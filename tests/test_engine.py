@@ -7,7 +7,7 @@ import pytest
 from bbrules.engine import (Budget, Saturator, compile_pack, rename_axes)
 from bbrules.errors import SourceError
 from bbrules.frontend import parse_program
-from bbrules.ir import (BlockReduce, Binary, Const, Dot, Load, Reduce, Tuple, Get, Unary,
+from bbrules.ir import (SUM, BlockReduce, Binary, Const, Dot, Load, Reduce, Tuple, Get, Unary,
                         type_of)
 from bbrules.lower import lower
 from bbrules.rule import PVar, Rule, RulePack, Stage
@@ -28,8 +28,8 @@ def saturate(text: str, terms: dict, dims=DIMS, budget: Budget = Budget()):
 
 
 def test_rule_rewrites_and_keeps_both_forms():
-    hoist = Reduce("k", "sum", Binary("mul", BlockReduce("sum", "k", A), B))
-    out = Binary("mul", Reduce("k", "sum", BlockReduce("sum", "k", A)), B)
+    hoist = Reduce("k", SUM, Binary("mul", BlockReduce("sum", "k", A), B))
+    out = Binary("mul", Reduce("k", SUM, BlockReduce("sum", "k", A)), B)
     _, stats, g = saturate(
         "rule hoist: reduce(?a, sum, ?x * ?s) => reduce(?a, sum, ?x) * ?s "
         "when ?a not in deps(?s)", {"t": hoist})
@@ -41,7 +41,7 @@ def test_rule_rewrites_and_keeps_both_forms():
 
 def test_not_in_deps_guard_blocks_a_factor_that_varies_along_the_loop():
     inner = BlockReduce("sum", "k", Load("D", ("q", "k")))  # deps {q, k}, shape {q}
-    t = Reduce("k", "sum", Binary("mul", BlockReduce("sum", "k", A), inner))
+    t = Reduce("k", SUM, Binary("mul", BlockReduce("sum", "k", A), inner))
     _, stats, g = saturate(
         "rule hoist: reduce(?a, sum, ?x * ?s) => reduce(?a, sum, ?x) * ?s "
         "when ?a not in deps(?s)", {"t": t})
@@ -70,7 +70,8 @@ monoid pair_engine_test(s, t)
   finalize = (s, t)
 rule hoist_second: get(1, reduce(?a, pair_engine_test, tuple(?x, ?y))) * ?s => ?s * get(1, reduce(?a, pair_engine_test, tuple(?x, ?y))) when ?a not in deps(?s)
 """
-    pair = Reduce("k", "pair_engine_test",
+    [monoid] = parse_rules(text, "test.bbr").monoids
+    pair = Reduce("k", monoid,
                   Tuple((BlockReduce("sum", "k", A), BlockReduce("sum", "k", Load("F", ("k", "d"))))))
     term = Binary("mul", Get(1, pair), Get(0, pair))
     _, stats, g = saturate(text, {"t": term})
@@ -89,10 +90,10 @@ def test_constant_folding_in_the_query_never_divides_by_zero():
 
 def test_axis_sizes_are_per_program():
     text = "rule mean: reduce(?e, sum, ?x) * const(?c) => reduce(?e, sum, ?x) * const(?c * trips(?e)) when ?c == 1 / extent(?e)"
-    t = Binary("mul", Reduce("k", "sum", BlockReduce("sum", "k", A)), Const(1 / 16))
+    t = Binary("mul", Reduce("k", SUM, BlockReduce("sum", "k", A)), Const(1 / 16))
     _, stats, g = saturate(text, {"t": t})
     assert stats[-1].matches == {"mean": 1}
-    assert g.lookup(Binary("mul", Reduce("k", "sum", BlockReduce("sum", "k", A)),
+    assert g.lookup(Binary("mul", Reduce("k", SUM, BlockReduce("sum", "k", A)),
                            Const(0.25))) == g.named["t"]
     _, stats, _ = saturate(text, {"t": t}, dims={**DIMS, "k": (32, 4)})
     assert stats[-1].matches == {}
@@ -114,15 +115,15 @@ output Y
                   {k.tensor: (k.axes, k.value) for k in prog.kernels})
     sat.run()
     g = sat.freeze()
-    forwarded = Reduce("d", "sum", Dot("d", Binary("mul", Load("X", ("s", "d")), Const(2.0)),
+    forwarded = Reduce("d", SUM, Dot("d", Binary("mul", Load("X", ("s", "d")), Const(2.0)),
                                        Binary("mul", Load("X", ("t", "d")), Const(2.0))))
     assert g.lookup(forwarded) == g.named["Y"]
 
 
 def test_rename_axes_refuses_to_capture():
-    v = Reduce("d", "sum", Dot("d", Load("X", ("s", "d")), Load("Y", ("t", "d"))))
+    v = Reduce("d", SUM, Dot("d", Load("X", ("s", "d")), Load("Y", ("t", "d"))))
     assert rename_axes(v, {"s": "t", "t": "s"}) == Reduce(
-        "d", "sum", Dot("d", Load("X", ("t", "d")), Load("Y", ("s", "d"))))
+        "d", SUM, Dot("d", Load("X", ("t", "d")), Load("Y", ("s", "d"))))
     assert rename_axes(v, {"s": "d"}) is None
 
 
@@ -206,3 +207,22 @@ def test_rule_compile_errors_are_source_errors():
     bad = Rule("bare", PVar("?x"), PVar("?x"))
     with pytest.raises(SourceError, match="bare variable"):
         compile_pack(RulePack("p", [bad], stages=[Stage("s", ("default",))]))
+
+
+def test_two_packs_may_give_one_monoid_name_different_meanings():
+    """No registry: each pack's e-graph reads its monoid names back as its own definitions."""
+    def pack(op: str):
+        return parse_rules(f"monoid acc_engine_test(s)\n  identity = (0.0)\n"
+                           f"  combine = ({op}(a.s, b.s))\n  finalize = (s)\n"
+                           f"rule keep: reduce(?a, acc_engine_test, ?x) => "
+                           f"reduce(?a, acc_engine_test, ?x)\n", "p.bbr")
+    add, big = pack("add"), pack("max")
+    assert add.monoids[0] != big.monoids[0]
+    for p in (add, big):
+        term = Reduce("k", p.monoids[0], BlockReduce("sum", "k", A))
+        sat = Saturator(compile_pack(p), DIMS)
+        sat.add_terms({"t": term})
+        sat.run()
+        g = sat.freeze()
+        [node] = [n for n in g.classes[g.named["t"]] if n.kind == "Reduce"]
+        assert node.attrs[1] is p.monoids[0]

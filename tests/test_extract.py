@@ -14,7 +14,7 @@ from bbrules.cost import cost_program
 from bbrules.engine import Budget, ClassGraph, ENode, Saturator, compile_pack
 from bbrules.extract import Extractor, NoCandidate, extract
 from bbrules.frontend import load_program, parse_program
-from bbrules.ir import (BlockProgram, BlockReduce, Binary, Const, Dot, Load, Reduce, Store,
+from bbrules.ir import (SUM, MAX, BlockProgram, BlockReduce, Binary, Const, Dot, Load, Reduce, Store,
                         TensorDecl, Tuple, Unary, Dim, postorder, show_program)
 from bbrules.lower import lower
 from bbrules.packs import load_packs
@@ -27,6 +27,10 @@ H100 = get_target("h100")
 
 @pytest.fixture(scope="module")
 def pack():
+    return standard()
+
+
+def standard():
     return load_packs([])
 
 
@@ -40,22 +44,22 @@ def saturated(program: BlockProgram, pack) -> ClassGraph:
 
 def attention_terms():
     q, k, v = Load("Q", ("q", "d")), Load("K", ("k", "d")), Load("V", ("k", "d"))
-    s = Binary("mul", Reduce("d", "sum", Dot("d", q, k)), Const(0.125))
-    m = Reduce("k", "max", BlockReduce("max", "k", s))
+    s = Binary("mul", Reduce("d", SUM, Dot("d", q, k)), Const(0.125))
+    m = Reduce("k", MAX, BlockReduce("max", "k", s))
     e = Unary("exp", Binary("sub", s, m))
-    den = Reduce("k", "sum", BlockReduce("sum", "k", e))
-    three_pass = Reduce("k", "sum", Dot("k", Binary("div", e, den), v))
+    den = Reduce("k", SUM, BlockReduce("sum", "k", e))
+    three_pass = Reduce("k", SUM, Dot("k", Binary("div", e, den), v))
     bm = BlockReduce("max", "k", s)
     eb = Unary("exp", Binary("sub", s, bm))
-    two_loops = Binary("div", Reduce("k", "online", Tuple((bm, Dot("k", eb, v)))),
-                       Reduce("k", "online", Tuple((bm, BlockReduce("sum", "k", eb)))))
+    online = next(m for m in standard().monoids if m.name == "online")
+    two_loops = Binary("div", Reduce("k", online, Tuple((bm, Dot("k", eb, v)))),
+                       Reduce("k", online, Tuple((bm, BlockReduce("sum", "k", eb)))))
     return three_pass, two_loops
 
 
 def with_output(p: BlockProgram, value) -> BlockProgram:
     tensors = {n: t for n, t in p.tensors.items() if t.role != "temp"}
-    return BlockProgram(p.dims, tensors, (Store("O", ("q", "d"), value),), p.outputs,
-                        {"online": extract_module.MONOIDS["online"]})
+    return BlockProgram(p.dims, tensors, (Store("O", ("q", "d"), value),), p.outputs)
 
 
 def test_three_pass_and_two_loop_forms_are_in_the_egraph_but_not_extracted(pack):
@@ -67,7 +71,7 @@ def test_three_pass_and_two_loop_forms_are_in_the_egraph_but_not_extracted(pack)
     fused, cost, _ = extract(g, p, H100)
     (kernel,) = fused.kernels
     assert kernel.value not in (three_pass, two_loops)
-    assert isinstance(kernel.value, Reduce) and kernel.value.monoid == "softmax"
+    assert isinstance(kernel.value, Reduce) and kernel.value.monoid.name == "softmax"
     # Both rejected forms are legal one-kernel programs, just costlier.
     for value in (three_pass, two_loops):
         other = cost_program(with_output(p, value), H100)
@@ -141,7 +145,7 @@ def test_users_of_a_shared_value_switch_away_from_it_together(pack, monkeypatch)
 
     def reductions(program: BlockProgram) -> list[tuple[str, str]]:
         (kernel,) = program.kernels
-        return sorted((n.axis, n.monoid) for n in postorder(kernel.value)
+        return sorted((n.axis, n.monoid.name) for n in postorder(kernel.value)
                       if isinstance(n, Reduce))
 
     fused, cost, _ = extract(g, p, H100)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from bbrules.interp import run
-from bbrules.ir import BlockReduce, Const, Get, Load, Reduce, Store, Unary, Var
+from bbrules.ir import SUM, MAX, BlockReduce, Const, Get, Load, Reduce, Store, Unary, Var
 
 from irbuild import (ATTENTION_INPUTS, WELFORD, add, attention_reference, div, matmul, mul,
                      online_softmax, program, rand, softmax_fold, sub, welford_stats)
@@ -52,9 +52,9 @@ def test_unfused_attention_returns_every_stored_tensor():
     kernels = [
         Store("S", ("q", "k"), mul(matmul(Load("Q", ("q", "d")), Load("K", ("k", "d")), "d"),
                                    Const(0.125))),
-        Store("M", ("q",), Reduce("k", "max", BlockReduce("max", "k", s))),
+        Store("M", ("q",), Reduce("k", MAX, BlockReduce("max", "k", s))),
         Store("E", ("q", "k"), Unary("exp", sub(s, Load("M", ("q",))))),
-        Store("L", ("q",), Reduce("k", "sum", BlockReduce("sum", "k", Load("E", ("q", "k"))))),
+        Store("L", ("q",), Reduce("k", SUM, BlockReduce("sum", "k", Load("E", ("q", "k"))))),
         Store("P", ("q", "k"), div(Load("E", ("q", "k")), Load("L", ("q",)))),
         Store("O", ("q", "d"), matmul(Load("P", ("q", "k")), Load("V", ("k", "d")), "k")),
     ]
@@ -75,11 +75,11 @@ LSE_SOFTMAX = online_softmax("online_softmax_test",
 
 def test_multi_component_monoid_gives_one_pass_attention_and_get_reads_each_result():
     s = mul(matmul(Load("Q", ("q", "d")), Load("K", ("k", "d")), "d"), Const(0.125))
-    flash = softmax_fold(LSE_SOFTMAX.name, s, Load("V", ("k", "d")))
+    flash = softmax_fold(LSE_SOFTMAX, s, Load("V", ("k", "d")))
     kernels = [Store("O", ("q", "d"), Get(0, flash)),
                Store("OL", ("q", "d"), add(Get(0, flash), Get(1, flash)))]
     x = attn_inputs()
-    out = run(program(ATTN_DIMS, ATTENTION_INPUTS, kernels, ("O", "OL"), (LSE_SOFTMAX,)), x)
+    out = run(program(ATTN_DIMS, ATTENTION_INPUTS, kernels, ("O", "OL")), x)
     o_ref = attention_reference(x["Q"], x["K"], x["V"], scale=0.125)
     np.testing.assert_allclose(out["O"], o_ref, rtol=RTOL, atol=ATOL)
     s_ref = x["Q"].astype(np.float64) @ x["K"].T * 0.125
@@ -91,8 +91,7 @@ def test_welford_monoid_gives_mean_and_variance_in_one_loop():
     x = rand(6, 32) + 100.0
     stats = welford_stats(Load("X", ("m", "e")), "e", 8)
     kernels = [Store("MU", ("m",), Get(0, stats)), Store("VAR", ("m",), Get(1, stats))]
-    p = program({"m": (6, 3), "e": (32, 8)}, {"X": ("m", "e")}, kernels, ("MU", "VAR"),
-                (WELFORD,))
+    p = program({"m": (6, 3), "e": (32, 8)}, {"X": ("m", "e")}, kernels, ("MU", "VAR"))
     out = run(p, {"X": x})
     np.testing.assert_allclose(out["MU"], x.mean(axis=1), rtol=RTOL)
     np.testing.assert_allclose(out["VAR"], x.astype(np.float64).var(axis=1), rtol=1e-3)
@@ -100,15 +99,15 @@ def test_welford_monoid_gives_mean_and_variance_in_one_loop():
 
 def test_loop_invariant_body_is_still_folded_once_per_block():
     a = rand(8, 4)
-    body = Reduce("d", "sum", BlockReduce("sum", "d", Load("A", ("q", "d"))))
+    body = Reduce("d", SUM, BlockReduce("sum", "d", Load("A", ("q", "d"))))
     p = program({"q": (8, 4), "d": (4, 2), "k": (20, 4)}, {"A": ("q", "d")},
-                [Store("R", ("q",), Reduce("k", "sum", body))], ("R",))
+                [Store("R", ("q",), Reduce("k", SUM, body))], ("R",))
     np.testing.assert_allclose(run(p, {"A": a})["R"], 5 * a.sum(axis=1), rtol=RTOL, atol=ATOL)
 
 
 def test_reduce_over_a_grid_axis_restores_the_grid_block_index():
     s = rand(8, 12)
-    row_max = Reduce("k", "max", BlockReduce("max", "k", Load("S", ("q", "k"))))
+    row_max = Reduce("k", MAX, BlockReduce("max", "k", Load("S", ("q", "k"))))
     value = Unary("exp", add(Unary("neg", row_max), Load("S", ("q", "k"))))
     p = program({"q": (8, 4), "k": (12, 4)}, {"S": ("q", "k")},
                 [Store("E", ("q", "k"), value)], ("E",))

@@ -2,15 +2,15 @@
 
 import pytest
 
-from bbrules.ir import (Binary, BlockProgram, BlockReduce, Const, Dim, Dot, Get, IRError, Load,
+from bbrules.ir import (SUM, MAX, Binary, BlockProgram, BlockReduce, Const, Dim, Dot, Get, IRError, Load,
                         Monoid, Node, Reduce, Store, TensorDecl, Tuple, Unary, Var, deps,
-                        register_monoid, sched_deps, shape, show_kernel, show_node, type_of,
+                        sched_deps, shape, show_kernel, show_node, type_of,
                         validate)
 
 Q = Load("Q", ("q", "d"))
 K = Load("K", ("k", "d"))
 V = Load("V", ("k", "d"))
-S = Binary("mul", Reduce("d", "sum", Dot("d", Q, K)), Const(0.125))
+S = Binary("mul", Reduce("d", SUM, Dot("d", Q, K)), Const(0.125))
 
 # online softmax over (running max, numerator): the numerator is rescaled as the max grows
 ONLINE = Monoid(
@@ -38,20 +38,19 @@ def test_dot_contracts_the_axis_and_keeps_dependencies():
 
 def test_reduce_removes_its_axis_from_dependencies():
     assert deps(S) == {"q", "k"} and shape(S) == {"q", "k"}
-    m = Reduce("k", "max", BlockReduce("max", "k", S))
+    m = Reduce("k", MAX, BlockReduce("max", "k", S))
     assert shape(m) == {"q"} and deps(m) == {"q"}
 
 
 def test_binary_broadcasts_by_axis_name():
-    m = Reduce("k", "max", BlockReduce("max", "k", S))
+    m = Reduce("k", MAX, BlockReduce("max", "k", S))
     assert shape(Binary("sub", S, m)) == {"q", "k"}
 
 
 def test_tuple_components_are_typed_separately():
-    register_monoid(ONLINE)
     s = BlockReduce("max", "k", S)
     o = Dot("k", Unary("exp", Binary("sub", S, s)), V)
-    r = Reduce("k", "test_online", Tuple((s, o)))
+    r = Reduce("k", ONLINE, Tuple((s, o)))
     assert deps(Get(0, r)) == {"q"}
     assert deps(Get(1, r)) == {"q", "d"}
     assert sched_deps(Get(0, r)) == {"q", "d"}
@@ -60,8 +59,8 @@ def test_tuple_components_are_typed_separately():
 @pytest.mark.parametrize("bad, message", [
     (BlockReduce("sum", "x", Q), "does not span"),
     (Dot("k", Q, K), "does not span"),
-    (Reduce("q", "sum", Q), "still spans"),
-    (Reduce("d", "nosuch", BlockReduce("sum", "d", Q)), "unknown monoid"),
+    (Reduce("q", SUM, Q), "still spans"),
+    (Reduce("d", ONLINE, BlockReduce("sum", "d", Q)), "folds 2 values, got 1"),
     (Get(0, Q), "no component"),
     (Unary("frobnicate", Q), "unknown unary"),
 ])
@@ -98,11 +97,26 @@ def test_validate_names_the_violation(kernels, message):
         validate(_program(*kernels))
 
 
-def test_redefining_a_monoid_differently_is_an_error():
-    register_monoid(ONLINE)
-    with pytest.raises(IRError, match="already defined"):
-        register_monoid(Monoid("test_online", ("s",), (Const(0.0),),
-                               (Binary("add", Var("a.s"), Var("b.s")),), (Var("s"),)))
+def test_monoids_of_one_name_defined_differently_stay_apart():
+    """A reduction holds its monoid: two definitions of one name are two reductions, typed
+    by their own definitions; only writing both into one program is refused."""
+    plain = Monoid("test_online", ("s",), (Const(0.0),),
+                   (Binary("add", Var("a.s"), Var("b.s")),), (Var("s"),))
+    row = BlockReduce("max", "k", S)
+    online = Reduce("k", ONLINE, Tuple((row, Dot("k", Unary("exp", Binary("sub", S, row)), V))))
+    summed = Reduce("k", plain, row)
+    assert summed != Reduce("k", SUM, row) and deps(summed) == {"q"}
+    assert isinstance(type_of(online), tuple)
+    tensors = {"Q": TensorDecl("Q", ("q", "d"), role="input"),
+               "K": TensorDecl("K", ("k", "d"), role="input"),
+               "V": TensorDecl("V", ("k", "d"), role="input"),
+               "O": TensorDecl("O", ("q",), role="output"),
+               "P": TensorDecl("P", ("q",), role="output")}
+    dims = {"q": Dim("q", 8, 4), "k": Dim("k", 8, 4), "d": Dim("d", 4, 4)}
+    both = BlockProgram(dims, tensors, (Store("O", ("q",), summed),
+                                        Store("P", ("q",), Get(0, online))), ("O", "P"))
+    with pytest.raises(IRError, match="two different monoids named 'test_online'"):
+        validate(both)
 
 
 def test_printing_uses_infix_with_minimal_parentheses():
@@ -113,7 +127,7 @@ def test_printing_uses_infix_with_minimal_parentheses():
 
 
 def test_shared_subterms_print_once_as_let_bindings():
-    e = Unary("exp", Binary("sub", S, Reduce("k", "max", BlockReduce("max", "k", S))))
+    e = Unary("exp", Binary("sub", S, Reduce("k", MAX, BlockReduce("max", "k", S))))
     text = show_kernel(Store("E", ("q", "k"), e))
     assert text.count("dot(d,") == 1
     assert "let t0 = " in text

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from bbrules.frontend import load_program, parse_program
-from bbrules.ir import (Binary, BlockReduce, Const, Dot, Load, Reduce, Store, Unary, postorder,
+from bbrules.ir import (MAX, MIN, SUM, Binary, BlockReduce, Const, Dot, Load, Reduce, Store, Unary, postorder,
                         shape, validate)
 from bbrules.lower import lower
 
@@ -33,12 +33,12 @@ def test_attention_lowers_to_one_kernel_per_statement():
                                                ("E", ("q", "k")), ("L", ("q",)),
                                                ("P", ("q", "k"))])
     assert p.kernels == (
-        Store("S", ("q", "k"), Binary("mul", Reduce("d", "sum", Dot("d", Q, K)), Const(0.125))),
-        Store("M", ("q",), Reduce("k", "max", BlockReduce("max", "k", S))),
+        Store("S", ("q", "k"), Binary("mul", Reduce("d", SUM, Dot("d", Q, K)), Const(0.125))),
+        Store("M", ("q",), Reduce("k", MAX, BlockReduce("max", "k", S))),
         Store("E", ("q", "k"), Unary("exp", Binary("sub", S, M))),
-        Store("L", ("q",), Reduce("k", "sum", BlockReduce("sum", "k", E))),
+        Store("L", ("q",), Reduce("k", SUM, BlockReduce("sum", "k", E))),
         Store("P", ("q", "k"), Binary("div", E, L)),
-        Store("O", ("q", "d"), Reduce("k", "sum", Dot("k", P, V))),
+        Store("O", ("q", "d"), Reduce("k", SUM, Dot("k", P, V))),
     )
     assert p.outputs == ("O",)
     assert p.tensors["S"].role == "temp"
@@ -60,23 +60,23 @@ def test_every_example_lowers_to_a_valid_program_with_dots_for_its_contractions(
 def test_matmuls_of_the_ffn_are_dots():
     block = lower(load_program(EXAMPLES / "rmsnorm_ffn_swiglu.bbp"))
     kernels = {k.tensor: k.value for k in block.kernels}
-    assert kernels["A"] == Reduce("e", "sum", Dot("e", Load("XN", ("m", "e")),
+    assert kernels["A"] == Reduce("e", SUM, Dot("e", Load("XN", ("m", "e")),
                                                   Load("W1", ("e", "f"))))
-    assert kernels["Y"] == Reduce("f", "sum", Dot("f", Load("H", ("m", "f")),
+    assert kernels["Y"] == Reduce("f", SUM, Dot("f", Load("H", ("m", "f")),
                                                   Load("W2", ("f", "n"))))
 
 
 def test_renamed_reference_loads_under_its_use_names():
     block = lower(load_program(EXAMPLES / "self_attention.bbp"))
     assert block.kernels[0].value == Binary(
-        "div", Reduce("d", "sum", Dot("d", Load("X", ("s", "d")), Load("X", ("t", "d")))),
+        "div", Reduce("d", SUM, Dot("d", Load("X", ("s", "d")), Load("X", ("t", "d")))),
         Unary("sqrt", Const(64.0)))
 
 
 def test_factors_not_spanning_the_axis_leave_the_sum():
     [k] = lowered("T[q, d] = sum[k] 2 * Q[q, d] * V[k, d] / s[d]\noutput T\n")
     # applied to the loop's result in source order: 2 and Q multiply, s divides
-    loop = Reduce("k", "sum", BlockReduce("sum", "k", V))
+    loop = Reduce("k", SUM, BlockReduce("sum", "k", V))
     assert k.value == Binary("div", Binary("mul", Binary("mul", loop, Const(2.0)), Q),
                              Load("s", ("d",)))
 
@@ -85,27 +85,27 @@ def test_contraction_operands_stay_two_axis():
     # Q * K would be a [q, k, d] tile: s joins a side where both operands stay 2-axis.
     s = Load("s", ("d",))
     [k] = lowered("S[q, k] = sum[d] Q[q, d] * K[k, d] * s[d]\noutput S\n")
-    assert k.value == Reduce("d", "sum", Dot("d", Q, Binary("mul", K, s)))
+    assert k.value == Reduce("d", SUM, Dot("d", Q, Binary("mul", K, s)))
     [k] = lowered("S[q, k] = sum[d] s[d] * Q[q, d] * K[k, d]\noutput S\n")
-    assert k.value == Reduce("d", "sum", Dot("d", Binary("mul", s, Q), K))
+    assert k.value == Reduce("d", SUM, Dot("d", Binary("mul", s, Q), K))
 
 
 def test_divisors_spanning_the_axis_become_reciprocals_in_the_dot():
     [k] = lowered("S[q, k] = sum[d] Q[q, d] / K[k, d]\noutput S\n")
-    assert k.value == Reduce("d", "sum", Dot("d", Q, Unary("recip", K)))
+    assert k.value == Reduce("d", SUM, Dot("d", Q, Unary("recip", K)))
 
 
 def test_max_and_min_reduce_the_whole_body():
     [k] = lowered("T[q] = max[d] Q[q, d] * 2\noutput T\n")
-    assert k.value == Reduce("d", "max", BlockReduce("max", "d", Binary("mul", Q, Const(2.0))))
+    assert k.value == Reduce("d", MAX, BlockReduce("max", "d", Binary("mul", Q, Const(2.0))))
     [k] = lowered("T[d] = min[k] V[k, d]\noutput T\n")
-    assert k.value == Reduce("k", "min", BlockReduce("min", "k", V))
+    assert k.value == Reduce("k", MIN, BlockReduce("min", "k", V))
 
 
 def test_nested_reductions_stay_in_one_kernel():
     [k] = lowered("T[q] = sum[k] w[k] * (max[d] Q[q, d] * V[k, d])\noutput T\n")
-    inner = Reduce("d", "max", BlockReduce("max", "d", Binary("mul", Q, V)))
-    assert k.value == Reduce("k", "sum", Dot("k", Load("w", ("k",)), inner))
+    inner = Reduce("d", MAX, BlockReduce("max", "d", Binary("mul", Q, V)))
+    assert k.value == Reduce("k", SUM, Dot("k", Load("w", ("k",)), inner))
 
 
 def test_subtraction_division_and_functions_are_elementwise_nodes():

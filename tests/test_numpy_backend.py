@@ -20,7 +20,7 @@ from bbrules import dense, interp
 from bbrules.codegen import numpy_gen
 from bbrules.frontend import load_program, parse_program
 from bbrules.inputs import random_inputs
-from bbrules.ir import (BlockProgram, BlockReduce, Const, Dot, Get, Load, Monoid, Reduce, Store,
+from bbrules.ir import (SUM, MAX, BlockProgram, BlockReduce, Const, Dot, Get, Load, Monoid, Reduce, Store,
                         Unary, Var)
 from bbrules.lower import lower
 from bbrules.schedule import Loop, schedule_kernel, walk_steps
@@ -142,14 +142,14 @@ def layernorm_matmul(m: int, e: int, n: int, bm: int, be: int, bn: int) -> Block
     x, g, b, wt = Load("X", ("m", "e")), Load("G", ("e",)), Load("B", ("e",)), Load("W", ("e", "n"))
     stats = welford_stats(x, "e", be)
     gw = mul(g, wt)
-    xgw = Reduce("e", "sum", Dot("e", x, gw))
-    ones_gw = Reduce("e", "sum", BlockReduce("sum", "e", gw))
-    bw = Reduce("e", "sum", Dot("e", b, wt))
+    xgw = Reduce("e", SUM, Dot("e", x, gw))
+    ones_gw = Reduce("e", SUM, BlockReduce("sum", "e", gw))
+    bw = Reduce("e", SUM, Dot("e", b, wt))
     rstd = Unary("rsqrt", add(Get(1, stats), Const(1e-5)))
     y = add(mul(rstd, sub(xgw, mul(Get(0, stats), ones_gw))), bw)
     return program({"m": (m, bm), "e": (e, be), "n": (n, bn)},
                    {"X": ("m", "e"), "G": ("e",), "B": ("e",), "W": ("e", "n")},
-                   [Store("Y", ("m", "n"), y)], monoids=(WELFORD,))
+                   [Store("Y", ("m", "n"), y)])
 
 
 def test_welford_layernorm_matmul_runs_in_one_loop():
@@ -177,7 +177,7 @@ def test_layernorm_statistics_over_the_grid_axis_itself(block):
     stats = welford_stats(x, "e", block)
     y = mul(sub(x, Get(0, stats)), Unary("rsqrt", add(Get(1, stats), Const(1e-5))))
     p = program({"m": (12, 4), "e": (16, block)}, {"X": ("m", "e")},
-                [Store("Y", ("m", "e"), y)], monoids=(WELFORD,))
+                [Store("Y", ("m", "e"), y)])
     inputs = {"X": rand(12, 16, seed=5, loc=3.0)}
     x64 = inputs["X"].astype(np.float64)
     want = (x64 - x64.mean(1, keepdims=True)) / np.sqrt(x64.var(1, keepdims=True) + 1e-5)
@@ -188,7 +188,7 @@ def test_layernorm_statistics_over_the_grid_axis_itself(block):
 
 def test_a_sum_over_one_block_is_its_contribution():
     """No pass adding the identity: the contraction's result is stored as it is."""
-    value = Reduce("d", "sum", Dot("d", Load("Q", ("q", "d")), Load("K", ("k", "d"))))
+    value = Reduce("d", SUM, Dot("d", Load("Q", ("q", "d")), Load("K", ("k", "d"))))
     p = program({"q": (16, 8), "k": (12, 4), "d": (8, 8)}, {"Q": ("q", "d"), "K": ("k", "d")},
                 [Store("S", ("q", "k"), value)])
     inputs = {"Q": rand(16, 8, seed=1), "K": rand(12, 8, seed=2)}
@@ -203,9 +203,8 @@ def test_a_temporary_an_accumulator_aliases_is_not_overwritten():
     accumulator alias that array; a later step must not write into it in place."""
     last = Monoid("test_last", ("s",), (Const(0.0),), (Var("b.s"),), (Var("s"),))
     e = Unary("exp", Load("A", ("q",)))
-    y = add(Reduce("k", last.name, e), Unary("neg", e))
-    p = program({"q": (8, 4), "k": (6, 2)}, {"A": ("q",)}, [Store("Y", ("q",), y)],
-                monoids=(last,))
+    y = add(Reduce("k", last, e), Unary("neg", e))
+    p = program({"q": (8, 4), "k": (6, 2)}, {"A": ("q",)}, [Store("Y", ("q",), y)])
     inputs = {"A": rand(8, seed=1)}
     got = numpy_gen.run(p, inputs)["Y"]
     assert_close(got, interp.run(p, inputs)["Y"], "vs interpreter")
@@ -218,7 +217,7 @@ def test_transposed_store_renamed_load_and_scalar_tiles():
     a = Load("A", ("i", "j"))
     twin = Load("A", ("i", "t"))
     c = Unary("exp", add(Const(1.0), Const(0.5)))
-    value = mul(sub(a, Reduce("t", "max", BlockReduce("max", "t", twin))), c)
+    value = mul(sub(a, Reduce("t", MAX, BlockReduce("max", "t", twin))), c)
     p = program({"i": (6, 3), "j": (8, 4), "t": (8, 4)}, {"A": ("i", "j")},
                 [Store("T", ("j", "i"), value)])
     inputs = {"A": rand(6, 8, seed=3)}

@@ -95,12 +95,12 @@ def test_error_in_another_file_of_the_pack_names_that_file(tmp_path: Path) -> No
     assert "'c'" in err.value.message
 
 
-def test_a_monoid_cannot_change_meaning() -> None:
-    parse_rules("monoid clash_test(s)\n  identity = (0.0)\n  combine = (a.s + b.s)\n"
-                "  finalize = (s)\n", "one.bbr")
+def test_a_monoid_cannot_change_meaning_over_an_earlier_pack() -> None:
+    one = parse_rules("monoid clash_test(s)\n  identity = (0.0)\n  combine = (a.s + b.s)\n"
+                      "  finalize = (s)\n", "one.bbr")
     with pytest.raises(SourceError) as err:
         parse_rules("\nmonoid clash_test(s)\n  identity = (1.0)\n  combine = (a.s * b.s)\n"
-                    "  finalize = (s)\n", "two.bbr")
+                    "  finalize = (s)\n", "two.bbr", base=one)
     assert (err.value.span.line, err.value.span.column) == (2, 8)
     assert "already defined differently" in err.value.message
 

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 
 from bbrules.errors import SourceError
-from bbrules.ir import (MONOIDS, Binary, BlockReduce, Const, Dot, Get, Load, Monoid, Reduce,
+from bbrules.ir import (SUM, Binary, BlockReduce, Const, Dot, Get, Load, Monoid, Reduce,
                         Tuple, Unary, Var)
-from bbrules.rule import (AxisEq, AxisIn, AxisSize, CExpr, Check, ConstCmp, PConst, PVar,
+from bbrules.rule import (AxisEq, AxisIn, AxisSize, CExpr, Check, ConstCmp, PAxis, PConst, PMonoid, PVar,
                           Stage, Stored, TripsEq)
 from bbrules.rulefile import load_pack, parse_rules
 
@@ -49,8 +49,8 @@ def test_the_documented_example() -> None:
         ("mul_comm", "algebra", True), ("fold_mul", "algebra", False)]
     forward, hoist, comm, fold = pack.rules
     assert (forward.lhs, forward.rhs, forward.guards) == (Stored(v), v, ())
-    assert hoist.lhs == Reduce("?a", "sum", Binary("mul", x, s))
-    assert hoist.rhs == Binary("mul", Reduce("?a", "sum", x), s)
+    assert hoist.lhs == Reduce(PAxis("?a"), SUM, Binary("mul", x, s))
+    assert hoist.rhs == Binary("mul", Reduce(PAxis("?a"), SUM, x), s)
     assert hoist.guards == (AxisIn("?a", "deps", "?s", negated=True),)
     assert hoist.doc == "A loop-invariant factor leaves the loop:\nsum_a(x * s) = sum_a(x) * s."
     assert forward.doc == ""  # its comment sits above the ruleset line, not above the rule
@@ -71,16 +71,15 @@ def test_the_documented_example() -> None:
                     (new_max, rescale), (Var("l"),))
     assert pack.monoids == [online]
     assert pack.monoids[0].doc == "Online softmax: running max and rescaled sum."
-    assert MONOIDS["online_rulefile_test"] == online
 
     aqk, bq = Load("A", ("q", "k")), Load("B", ("q",))
     row = BlockReduce("sum", "k", aqk)
     c = BlockReduce("sum", "k", Load("C", ("k",)))
     assert pack.checks == [
-        Check("hoist_factor", Reduce("k", "sum", Binary("mul", row, bq)),
-              Binary("mul", Reduce("k", "sum", row), bq)),
-        Check("hoist_factor", Reduce("k", "sum", Binary("mul", row, c)),
-              Binary("mul", Reduce("k", "sum", row), c), negated=True),
+        Check("hoist_factor", Reduce("k", SUM, Binary("mul", row, bq)),
+              Binary("mul", Reduce("k", SUM, row), bq)),
+        Check("hoist_factor", Reduce("k", SUM, Binary("mul", row, c)),
+              Binary("mul", Reduce("k", SUM, row), c), negated=True),
         Check("algebra", Load("A", ("q",)), None, negated=True,
               dims={"q": (256, 64), "k": (8, 8)}),
     ]
@@ -113,8 +112,8 @@ def test_every_node_kind_in_patterns() -> None:
             "min(?x, neg(?y)), sqrt(?x) - 0.002)")
     rule = parse_rules(text).rules[0]
     t = PVar("?t")
-    assert rule.lhs == Tuple((Get(0, Reduce("?a", "?m", t)), Dot("?b", x, y),
-                              BlockReduce("min", "?b", x), Binary("min", x, Unary("neg", y)),
+    a, b, m = PAxis("?a"), PAxis("?b"), PMonoid("?m")
+    assert rule.lhs == Tuple((Get(0, Reduce(a, m, t)), Dot(b, x, y), BlockReduce("min", b, x), Binary("min", x, Unary("neg", y)),
                               Binary("sub", Unary("sqrt", x), Const(0.002))))
     assert rule.rhs == rule.lhs
 
@@ -124,7 +123,7 @@ def test_constant_arithmetic_on_the_right() -> None:
     rhs = parse_rules(text).rules[0].rhs
     folded = CExpr("add", (CExpr("mul", (CExpr("neg", (PConst("?c"),)),
                                          AxisSize("block", "?a"))), Const(1.0)))
-    assert rhs == BlockReduce("sum", "?a", Binary("mul", x, folded))
+    assert rhs == BlockReduce("sum", PAxis("?a"), Binary("mul", x, folded))
 
 
 def test_layout_is_free_and_default_ruleset_is_the_file_stem() -> None:

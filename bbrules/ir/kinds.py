@@ -1,0 +1,289 @@
+"""How a node kind is declared, and everything generic derived from the declaration.
+
+A node kind is a frozen dataclass decorated with `@node(...)`.  Each field says what it holds
+(its `Sort`): an attribute (a tensor or operator name, an axis, a tuple of axes, a number, a
+component index, a monoid) or a child (one value, or a tuple of values).  From that one
+declaration this module derives what every pass needs without knowing the kinds:
+
+- `children(n)` and `rebuild(n, kids)`;
+- `attrs(n)`, the attribute values in field order (with the kind, a node's key in an e-graph);
+- `map_attrs(n, sort, f, kids)`, which renames axes or substitutes pattern variables;
+- `postorder(root)`, each distinct node once, children first, without recursion;
+- the surface syntax (`Kind.call`, the function name in `.bbk` and `.bbr` text), the egglog
+  constructor (`Kind.egg`) and the type rule (the class's `infer` method), which the printer,
+  the expression resolver, the engine and `type_of` read.
+
+Passes with real per-kind semantics (the interpreter, flops, each code generator) register one
+implementation per kind in a `KindTable`; a test fails when a table lacks a kind.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from enum import Enum
+from typing import Any, Callable, Iterator, Mapping
+
+
+class Sort(Enum):
+    """What a field of a node holds."""
+
+    TENSOR = "tensor"        # the name of a global tensor
+    AXES = "axes"            # a tuple of axis names (a load's tile axes)
+    AXIS = "axis"            # one axis the node works along (a pattern may hold a variable)
+    OP = "op"                # an operator name from the kind's operator table
+    NUMBER = "number"        # a float constant
+    INDEX = "index"          # a tuple component index
+    NAME = "name"            # a variable name inside a monoid's expressions
+    MONOID = "monoid"        # a `Monoid` (a pattern may hold a variable)
+    CHILD = "child"          # one value node
+    CHILDREN = "children"    # a tuple of value nodes
+
+    @property
+    def is_child(self) -> bool:
+        return self in (Sort.CHILD, Sort.CHILDREN)
+
+
+def attr(sort: Sort, ops: Mapping[str, Any] | None = None) -> Any:
+    """Declare an attribute field; `ops` is the table an OP field's names come from."""
+    return field(metadata={"sort": sort, "ops": ops})
+
+
+def child() -> Any:
+    return field(metadata={"sort": Sort.CHILD})
+
+
+def children_field() -> Any:
+    return field(metadata={"sort": Sort.CHILDREN})
+
+
+@dataclass(frozen=True)
+class Kind:
+    """The declaration of one node kind, as the generic passes read it.
+
+    `call` is the function name in block syntax; `{op}` in it is replaced by the OP field
+    (`b{op}` gives bsum, bmax, bmin).  None marks a kind with a syntax of its own (loads,
+    numbers, variables).  `egg` is the egglog constructor, None for kinds that never enter the
+    e-graph.  `loop` marks a kind whose AXIS field is a sequential loop: the node no longer
+    depends on that axis.  `elementwise` kinds may appear in a monoid's expressions.
+    """
+
+    cls: type
+    name: str
+    fields: tuple[tuple[str, Sort], ...]
+    call: str | None
+    egg: str | None
+    loop: bool
+    elementwise: bool
+    ops: Mapping[str, Any] | None
+
+    @property
+    def attr_fields(self) -> tuple[str, ...]:
+        return tuple(f for f, s in self.fields if not s.is_child)
+
+    @property
+    def child_fields(self) -> tuple[tuple[str, Sort], ...]:
+        return tuple((f, s) for f, s in self.fields if s.is_child)
+
+    def sort_of(self, name: str) -> Sort:
+        return dict(self.fields)[name]
+
+    @property
+    def params(self) -> tuple[str, ...]:
+        """The parameters of the call syntax: attributes but the operator, then children."""
+        return (tuple(f for f, s in self.fields if not s.is_child and s is not Sort.OP)
+                + tuple(f for f, _ in self.child_fields))
+
+    def calls(self) -> Iterator[tuple[str, str | None]]:
+        """(function name, operator) for every spelling of this kind in block syntax."""
+        if self.call is None:
+            return
+        if "{op}" in self.call:
+            for op in self.ops or ():
+                yield self.call.format(op=op), op
+        else:
+            yield self.call, None
+
+
+KINDS: list[type] = []  # every node kind, in declaration order (filled by @node)
+
+
+def _cached_hash(self: object) -> int:
+    """A node's hash, computed once.  Nodes form DAGs: the generated dataclass hash would walk
+    every shared subterm again on each dict or set operation, which made extraction quadratic."""
+    h = self.__dict__.get("_hash")
+    if h is None:
+        h = hash((type(self).__name__, *(self.__dict__[f] for f in self.__dataclass_fields__)))
+        object.__setattr__(self, "_hash", h)
+    return h
+
+
+def is_node(x: object) -> bool:
+    return getattr(type(x), "__hash__", None) is _cached_hash
+
+
+def _dag_eq(self: object, other: object) -> bool:
+    """Structural equality in time linear in the DAGs' sizes.
+
+    The generated dataclass equality compares two equal DAGs built separately as trees,
+    revisiting every shared subterm once per path to it: exponential in the depth of a fused
+    program.  Here each pair of subterms is compared once.
+    """
+    if self is other:
+        return True
+    seen: set[tuple[int, int]] = set()
+    stack = [(self, other)]
+    while stack:
+        a, b = stack.pop()
+        if a is b or (id(a), id(b)) in seen:
+            continue
+        if type(a) is not type(b) or hash(a) != hash(b):
+            return False
+        seen.add((id(a), id(b)))
+        for f in a.__dataclass_fields__:
+            x, y = a.__dict__[f], b.__dict__[f]
+            if isinstance(x, tuple) and isinstance(y, tuple) and len(x) == len(y):
+                pairs = zip(x, y)
+            else:
+                pairs = ((x, y),)
+            for u, v in pairs:
+                if is_node(u) and is_node(v):
+                    stack.append((u, v))
+                elif u != v:
+                    return False
+    return True
+
+
+def node(*, call: str | None = None, egg: str | None = None, loop: bool = False,
+         elementwise: bool = False) -> Callable[[type], type]:
+    """Declare a node kind: make the class a frozen dataclass with DAG-friendly hashing and
+    equality, and record its `Kind` (as `cls.kind`) in `KINDS`."""
+    def declare(cls: type) -> type:
+        cls.__hash__ = _cached_hash  # type: ignore[method-assign]
+        cls.__eq__ = _dag_eq  # type: ignore[method-assign]
+        cls = dataclass(frozen=True, eq=False)(cls)
+        declared = tuple((f.name, f.metadata["sort"]) for f in fields(cls))
+        ops = next((f.metadata.get("ops") for f in fields(cls)
+                    if f.metadata["sort"] is Sort.OP), None)
+        cls.kind = Kind(cls, cls.__name__, declared, call, egg, loop, elementwise, ops)
+        KINDS.append(cls)
+        return cls
+    return declare
+
+
+def kind_of(n: object) -> Kind:
+    return type(n).kind  # type: ignore[attr-defined]
+
+
+# --------------------------------------------------------------------------------------------
+# Generic structure
+
+
+def children(n: object) -> tuple[Any, ...]:
+    """The child values of a node, in field order (none for a pattern variable)."""
+    kind = getattr(type(n), "kind", None)
+    if kind is None:
+        return ()
+    out: tuple[Any, ...] = ()
+    for f, s in kind.child_fields:
+        v = n.__dict__[f]
+        out += v if s is Sort.CHILDREN else (v,)
+    return out
+
+
+def attrs(n: object) -> tuple[Any, ...]:
+    """The attribute values of a node, in field order."""
+    return tuple(n.__dict__[f] for f in kind_of(n).attr_fields)
+
+
+def rebuild(n: Any, kids: tuple[Any, ...]) -> Any:
+    """`n` with its children replaced by `kids` (in the order `children` gives them)."""
+    if not kids and not kind_of(n).child_fields:
+        return n
+    return build(kind_of(n), attrs(n), kids)
+
+
+def build(kind: Kind, attr_values: tuple[Any, ...], kids: tuple[Any, ...]) -> Any:
+    """A node of `kind` from its attribute values and its children, each in field order."""
+    values: dict[str, Any] = dict(zip(kind.attr_fields, attr_values))
+    rest = list(kids)
+    for f, s in kind.child_fields:
+        if s is Sort.CHILDREN:
+            values[f], rest = tuple(rest), []
+        else:
+            values[f] = rest.pop(0)
+    return kind.cls(**values)
+
+
+def map_attrs(n: Any, sort: Sort, f: Callable[[Any], Any], kids: tuple[Any, ...]) -> Any:
+    """`n` rebuilt over `kids` with every attribute of `sort` passed through `f` (AXIS fields
+    and each axis of AXES fields for `Sort.AXIS`)."""
+    kind = kind_of(n)
+    values = []
+    for name in kind.attr_fields:
+        v, s = n.__dict__[name], kind.sort_of(name)
+        if s is sort or (sort is Sort.AXIS and s is Sort.AXES):
+            v = tuple(map(f, v)) if s is Sort.AXES else f(v)
+        values.append(v)
+    return build(kind, tuple(values), kids)
+
+
+def postorder(root: Any) -> Iterator[Any]:
+    """Each distinct node of the DAG under `root` once, children before parents."""
+    seen: set[Any] = set()
+    stack: list[tuple[Any, bool]] = [(root, False)]
+    while stack:
+        n, expanded = stack.pop()
+        if expanded:
+            yield n
+            continue
+        if n in seen:
+            continue
+        seen.add(n)
+        stack.append((n, True))
+        stack.extend((c, False) for c in reversed(children(n)) if is_node(c))
+
+
+def transform(root: Any, f: Callable[[Any, tuple[Any, ...]], Any]) -> Any:
+    """Rebuild the DAG under `root` bottom-up: `f(node, new_children)` gives each new node.
+
+    Shared subterms are transformed once; no recursion, so depth is unbounded.
+    """
+    memo: dict[Any, Any] = {}
+    for n in postorder(root):
+        memo[n] = f(n, tuple(memo[c] if is_node(c) else c for c in children(n)))
+    return memo[root]
+
+
+# --------------------------------------------------------------------------------------------
+# Per-kind semantics
+
+
+class KindTable:
+    """One pass's semantics, one implementation per node kind (`@table.on(Unary)`).
+
+    `table(node, *args)` calls the implementation registered for the node's kind; `missing()`
+    names the kinds without one, which the coverage test reports.  `exempt` lists kinds that
+    cannot reach this pass, each with the reason.
+    """
+
+    def __init__(self, name: str, exempt: Mapping[type, str] | None = None):
+        self.name = name
+        self.impl: dict[type, Callable[..., Any]] = {}
+        self.exempt = dict(exempt or {})
+
+    def on(self, *kinds: type) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        def register(fn: Callable[..., Any]) -> Callable[..., Any]:
+            for k in kinds:
+                self.impl[k] = fn
+            return fn
+        return register
+
+    def __call__(self, n: Any, *args: Any, **kwargs: Any) -> Any:
+        fn = self.impl.get(type(n))
+        if fn is None:
+            from .types import IRError
+            raise IRError(f"{self.name}: no implementation for {type(n).__name__} nodes")
+        return fn(n, *args, **kwargs)
+
+    def missing(self) -> list[str]:
+        return [k.__name__ for k in KINDS if k not in self.impl and k not in self.exempt]

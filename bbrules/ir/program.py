@@ -1,0 +1,154 @@
+"""Block programs: kernels (stores) over declared dimensions and global tensors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+from .kinds import Sort, _cached_hash, _dag_eq, kind_of, postorder
+from .monoid import Monoid, monoids_used
+from .nodes import Load, Node, Var
+from .typecheck import sched_deps, tile_type, type_of
+from .types import Axis, IRError, TileType
+
+
+@dataclass(frozen=True)
+class Dim:
+    """An axis of the iteration space: `extent` elements in blocks of `block`."""
+
+    name: str
+    extent: int
+    block: int
+
+    @property
+    def blocks(self) -> int:
+        return self.extent // self.block
+
+
+DTYPE_BYTES = {"f32": 4, "f16": 2, "bf16": 2}
+
+
+@dataclass(frozen=True)
+class TensorDecl:
+    """A global tensor.  `role` is `input`, `output` or `temp` (a materialised intermediate)."""
+
+    name: str
+    axes: tuple[Axis, ...]
+    dtype: str = "f32"
+    role: str = "temp"
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+
+@dataclass(frozen=True, eq=False)
+class Store:
+    """L -> G: materialise `value` into `tensor` for every block of `axes`.  One kernel."""
+
+    __hash__ = _cached_hash
+    __eq__ = _dag_eq
+
+    tensor: str
+    axes: tuple[Axis, ...]
+    value: Node
+
+
+@dataclass(frozen=True)
+class BlockProgram:
+    """Kernels (stores) in execution order, over declared dims and tensors."""
+
+    dims: dict[str, Dim]
+    tensors: dict[str, TensorDecl]
+    kernels: tuple[Store, ...]
+    outputs: tuple[str, ...]
+
+    def __hash__(self) -> int:
+        return hash(self.kernels)
+
+    @property
+    def monoids(self) -> dict[str, Monoid]:
+        """The definitions of every non-builtin monoid the kernels use (what a block file
+        writes out, so that a program is self-contained)."""
+        return monoids_used(self.kernels)
+
+    @property
+    def inputs(self) -> tuple[str, ...]:
+        return tuple(t.name for t in self.tensors.values() if t.role == "input")
+
+    def blocks(self, axis: Axis) -> int:
+        return self.dims[axis].blocks
+
+    def block(self, axis: Axis) -> int:
+        return self.dims[axis].block
+
+    def extent(self, axis: Axis) -> int:
+        return self.dims[axis].extent
+
+    def tensor_axes_dim(self, load: Load) -> Iterator[tuple[Axis, Axis]]:
+        """(declared axis, use axis) pairs of a load."""
+        return zip(self.tensors[load.tensor].axes, load.axes)
+
+
+def validate(p: BlockProgram) -> None:
+    """Check every invariant of a block program; raise IRError naming the first violation.
+
+    Run on every program the tool produces: a bug in a rule or in extraction must never reach
+    a code generator.
+    """
+    p.monoids  # two different monoids of one name cannot be written to one file
+    written: set[str] = set()
+    for k in p.kernels:
+        decl = p.tensors.get(k.tensor)
+        if decl is None:
+            raise IRError(f"store into undeclared tensor '{k.tensor}'")
+        if decl.role == "input":
+            raise IRError(f"store into input tensor '{k.tensor}'")
+        if k.axes != decl.axes:
+            raise IRError(f"store {k.tensor}{list(k.axes)} does not match its declaration "
+                          f"{k.tensor}{list(decl.axes)}")
+        t = type_of(k.value)
+        if not isinstance(t, TileType):
+            raise IRError(f"kernel {k.tensor}: cannot store a tuple")
+        want = frozenset(k.axes)
+        if t.shape != want or t.deps != want:
+            raise IRError(f"kernel {k.tensor}: a store needs shape == deps == {sorted(want)}, "
+                          f"the value has shape {sorted(t.shape)}, deps {sorted(t.deps)}")
+        if not sched_deps(k.value) <= want:
+            raise IRError(f"kernel {k.tensor}: a loop in it needs axes "
+                          f"{sorted(sched_deps(k.value) - want)} that the kernel does not "
+                          f"iterate over")
+        for n in postorder(k.value):
+            _check_node(p, n, written, k.tensor)
+        written.add(k.tensor)
+    for o in p.outputs:
+        if o not in written:
+            raise IRError(f"output '{o}' is never stored")
+
+
+def _check_node(p: BlockProgram, n: Node, written: set[str], kernel: str) -> None:
+    from .show import show_node
+    for a in tile_type(n).deps if isinstance(type_of(n), TileType) else ():
+        if a not in p.dims:
+            raise IRError(f"kernel {kernel}: unknown axis '{a}' in {show_node(n)}")
+    match n:
+        case Load(name, axes):
+            decl = p.tensors.get(name)
+            if decl is None:
+                raise IRError(f"kernel {kernel}: load of undeclared tensor '{name}'")
+            if len(axes) != len(decl.axes):
+                raise IRError(f"kernel {kernel}: {show_node(n)} has {len(axes)} axes, "
+                              f"'{name}' has {len(decl.axes)}")
+            for declared, used in zip(decl.axes, axes):
+                a, b = p.dims[declared], p.dims[used]
+                if (a.extent, a.block) != (b.extent, b.block):
+                    raise IRError(f"kernel {kernel}: {show_node(n)} renames '{declared}' "
+                                  f"({a.extent}/{a.block}) to '{used}' ({b.extent}/{b.block})")
+            if decl.role != "input" and name not in written:
+                raise IRError(f"kernel {kernel}: loads '{name}' before any kernel stores it")
+        case Var(name):
+            raise IRError(f"kernel {kernel}: free variable '{name}'")
+    kind = kind_of(n)
+    for f in kind.attr_fields:
+        if kind.sort_of(f) is Sort.AXIS and n.__dict__[f] not in p.dims:
+            raise IRError(f"kernel {kernel}: unknown axis '{n.__dict__[f]}' in {show_node(n)}")

@@ -1,0 +1,119 @@
+"""Printing.  The syntax is the one `bbrules.blockfile` reads back and `.bbr` rules are
+written in; everything but loads, numbers, variables and infix arithmetic is printed from the
+kinds' declared call syntax."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from .kinds import Sort, children, is_node, kind_of, postorder
+from .monoid import Monoid
+from .nodes import Binary, Const, Load, Node, Var
+from .program import BlockProgram, Store
+
+INFIX = {"add": ("+", 1), "sub": ("-", 1), "mul": ("*", 2), "div": ("/", 2)}
+
+
+def fmt_number(v: float) -> str:
+    if v == float("inf"):
+        return "inf"
+    if v == float("-inf"):
+        return "-inf"
+    if v == int(v) and abs(v) < 1e15:
+        return f"{int(v)}.0"
+    return repr(float(v))
+
+
+def _attr_text(v: Any) -> str:
+    """An attribute as block syntax: a monoid by its name, a pattern variable by its own."""
+    if isinstance(v, Monoid):
+        return v.name
+    return str(v)
+
+
+def show_node(n: Any, names: dict[Node, str] | None = None, prec: int = 0) -> str:
+    """One expression in block syntax; nodes in `names` print as those names.  A pattern
+    (with variables) prints as the rule language writes it."""
+    if names and n in names:
+        return names[n]
+    if not is_node(n) or not hasattr(type(n), "kind"):
+        return str(n)
+
+    def sub(x: Any, p: int = 0) -> str:
+        return show_node(x, names, p)
+
+    match n:
+        case Load(t, axes):
+            return f"load({t}[{', '.join(map(str, axes))}])"
+        case Const(v):
+            s = fmt_number(v)
+            return f"({s})" if s.startswith("-") and prec > 0 else s
+        case Var(name):
+            return name
+        case Binary(op, x, y) if op in INFIX:
+            sym, p = INFIX[op]
+            s = f"{sub(x, p)} {sym} {sub(y, p + 1)}"
+            return f"({s})" if p < prec else s
+    kind = kind_of(n)
+    op = next((n.__dict__[f] for f, s in kind.fields if s is Sort.OP), None)
+    args = [_attr_text(n.__dict__[f]) for f, s in kind.fields
+            if not s.is_child and s is not Sort.OP]
+    args += [sub(c) for c in children(n)]
+    return f"{kind.call.format(op=op)}({', '.join(args)})"
+
+
+def _shared_nodes(root: Node) -> list[Node]:
+    """Non-leaf nodes used more than once under root, in post-order: they get a local name."""
+    uses: dict[Node, int] = {}
+    for n in postorder(root):
+        for c in children(n):
+            uses[c] = uses.get(c, 0) + 1
+    return [n for n in postorder(root)
+            if uses.get(n, 0) > 1 and children(n)]
+
+
+def show_kernel(k: Store) -> str:
+    """A kernel as `let` bindings for shared subterms followed by its store."""
+    names: dict[Node, str] = {}
+    lines = [f"kernel {k.tensor}[{', '.join(k.axes)}]:"]
+    for i, n in enumerate(_shared_nodes(k.value)):
+        lines.append(f"  let t{i} = {show_node(n, names)}")
+        names[n] = f"t{i}"
+    lines.append(f"  {k.tensor}[{', '.join(k.axes)}] = {show_node(k.value, names)}")
+    return "\n".join(lines)
+
+
+def show_monoid(m: Monoid) -> str:
+    def tup(es: tuple[Node, ...]) -> str:
+        return "(" + ", ".join(show_node(e) for e in es) + ")"
+
+    return "\n".join([
+        f"monoid {m.name}({', '.join(m.state)})",
+        f"  identity = {tup(m.identity)}",
+        f"  combine  = {tup(m.combine)}",
+        f"  finalize = {tup(m.finalize)}",
+    ])
+
+
+def show_program(p: BlockProgram, source: str | None = None) -> str:
+    """The whole program in the block-file syntax (what `bbrules show` prints and `-o` writes).
+
+    `source` records the path of the program this one was fused from, so that a tool reading
+    the file back can find it.
+    """
+    out = ["# bbrules block program"]
+    if source is not None:
+        out.append(f"source {json.dumps(source)}")
+    for d in p.dims.values():
+        out.append(f"dim {d.name} = {d.extent} / {d.block}")
+    for role in ("input", "temp", "output"):
+        for t in p.tensors.values():
+            if t.role == role:
+                out.append(f"{role} {t.name}[{', '.join(t.axes)}] : {t.dtype}")
+    for m in p.monoids.values():
+        out.append(show_monoid(m))
+    for k in p.kernels:
+        out.append("")
+        out.append(show_kernel(k))
+    return "\n".join(out) + "\n"
