@@ -25,8 +25,9 @@ from typing import Callable
 
 import numpy as np
 
-from .ir import (Axis, Binary, BlockProgram, BlockReduce, Const, Dot, Get, IRError, Load, Node,
-                 Monoid, Reduce, Store, Tuple, Unary, Var, postorder, sched_deps, validate)
+from .ir import (Axis, Binary, BlockProgram, BlockReduce, Const, Dot, Get, IRError, KindTable,
+                 Load, Monoid, Node, Reduce, Store, Tuple, Unary, Var, kind_of, postorder,
+                 sched_deps, validate)
 from .ops import BINARY, TILE_REDUCE, UNARY
 
 F32 = np.float32
@@ -71,21 +72,100 @@ def _dot(axis: Axis, x: Tile, y: Tile) -> Tile:
     return _tile(out, np.einsum(spec, x.data, y.data, optimize=True))
 
 
+# The semantics of each node kind.  An implementation gets the node and the evaluation it is
+# part of (`tile(child)` / `value(child)` give its children's values; `var(name)` a monoid
+# expression's operand), so one table serves kernels and monoid expressions alike.
+EVAL = KindTable("interpreter")
+
+
+@EVAL.on(Load)
+def _load(n: Load, run: _KernelRun) -> Value:
+    return _tile(n.axes, run.memory[n.tensor][tuple(run.block_slice(a) for a in n.axes)])
+
+
+@EVAL.on(Const)
+def _const(n: Const, run: _Evaluation) -> Value:
+    return _tile((), n.value)
+
+
+@EVAL.on(Var)
+def _var(n: Var, run: _Evaluation) -> Value:
+    return run.var(n.name)
+
+
+@EVAL.on(Unary)
+def _unary(n: Unary, run: _Evaluation) -> Value:
+    return _elementwise(UNARY[n.op].numpy, run.tile(n.x))
+
+
+@EVAL.on(Binary)
+def _binary(n: Binary, run: _Evaluation) -> Value:
+    return _elementwise(BINARY[n.op].numpy, run.tile(n.x), run.tile(n.y))
+
+
+@EVAL.on(BlockReduce)
+def _block_reduce(n: BlockReduce, run: _Evaluation) -> Value:
+    t = run.tile(n.x)
+    data = TILE_REDUCE[n.op].numpy(t.data, axis=t.axes.index(n.axis))
+    return _tile(tuple(b for b in t.axes if b != n.axis), data)
+
+
+@EVAL.on(Dot)
+def _dot_node(n: Dot, run: _Evaluation) -> Value:
+    return _dot(n.axis, run.tile(n.x), run.tile(n.y))
+
+
+@EVAL.on(Reduce)
+def _reduce(n: Reduce, run: _KernelRun) -> Value:
+    return run.fold(n.axis, n.monoid, n.x)
+
+
+@EVAL.on(Tuple)
+def _tuple(n: Tuple, run: _Evaluation) -> Value:
+    return tuple(run.tile(i) for i in n.items)
+
+
+@EVAL.on(Get)
+def _get(n: Get, run: _Evaluation) -> Value:
+    return run.value(n.x)[n.index]
+
+
+class _Evaluation:
+    """What node implementations read their children's values from."""
+
+    def value(self, n: Node) -> Value:
+        raise NotImplementedError
+
+    def tile(self, n: Node) -> Tile:
+        v = self.value(n)
+        assert isinstance(v, Tile), "validate() admits only tiles here"
+        return v
+
+    def var(self, name: str) -> Value:
+        raise IRError(f"free variable '{name}'")
+
+
+class _MonoidExpr(_Evaluation):
+    """A monoid's identity, combine or finalize expression over the bound state tiles."""
+
+    def __init__(self, bound: dict[str, Tile]):
+        self.bound = bound
+
+    def value(self, n: Node) -> Value:
+        if not (kind_of(n).elementwise or isinstance(n, (Const, Var))):
+            raise IRError(f"monoid expressions must be elementwise, found {n!r}")
+        return EVAL(n, self)
+
+    def var(self, name: str) -> Value:
+        return self.bound[name]
+
+
 def _scalar_expr(e: Node, bound: dict[str, Tile]) -> Tile:
     """Evaluate a monoid expression (elementwise over `Var`s) with the variables in `bound`."""
-    match e:
-        case Var(name):
-            return bound[name]
-        case Const(v):
-            return _tile((), v)
-        case Unary(op, x):
-            return _elementwise(UNARY[op].numpy, _scalar_expr(x, bound))
-        case Binary(op, x, y):
-            return _elementwise(BINARY[op].numpy, _scalar_expr(x, bound), _scalar_expr(y, bound))
-    raise IRError(f"monoid expressions must be elementwise, found {e!r}")
+    return _MonoidExpr(bound).tile(e)
 
 
-class _KernelRun:
+class _KernelRun(_Evaluation):
     """The evaluation of one kernel's value under an environment {axis: block index}.
 
     Each node's last value is kept with the block indices of its `sched_deps` it was computed
@@ -107,44 +187,15 @@ class _KernelRun:
         hit = self.cache.get(n)
         if hit is not None and hit[0] == key:
             return hit[1]
-        v = self._compute(n)
+        v = EVAL(n, self)
         self.cache[n] = (key, v)
-        return v
-
-    def tile(self, n: Node) -> Tile:
-        v = self.value(n)
-        assert isinstance(v, Tile), "validate() admits only tiles here"
         return v
 
     def block_slice(self, axis: Axis) -> slice:
         b = self.program.block(axis)
         return slice(self.env[axis] * b, (self.env[axis] + 1) * b)
 
-    def _compute(self, n: Node) -> Value:
-        match n:
-            case Load(name, axes):
-                return _tile(axes, self.memory[name][tuple(self.block_slice(a) for a in axes)])
-            case Const(v):
-                return _tile((), v)
-            case Unary(op, x):
-                return _elementwise(UNARY[op].numpy, self.tile(x))
-            case Binary(op, x, y):
-                return _elementwise(BINARY[op].numpy, self.tile(x), self.tile(y))
-            case BlockReduce(op, a, x):
-                t = self.tile(x)
-                data = TILE_REDUCE[op].numpy(t.data, axis=t.axes.index(a))
-                return _tile(tuple(b for b in t.axes if b != a), data)
-            case Dot(a, x, y):
-                return _dot(a, self.tile(x), self.tile(y))
-            case Reduce(a, m, x):
-                return self._reduce(a, m, x)
-            case Tuple(items):
-                return tuple(self.tile(i) for i in items)
-            case Get(i, x):
-                return self.value(x)[i]
-        raise IRError(f"cannot evaluate {n!r} inside a kernel")
-
-    def _reduce(self, axis: Axis, m: Monoid, body: Node) -> Value:
+    def fold(self, axis: Axis, m: Monoid, body: Node) -> Value:
         state = [_scalar_expr(e, {}) for e in m.identity]
         outer = self.env.get(axis)
         for i in range(self.program.blocks(axis)):
