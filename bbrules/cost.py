@@ -47,7 +47,7 @@ from .ir import (MONOIDS, Binary, BlockProgram, BlockReduce, Const, Dim, Dot, Ge
                  Load, Monoid, Node, Reduce, Store, TensorDecl, Tuple, Unary, Var, postorder,
                  register_monoid)
 from .ops import BINARY, UNARY
-from .plan import LoopPlan, Op, Value, kernel_axes, kernel_tensors, plan_kernel
+from .plan import LoopPlan, Op, Value, kernel_uses, plan_kernel
 from .plan import clear_cache as _clear_plans
 from .targets import Target
 
@@ -230,7 +230,8 @@ def _tensor_bytes(p: BlockProgram, t: TensorDecl) -> int:
 def _uses(store: Store) -> tuple[frozenset[str], tuple[str, ...]]:
     """The axes and tensors (sorted) a kernel mentions: what its cost depends on besides the
     target.  Its dims are passed in program order, which orders the axes of its tiles."""
-    return kernel_axes(store), tuple(sorted(kernel_tensors(store)))
+    axes, tensors = kernel_uses(store)
+    return axes, tuple(sorted(tensors))
 
 
 @lru_cache(maxsize=1 << 14)

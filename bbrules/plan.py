@@ -220,26 +220,26 @@ def _plan(store: Store, dims: tuple[Dim, ...], decls: tuple[TensorDecl, ...],
                     capacity).plan()
 
 
-def kernel_axes(store: Store) -> frozenset[str]:
-    """Every axis a kernel mentions: the dims its plan depends on."""
+def kernel_uses(store: Store) -> tuple[frozenset[str], frozenset[str]]:
+    """Every axis and every tensor a kernel mentions: the dims and tensors its plan depends
+    on."""
     axes: set[str] = set(store.axes)
+    tensors: set[str] = {store.tensor}
     for n in postorder(store.value):
         match n:
-            case Load(_, a):
+            case Load(t, a):
+                tensors.add(t)
                 axes.update(a)
             case Reduce(a, _, _) | Dot(a, _, _) | BlockReduce(_, a, _):
                 axes.add(a)
-    return frozenset(axes)
-
-
-def kernel_tensors(store: Store) -> frozenset[str]:
-    """Every tensor a kernel reads or writes."""
-    return frozenset({store.tensor} | {n.tensor for n in postorder(store.value)
-                                       if isinstance(n, Load)})
+    return frozenset(axes), frozenset(tensors)
 
 
 def clear_cache() -> None:
     _plan.cache_clear()
+    _var_names.cache_clear()
+    _phases.cache_clear()
+    _in_place_folds.cache_clear()
 
 
 # --------------------------------------------------------------------------------------------
@@ -261,8 +261,9 @@ class _Scope:
         raise IRError(f"internal: no value for {n!r} in scope")
 
 
-def _var_names(e: Node) -> set[str]:
-    return {n.name for n in postorder(e) if isinstance(n, Var)}
+@lru_cache(maxsize=1 << 12)
+def _var_names(e: Node) -> frozenset[str]:
+    return frozenset(n.name for n in postorder(e) if isinstance(n, Var))
 
 
 def same_op(combine: Node, c: str) -> str | None:
@@ -271,6 +272,16 @@ def same_op(combine: Node, c: str) -> str | None:
             and {combine.x, combine.y} == {Var(f"a.{c}"), Var(f"b.{c}")}):
         return combine.op
     return None
+
+
+@lru_cache(maxsize=1 << 10)
+def _in_place_folds(m: Monoid) -> tuple[str | None, ...]:
+    """Per component: the operator of a combine `a.c (op) b.c` whose old state no other
+    component's combine reads (so a contribution may fold into it in place), else None."""
+    return tuple(
+        None if any(f"a.{c}" in _var_names(e) for j, e in enumerate(m.combine) if j != i)
+        else same_op(m.combine[i], c)
+        for i, c in enumerate(m.state))
 
 
 _FOLD = {"sum": "add", "max": "max", "min": "min"}
@@ -419,13 +430,12 @@ class _Planner:
     def _accumulate_in_place(self, acc: Accumulation, op: LoopPlan) -> None:
         """Fold a dot / in-tile reduction straight into its accumulator where that is exact."""
         m = acc.monoid
+        folds = _in_place_folds(m)
         for c, x in enumerate(acc.contribs):
-            fold = same_op(m.combine[c], m.state[c])
+            fold = folds[c]
             if (acc.via_tmp or fold is None or len(x.uses) != 1
                     or x.kind not in ("dot", "breduce")
-                    or fold != ("add" if x.kind == "dot" else _FOLD[x.node.op])
-                    or any(f"a.{m.state[c]}" in _var_names(e)
-                           for j, e in enumerate(m.combine) if j != c)):
+                    or fold != ("add" if x.kind == "dot" else _FOLD[x.node.op])):
                 continue
             if x.path == op.path + (op.id,):
                 x.mode = "accumulate"
@@ -593,6 +603,7 @@ class _Planner:
         self._touch(self._underlying(result), store_site.seq, ())
 
 
+@lru_cache(maxsize=1 << 12)
 def _phases(m: Monoid, shapes: tuple[frozenset[str], ...]
             ) -> tuple[tuple[tuple[int, ...], ...], bool]:
     """Groups of components that may be updated in place, in an order that lets every group
@@ -643,6 +654,6 @@ def _assign_offsets(bufs: list[Buffer]) -> int:
 def plan_for(p: BlockProgram, store: Store, capacity: int) -> KernelPlan:
     """The plan of kernel `store` of program `p` on a target with `capacity` bytes of local
     memory per processor."""
-    axes = kernel_axes(store)
+    axes, tensors = kernel_uses(store)
     return plan_kernel(store, {a: d for a, d in p.dims.items() if a in axes},
-                       {t: p.tensors[t] for t in sorted(kernel_tensors(store))}, capacity)
+                       {t: p.tensors[t] for t in sorted(tensors)}, capacity)
