@@ -4,9 +4,11 @@ Why it looks the way it does:
 
 - *One thread block per grid point.*  `blockIdx.x` linearises the block indices of the kernel's
   grid (its store axes); every loop of the schedule runs sequentially inside the thread block.
-- *Loops come from `bbrules.schedule`*, the schedule the cost model prices: merged sibling
-  reductions share one loop carrying several accumulators, and every node is computed in the
-  loop body the schedule places it in.
+- *Everything but the text comes from the kernel's plan* (`bbrules.plan`), the plan the cost
+  model prices: its loops (merged sibling reductions share one loop carrying several
+  accumulators), what is inlined, materialised, accumulated in place or resident, and every
+  buffer at its offset.  The dynamic shared memory is the plan's footprint, and a kernel is
+  refused exactly when the plan does not fit.
 - *Every tile operation is cooperative*: the threads stride over the tile's elements, and
   `__syncthreads()` separates a step that writes shared memory from the steps that read it (and
   a read from a later overwrite of the same storage).  Nothing relies on warps executing in
@@ -14,23 +16,18 @@ Why it looks the way it does:
   has a barrier.  In-tile reductions and contractions split the reduced axis over the threads
   that have no output element of their own, so they are correct for any block size and any
   number of threads.
-- *Elementwise chains are not materialised.*  A node evaluated in exactly one step, over exactly
-  its own shape, in the loop body it is placed in, is emitted inline into that step (a chain
-  like `exp(S - M) / L` becomes one strided loop).  Anything else -- an operand of a
-  contraction, a value read by several steps, broadcast to a larger tile, or read inside a
-  deeper loop -- is materialised once: in shared memory, or in a register if it is a scalar.
-  Shared memory is assigned by liveness, so a kernel needs no more than the cost model's
-  footprint (`bbrules.cost`) plus a little scratch.
+- *Elementwise chains are not materialised* (the plan inlines them): a chain like
+  `exp(S - M) / L` becomes one strided loop.  A materialised scalar is a register.  Resident
+  slabs are loaded once, before the first step.
 - *Monoids are data.*  Identity, combine and finalize are emitted from the monoid's expressions,
   never special-cased by name: online softmax and Welford need no code of their own.  A combine
   must read the *old* state of every component, so components are updated in groups of equal
   shape (one thread updates every component of one element) ordered so that a group reading
-  another group's old state runs first; if no such order exists, through temporaries.  A
-  contraction or in-tile reduction folded only into an accumulator of the same operator
-  (`a.c + b.c` for a dot) is accumulated in place, as the cost model assumes.
+  another group's old state runs first; if no such order exists, through temporaries (the
+  plan's `Accumulation.groups`).
 - *Values are f32 in registers and shared memory*; f16/bf16 tensors are converted on load and
   store with portable bit arithmetic (no CUDA headers), and 16-bit tiles stay 16-bit in shared
-  memory, as the cost model counts them.
+  memory.
 """
 
 from __future__ import annotations
@@ -49,15 +46,15 @@ from pathlib import Path
 import numpy as np
 
 from bbrules.errors import UsageError
-from bbrules.ir import (Binary, BlockProgram, BlockReduce, Const, Dot, Get, IRError, Load, Monoid,
-                        Node, Reduce, Store, Tuple, Unary, Var, postorder, shape,
-                        validate)
+from bbrules.ir import (Binary, BlockProgram, BlockReduce, Const, Dot, Get, IRError, KindTable,
+                        Load, Node, Reduce, Tuple, Unary, Var, validate)
 from bbrules.ops import BINARY, TILE_REDUCE, UNARY
-from bbrules.schedule import Compute, Loop, Step, schedule_kernel
+from bbrules.plan import (MAX_THREADS, Accumulation, BlockIndex, Buffer, KernelPlan, LoopPlan,
+                          Value, plan_for)
 from bbrules.targets import Target, get_target
 
-MAX_THREADS = 256  # threads per block: the launch bound every kernel is compiled for
-_ALIGN = 16  # bytes: alignment of every shared-memory buffer
+__all__ = ["MAX_THREADS", "CompileError", "CudaModule", "KernelInfo", "compile_check",
+           "from_storage", "generate", "to_storage"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -204,13 +201,14 @@ def generate(p: BlockProgram, target: Target | str | None = None) -> CudaModule:
         target = get_target(target or "h100")
     kernels, bodies, helpers = [], [], set()
     for i, store in enumerate(p.kernels):
-        gen = _KernelGen(p, store, f"k{i}_{_c_name(store.tensor)}")
-        info, body = gen.emit()
-        if info.shared_bytes > target.local_capacity:
+        plan = plan_for(p, store, target.local_capacity)
+        if not plan.fits:
             raise UsageError(
-                f"kernel {store.tensor}: its tiles need {info.shared_bytes} bytes of shared "
+                f"kernel {store.tensor}: its tiles need {plan.footprint} bytes of shared "
                 f"memory, more than the {target.local_capacity} a thread block has on "
                 f"{target.name}; choose smaller blocks or a less fused program")
+        gen = _KernelGen(p, plan, f"k{i}_{_c_name(store.tensor)}")
+        info, body = gen.emit()
         kernels.append(info)
         bodies.append(body)
         helpers |= gen.formats
@@ -242,124 +240,9 @@ def _literal(v: float) -> str:
     return f"({s}f)" if v32 < 0 else f"{s}f"
 
 
-# --------------------------------------------------------------------------------------------
-# One kernel: first a model of its steps (what is computed where, what is read where), then
-# decisions (inline or materialise, in-place accumulation, shared-memory offsets), then text.
-
-
-@dataclass(eq=False)
-class _Buf:
-    """A region of shared memory holding one tile (or scratch), live over [first, last].
-
-    Rows whose length is a multiple of 32 elements are padded by one, so that threads walking
-    down a column (a contraction reading K[k, d] for consecutive k) hit different banks.
-    """
-
-    elements: int
-    order: tuple[str, ...]  # axes of the tile, outermost first
-    strides: tuple[int, ...]  # elements between neighbours along each axis of `order`
-    first: int
-    path: tuple[int, ...]  # the loops enclosing its definition
-    half: bool = False  # a 16-bit copy of a 16-bit tensor's tile
-    last: int = -1
-    offset: int = 0
-
-    @property
-    def nbytes(self) -> int:
-        return self.elements * (2 if self.half else 4)
-
-
-@dataclass(eq=False)
-class _Site:
-    """A step that evaluates expressions over one iteration space (`shape`)."""
-
-    seq: int
-    path: tuple[int, ...]
-    shape: frozenset[str]
-
-
-@dataclass(eq=False)
-class _Inst:
-    """One computation of a node: a `Compute` step, or a reduction's results after its loop.
-
-    `kind` is load, const, unary, binary, breduce, dot, tuple, get or result.  `mode` says how
-    consumers read it: inline (its expression is emitted where it is used), shared, reg,
-    accumulate (folded straight into an accumulator), or tuple (never read as a tile).
-    """
-
-    kind: str
-    node: Node
-    args: tuple[_Inst, ...]
-    shape: frozenset[str]
-    order: tuple[str, ...]
-    path: tuple[int, ...]
-    seq: int
-    uses: list[_Inst | _Site] = field(default_factory=list)
-    mode: str = "inline"
-    buf: _Buf | None = None
-    reg: str = ""
-    blocks: dict[str, str] = field(default_factory=dict)  # load: block index per axis
-    red: _Red | None = None  # result / get: the reduction whose state it finalizes
-    into: tuple[_Red, int] | None = None  # accumulate: the state component it folds into
-
-    @property
-    def is_step(self) -> bool:
-        return self.mode in ("shared", "reg", "accumulate")
-
-    def site(self) -> _Site:
-        space = self.args[0].shape if self.kind == "breduce" else self.shape
-        return _Site(self.seq, self.path, space)
-
-
-@dataclass(eq=False)
-class _Red:
-    """One reduction of a loop: its contributions, accumulators and combine phases."""
-
-    reduce: Reduce
-    monoid: Monoid
-    contribs: tuple[_Inst, ...]
-    states: tuple[_Buf, ...]
-    shapes: tuple[frozenset[str], ...]
-    groups: tuple[tuple[int, ...], ...]  # components updated together, in phase order
-    via_tmp: bool  # no order works: every component goes through a temporary
-    sites: tuple[_Site, ...]  # one per group
-    in_place: set[int] = field(default_factory=set)  # components no combine step updates
-    aliases: dict[int, _Inst] = field(default_factory=dict)  # components held in these tiles
-    tmps: tuple[_Buf, ...] = ()
-
-
-@dataclass(eq=False)
-class _LoopOp:
-    loop: Loop
-    id: int
-    path: tuple[int, ...]  # loops enclosing the loop itself
-    start: int
-    end: int = -1
-    body: list[_Op] = field(default_factory=list)
-    reds: tuple[_Red, ...] = ()
-
-    @property
-    def var(self) -> str:
-        return f"bb_b{self.id}"
-
-
-_Op = _Inst | _LoopOp
-
-
-class _Scope:
-    """Which instance of a node is visible: loop bodies nest, and a body may recompute a node."""
-
-    def __init__(self, parent: _Scope | None):
-        self.parent = parent
-        self.bound: dict[Node, _Inst] = {}
-
-    def lookup(self, n: Node) -> _Inst:
-        scope: _Scope | None = self
-        while scope is not None:
-            if n in scope.bound:
-                return scope.bound[n]
-            scope = scope.parent
-        raise IRError(f"internal: no value for {n!r} in scope")
+# --------------------------------------------------------------------------------------------# --------------------------------------------------------------------------------------------
+# One kernel: its plan (`bbrules.plan`) says what is computed where, what is materialised, and
+# every buffer's offset; this writes the text.
 
 
 class _Writer:
@@ -387,330 +270,79 @@ class _Elem:
 
     w: _Writer
     coords: dict[str, str]
-    memo: dict[_Inst, str] = field(default_factory=dict)
+    memo: dict[Value, str] = field(default_factory=dict)
 
 
-def _var_names(e: Node) -> set[str]:
-    return {n.name for n in postorder(e) if isinstance(n, Var)}
-
-
-def _same_op(combine: Node, c: str) -> str | None:
-    """The operator of a combine `a.c (op) b.c`, if that is what it is."""
-    if (isinstance(combine, Binary) and combine.op in ("add", "max", "min")
-            and {combine.x, combine.y} == {Var(f"a.{c}"), Var(f"b.{c}")}):
-        return combine.op
-    return None
-
-
-_FOLD = {"sum": "add", "max": "max", "min": "min"}
 _IDENTITY = {"sum": "0.0f", "max": "(-BB_INF)", "min": "BB_INF"}
-_FOLD_IDENTITY = {"add": 0.0, "max": float("-inf"), "min": float("inf")}
+
+
+class _Reader:
+    """What `EXPR` needs to write one node's expression: its operands' code, a monoid
+    variable's, a loaded element's, a reduction result's."""
+
+    def __init__(self, child: Callable[[int], str] = None, var: Callable[[str], str] = None,
+                 element: Callable[[], str] = None):
+        self.child, self.var, self.element = child, var, element
+
+
+# The C expression of one node's operation on its operands: a value computed inline (or
+# materialised), or a monoid's identity, combine or finalize.
+EXPR = KindTable("cuda expression", exempt={
+    BlockReduce: "a contraction is a step of its own (_contract), never an expression",
+    Dot: "a contraction is a step of its own (_contract), never an expression",
+    Tuple: "tuples are never read as a tile; their components are"})
+
+
+@EXPR.on(Const)
+def _(n: Const, r: _Reader) -> str:
+    return _literal(n.value)
+
+
+@EXPR.on(Var)
+def _(n: Var, r: _Reader) -> str:
+    return r.var(n.name)
+
+
+@EXPR.on(Unary)
+def _(n: Unary, r: _Reader) -> str:
+    return UNARY[n.op].cuda.format(x=r.child(0))
+
+
+@EXPR.on(Binary)
+def _(n: Binary, r: _Reader) -> str:
+    return BINARY[n.op].cuda.format(x=r.child(0), y=r.child(1))
+
+
+@EXPR.on(Load, Get, Reduce)
+def _(n: Node, r: _Reader) -> str:
+    return r.element()
 
 
 class _KernelGen:
-    """One kernel: the model of its schedule is built in __init__, `emit` writes the text.
+    """The text of one kernel from its plan."""
 
-    Every `Compute` step becomes an `_Inst` and every `Loop` a `_LoopOp`, numbered in execution
-    order (`seq`) with the loops enclosing them (`path`); uses are recorded as they are
-    resolved.  From those the generator decides what to materialise (`_decide`) and where each
-    tile lives in shared memory (`_allocate`), before a line of C is written.
-    """
-
-    def __init__(self, p: BlockProgram, store: Store, name: str):
+    def __init__(self, p: BlockProgram, plan: KernelPlan, name: str):
         self.p = p
-        self.store = store
+        self.plan = plan
+        self.store = plan.store
         self.name = name
-        self.trips = {a: d.blocks for a, d in p.dims.items()}
-        self.dim_order = list(p.dims)
-        self.seq = 0
-        self.insts: list[_Inst] = []
-        self.loops: list[_LoopOp] = []
-        self.bufs: list[_Buf] = []
-        self.temps: dict[_Inst, _Buf] = {}  # scratch of one contraction step
         self.formats: set[str] = set()  # 16-bit storage formats whose converters it needs
         self.counter = 0  # for fresh C names
+        self.regs: dict[Value, str] = {}  # register values: their C names
         self.dirty = False  # while emitting: has a register step read shared memory since
         # the last barrier?
-        self.blocks = {a: f"bb_g_{_c_name(a)}" for a in store.axes}
-        schedule = schedule_kernel(store, self.trips)
-        top = _Scope(None)
-        self.ops = self._build(schedule.body, top, ())
-        self.value = top.lookup(store.value)
-        self.store_site = _Site(self._next(), (), frozenset(store.axes))
-        self.value.uses.append(self.store_site)
-        self._decide()
-        self.threads = self._threads()
-        self._allocate()
+        self.grid_vars = {a: f"bb_g_{_c_name(a)}" for a in plan.store.axes}
 
-    # -- the model
-
-    def _next(self) -> int:
-        self.seq += 1
-        return self.seq
-
-    def _order(self, axes: frozenset[str]) -> tuple[str, ...]:
-        return tuple(a for a in self.dim_order if a in axes)
-
-    def _build(self, steps: tuple[Step, ...], scope: _Scope, path: tuple[int, ...]) -> list[_Op]:
-        ops: list[_Op] = []
-        for step in steps:
-            if isinstance(step, Compute):
-                made = len(self.insts)
-                inst = self._inst(step.node, scope, path)
-                scope.bound[step.node] = inst
-                if len(self.insts) > made:
-                    ops.append(inst)
-            else:
-                ops.append(self._loop(step, scope, path))
-                for red in ops[-1].reds:
-                    result = self._result(red, path)
-                    scope.bound[red.reduce] = result
-                    ops.append(result)
-        return ops
-
-    def _new(self, kind: str, n: Node, args: tuple[_Inst, ...], sh: frozenset[str],
-             path: tuple[int, ...], **kw) -> _Inst:
-        inst = _Inst(kind, n, args, sh, self._order(sh), path, self._next(), **kw)
-        for a in args:
-            a.uses.append(inst)
-        self.insts.append(inst)
-        return inst
-
-    def _inst(self, n: Node, scope: _Scope, path: tuple[int, ...]) -> _Inst:
-        match n:
-            case Load(_, axes):
-                blocks = {a: self.blocks.get(a, "0") for a in axes}
-                for a, b in blocks.items():
-                    if b == "0" and self.trips[a] != 1:
-                        raise IRError(f"internal: load {n!r} outside every loop over '{a}'")
-                inst = self._new("load", n, (), frozenset(axes), path, blocks=blocks)
-                inst.order = axes
-                return inst
-            case Const():
-                return _Inst("const", n, (), frozenset(), (), path, 0)
-            case Get(i, x):
-                base = scope.lookup(x)
-                if base.kind == "tuple":
-                    return base.args[i]
-                return self._new("get", n, (base,), shape(n), path, red=base.red)
-            case Tuple(items):
-                return _Inst("tuple", n, tuple(scope.lookup(i) for i in items), frozenset(), (),
-                             path, 0, mode="tuple")
-        kind = {Unary: "unary", Binary: "binary", BlockReduce: "breduce", Dot: "dot"}[type(n)]
-        args = tuple(scope.lookup(c) for c in ((n.x,) if isinstance(n, (Unary, BlockReduce))
-                                               else (n.x, n.y)))
-        return self._new(kind, n, args, shape(n), path)
-
-    def _loop(self, loop: Loop, scope: _Scope, path: tuple[int, ...]) -> _LoopOp:
-        op = _LoopOp(loop, len(self.loops), path, self._next())
-        self.loops.append(op)
-        inner = _Scope(scope)
-        saved = self.blocks.get(loop.axis)
-        self.blocks[loop.axis] = op.var
-        op.body = self._build(loop.body, inner, path + (op.id,))
-        if saved is None:
-            del self.blocks[loop.axis]
-        else:
-            self.blocks[loop.axis] = saved
-        op.end = self._next()
-        op.reds = tuple(self._red(r, inner, op) for r in loop.reduces)
-        for red in op.reds:
-            self._accumulate_in_place(red, op)
-        return op
-
-    def _red(self, r: Reduce, scope: _Scope, op: _LoopOp) -> _Red:
-        m = r.monoid
-        body = scope.lookup(r.x)
-        contribs = body.args if body.kind == "tuple" else (body,)
-        shapes = tuple(c.shape for c in contribs)
-        states = tuple(self._buf(s, op.start, op.path) for s in shapes)
-        groups, via_tmp = self._phases(m, shapes)
-        body_path = op.path + (op.id,)
-        sites = tuple(_Site(op.end, body_path, shapes[g[0]]) for g in groups)
-        for g, site in zip(groups, sites):
-            for c in g:
-                for v in sorted(_var_names(m.combine[c])):
-                    side, comp = v.split(".", 1)
-                    j = m.state.index(comp)
-                    if not shapes[j] <= shapes[c]:
-                        raise IRError(f"monoid {m.name}: the combine of '{m.state[c]}' reads "
-                                      f"'{v}', whose tile is larger")
-                    if side == "b":
-                        contribs[j].uses.append(site)
-        red = _Red(r, m, contribs, states, shapes, groups, via_tmp, sites)
-        if via_tmp:
-            red.tmps = tuple(self._buf(s, op.end, body_path) for s in shapes)
-        return red
-
-    def _phases(self, m: Monoid, shapes: tuple[frozenset[str], ...]
-                ) -> tuple[tuple[tuple[int, ...], ...], bool]:
-        """Groups of components that may be updated in place, in an order that lets every
-        group read the old state it needs; (one group per component, True) if none exists."""
-        groups: dict[frozenset[str], list[int]] = {}
-        for c, s in enumerate(shapes):
-            groups.setdefault(s, []).append(c)
-        keys = list(groups)
-        reads = {k: {shapes[m.state.index(v[2:])] for c in groups[k]
-                     for v in _var_names(m.combine[c]) if v.startswith("a.")} - {k}
-                 for k in keys}
-        ordered: list[frozenset[str]] = []
-        while len(ordered) < len(keys):
-            # a group may run once no group still to run needs its old state
-            ready = [k for k in keys if k not in ordered
-                     and not any(k in reads[o] for o in keys if o not in ordered and o != k)]
-            if not ready:
-                return tuple((c,) for c in range(len(shapes))), True
-            ordered.append(ready[0])
-        return tuple(tuple(groups[k]) for k in ordered), False
-
-    def _accumulate_in_place(self, red: _Red, op: _LoopOp) -> None:
-        """Fold a dot / in-tile reduction straight into its accumulator where that is exact.
-
-        In the loop body it accumulates in place.  Before a loop of one trip (the lowering's
-        `reduce(d, sum, dot(d, ...))` over a single block), the state after the loop is the
-        contribution itself, so the contribution's tile becomes the accumulator.
-        """
-        m = red.monoid
-        for c, x in enumerate(red.contribs):
-            fold = _same_op(m.combine[c], m.state[c])
-            if (red.via_tmp or fold is None or len(x.uses) != 1
-                    or x.kind not in ("dot", "breduce")
-                    or fold != ("add" if x.kind == "dot" else _FOLD[x.node.op])
-                    or any(f"a.{m.state[c]}" in _var_names(e)
-                           for j, e in enumerate(m.combine) if j != c)):
-                continue
-            if x.path == op.path + (op.id,):
-                x.mode = "accumulate"
-                x.into = (red, c)
-                red.in_place.add(c)
-            elif (self.trips[op.loop.axis] == 1
-                  and m.identity[c] == Const(_FOLD_IDENTITY[fold])):
-                red.in_place.add(c)
-                red.aliases[c] = x
-
-    def _result(self, red: _Red, path: tuple[int, ...]) -> _Inst:
-        """The reduction's value after its loop: one tile, or a tuple read through `get`."""
-        if len(red.monoid.finalize) == 1:
-            return self._new("result", red.reduce, (), shape(red.reduce), path, red=red)
-        return self._new("result", red.reduce, (), frozenset(), path, red=red, mode="tuple")
-
-    def _buf(self, sh: frozenset[str], first: int, path: tuple[int, ...],
-             order: tuple[str, ...] | None = None, half: bool = False) -> _Buf:
-        order = self._order(sh) if order is None else order
-        sizes = [self.p.block(a) for a in order]
-        strides = [1] * len(order)
-        for j in range(len(order) - 2, -1, -1):
-            row = strides[j + 1] * sizes[j + 1]
-            strides[j] = row + 1 if j == len(order) - 2 and row % 32 == 0 else row
-        elements = strides[0] * sizes[0] if order else 1
-        buf = _Buf(elements, order, tuple(strides), first, path, half)
-        self.bufs.append(buf)
-        return buf
-
-    # -- decisions
-
-    def _trivial(self, x: _Inst) -> bool:
-        """A reduction result that is one accumulator as it stands: reading it is a load."""
-        if x.kind not in ("result", "get") or x.red is None:
-            return False
-        i = x.node.index if x.kind == "get" else 0
-        return isinstance(x.red.monoid.finalize[i], Var)
-
-    def _sites(self, x: _Inst) -> list[_Site]:
-        """The steps that evaluate `x`'s expression if it is inline."""
-        out: list[_Site] = []
-        for u in x.uses:
-            if isinstance(u, _Site):
-                sites = [u]
-            elif u.is_step or u.kind in ("breduce", "dot"):
-                sites = [u.site()]
-            else:
-                sites = self._sites(u)
-            out += [s for s in sites if all(s is not o for o in out)]
-        return out
-
-    def _decide(self) -> None:
-        for x in reversed(self.insts):
-            if x.mode in ("tuple", "accumulate"):
-                continue
-            if x.kind in ("breduce", "dot"):
-                x.mode = "shared"
-                continue
-            if self._trivial(x):
-                continue
-            sites = self._sites(x)
-            inline = (not any(isinstance(u, _Inst) and u.kind == "dot" for u in x.uses)
-                      and len(sites) <= 1
-                      and all(s.shape == x.shape and s.path == x.path for s in sites))
-            if not inline:
-                x.mode = "shared" if x.shape else "reg"
-
-    # -- shared memory
-
-    def _underlying(self, x: _Inst) -> list[_Buf]:
-        """The buffers read when `x` is read."""
-        if x.mode == "shared":
-            return [x.buf]
-        if x.mode in ("reg", "accumulate") or x.kind == "const":
-            return []
-        if x.kind in ("result", "get"):
-            return list(x.red.states)
-        return [b for a in x.args for b in self._underlying(a)]
-
-    def _touch(self, bufs: list[_Buf], seq: int, path: tuple[int, ...]) -> None:
-        for b in bufs:
-            at = seq
-            if len(path) > len(b.path):  # read inside a loop nested in b's body: live to its end
-                at = self.loops[path[len(b.path)]].end
-            b.last = max(b.last, at)
-
-    def _allocate(self) -> None:
-        for x in self.insts:
-            if x.mode == "shared":
-                half = x.kind == "load" and self.p.tensors[x.node.tensor].itemsize == 2
-                x.buf = self._buf(x.shape, x.seq, x.path, x.order, half)
-        for op in self.loops:
-            for red in op.reds:
-                for c, x in red.aliases.items():
-                    self.bufs.remove(red.states[c])
-                red.states = tuple(red.aliases[c].buf if c in red.aliases else b
-                                   for c, b in enumerate(red.states))
-        for x in self.insts:
-            if x.mode in ("shared", "reg", "accumulate"):
-                reads = list(x.red.states) if x.kind == "result" else \
-                    [b for a in x.args for b in self._underlying(a)]
-                if x.into is not None:
-                    reads.append(x.into[0].states[x.into[1]])
-                self._touch(reads, x.seq, x.path)
-            if x.mode in ("shared", "accumulate") and x.kind in ("breduce", "dot"):
-                # partial results of threads sharing an output element: as many as the launch
-                # has threads (a larger launch splits less, see _contract)
-                out = math.prod(self.p.block(a) for a in x.shape)
-                space = out * self.p.block(x.node.axis)
-                if out < self.threads and space > out:
-                    scratch = _Buf(min(self.threads, space), (), (), x.seq, x.path,
-                                   last=x.seq)
-                    self.bufs.append(scratch)
-                    self.temps[x] = scratch
-        for op in self.loops:
-            for red in op.reds:
-                for g, site in zip(red.groups, red.sites):
-                    comps = [c for c in g if c not in red.in_place]
-                    state = red.monoid.state
-                    reads = [b for c in comps for v in _var_names(red.monoid.combine[c])
-                             if v.startswith("b.")
-                             for b in self._underlying(red.contribs[state.index(v[2:])])]
-                    self._touch(reads + list(red.states), site.seq, site.path)
-                for t in red.tmps:
-                    t.last = t.first
-        self._touch(self._underlying(self.value), self.store_site.seq, ())
-        self.shared_bytes = _assign_offsets(self.bufs)
+    def _block_var(self, b: BlockIndex, axis: str) -> str:
+        if b == "grid":
+            return self.grid_vars[axis]
+        return "0" if b is None else f"bb_b{b}"
 
     # -- text
 
     def emit(self) -> tuple[KernelInfo, str]:
         params = [self.store.tensor] + list(dict.fromkeys(
-            x.node.tensor for x in self.insts if x.kind == "load"
+            x.node.tensor for x in self.plan.values if x.kind == "load"
             and x.node.tensor != self.store.tensor))
         signature = []
         for t in params:
@@ -722,46 +354,38 @@ class _KernelGen:
         w = _Writer()
         w("const int bb_tid = threadIdx.x;")
         w("const int bb_nthr = blockDim.x;")
-        if self.shared_bytes:
+        if self.plan.footprint:
             w("extern __shared__ float bb_smem[];")
-        if any(b.half for b in self.bufs):
+        if any(b.itemsize == 2 for b in self.plan.buffers):
             w("unsigned short* bb_smem16 = reinterpret_cast<unsigned short*>(bb_smem);")
         self._decode_grid(w)
-        self._ops(w, self.ops)
+        self._resident(w)
+        self._ops(w, self.plan.body)
         self._store(w)
         args = ", ".join(f"{ct} __restrict__ g_{_c_name(t)}" for t, ct in zip(params, signature))
         text = "\n".join([f'extern "C" __global__ void __launch_bounds__({MAX_THREADS}) '
                           f"{self.name}({args}) {{", *w.lines, "}", ""])
-        grid = math.prod(self.trips[a] for a in self.store.axes)
-        info = KernelInfo(self.name, self.store.tensor, grid, self.threads,
-                          self.shared_bytes, tuple(params), tuple(signature))
+        grid = math.prod(self.p.blocks(a) for a in self.store.axes)
+        info = KernelInfo(self.name, self.store.tensor, grid, self.plan.threads,
+                          self.plan.footprint, tuple(params), tuple(signature))
         return info, text
 
-    def _threads(self) -> int:
-        """Enough threads for the largest iteration space, in whole warps, at most MAX_THREADS."""
-        spaces = [math.prod(self.p.block(a) for a in self.store.axes)]
-        for x in self.insts:
-            spaces.append(math.prod(self.p.block(a) for a in x.shape))
-            if x.kind in ("breduce", "dot"):
-                spaces[-1] *= self.p.block(x.node.axis)
-        return max(32, min(MAX_THREADS, -(-max(spaces) // 32) * 32))
-
     def _decode_grid(self, w: _Writer) -> None:
-        axes = tuple(a for a in self.store.axes if self.trips[a] > 1)
+        axes = tuple(a for a in self.store.axes if self.p.blocks(a) > 1)
         for a in self.store.axes:
-            if self.trips[a] == 1:
-                w(f"const int {self.blocks[a]} = 0;")
+            if self.p.blocks(a) == 1:
+                w(f"const int {self.grid_vars[a]} = 0;")
         if len(axes) == 1:
-            w(f"const int {self.blocks[axes[0]]} = blockIdx.x;")
+            w(f"const int {self.grid_vars[axes[0]]} = blockIdx.x;")
             return
         if axes:
             w("int bb_rest = blockIdx.x;")
         for i, a in enumerate(reversed(axes)):
             if i == len(axes) - 1:
-                w(f"const int {self.blocks[a]} = bb_rest;")
+                w(f"const int {self.grid_vars[a]} = bb_rest;")
             else:
-                w(f"const int {self.blocks[a]} = bb_rest % {self.trips[a]};")
-                w(f"bb_rest /= {self.trips[a]};")
+                w(f"const int {self.grid_vars[a]} = bb_rest % {self.p.blocks(a)};")
+                w(f"bb_rest /= {self.p.blocks(a)};")
 
     def _fresh(self, prefix: str) -> str:
         self.counter += 1
@@ -778,25 +402,25 @@ class _KernelGen:
 
     def _ops(self, w: _Writer, ops: list[_Op]) -> None:
         for op in ops:
-            if isinstance(op, _LoopOp):
+            if isinstance(op, LoopPlan):
                 self._loop_text(w, op)
-            elif op.mode == "reg":
-                op.reg = self._fresh("r")
+            elif op.mode == "register":
+                self.regs[op] = self._fresh("r")
                 e = _Elem(w, {})
-                w(f"const float {op.reg} = {self._compute(op, e)};")
+                w(f"const float {self.regs[op]} = {self._compute(op, e)};")
                 self.dirty = True
             elif op.kind in ("breduce", "dot"):
                 self._contract(w, op)
-            elif op.mode == "shared":
+            elif op.mode == "local":
                 self._before_write(w)
-                self._each(w, op.buf.order, lambda e, x=op: self._materialise(x, e))
+                self._each(w, op.buffer.order, lambda e, x=op: self._materialise(x, e))
                 self._barrier(w)
 
-    def _materialise(self, x: _Inst, e: _Elem) -> None:
-        if x.buf.half:
-            e.w(f"{self._at(x.buf, e.coords)} = {self._global(x, e.coords)};")
+    def _materialise(self, x: Value, e: _Elem) -> None:
+        if x.buffer.itemsize == 2:
+            e.w(f"{self._at(x.buffer, e.coords)} = {self._global(x, e.coords)};")
         else:
-            e.w(f"{self._at(x.buf, e.coords)} = {self._compute(x, e)};")
+            e.w(f"{self._at(x.buffer, e.coords)} = {self._compute(x, e)};")
 
     def _each(self, w: _Writer, order: tuple[str, ...], body: Callable[[_Elem], None]) -> None:
         """A strided loop of the threads over the elements of a tile with axes `order`."""
@@ -804,9 +428,12 @@ class _KernelGen:
         with w.block(f"for (int bb_i = bb_tid; bb_i < {size}; bb_i += bb_nthr)"):
             body(_Elem(w, self._decode(w, order, "bb_i")))
 
-    def _decode(self, w: _Writer, order: tuple[str, ...], var: str) -> dict[str, str]:
+    def _decode(self, w: _Writer, order: tuple[str, ...], var: str,
+                sizes: tuple[int, ...] | None = None) -> dict[str, str]:
+        """Coordinates of element `var` of a tile with axes `order` (of `sizes`, blocks by
+        default), row-major."""
         coords = {}
-        sizes = [self.p.block(a) for a in order]
+        sizes = [self.p.block(a) for a in order] if sizes is None else list(sizes)
         for j, a in enumerate(order):
             inner = math.prod(sizes[j + 1:])
             expr = var if inner == 1 else f"{var} / {inner}"
@@ -819,10 +446,10 @@ class _KernelGen:
             coords[a] = name
         return coords
 
-    def _at(self, buf: _Buf, coords: dict[str, str]) -> str:
+    def _at(self, buf: Buffer, coords: dict[str, str]) -> str:
         index = " + ".join(coords[a] if stride == 1 else f"{coords[a]} * {stride}"
                            for a, stride in zip(buf.order, buf.strides)) or "0"
-        if buf.half:
+        if buf.itemsize == 2:
             return f"bb_smem16[{buf.offset // 2} + {index}]"
         return f"bb_smem[{buf.offset // 4} + {index}]"
 
@@ -839,61 +466,85 @@ class _KernelGen:
             terms.append(pos if stride == 1 else f"{wide}({pos}) * {stride}")
         return " + ".join(terms) or "0"
 
-    def _global(self, x: _Inst, coords: dict[str, str]) -> str:
+    def _global(self, x: Value, coords: dict[str, str]) -> str:
         load = x.node
-        offset = self._global_offset(load.tensor, load.axes, x.blocks, coords)
+        blocks = {a: self._block_var(b, a) for a, b in x.blocks.items()}
+        offset = self._global_offset(load.tensor, load.axes, blocks, coords)
         return f"g_{_c_name(load.tensor)}[{offset}]"
 
-    def _val(self, x: _Inst, e: _Elem) -> str:
+    def _local(self, x: Value, coords: dict[str, str]) -> str:
+        """Element `coords` of a value held in local memory, as a float."""
+        buf = x.buffer
+        if x.mode == "resident":  # the slab spans every block of the non-grid axes
+            coords = {a: coords[a] if x.blocks[a] in ("grid", None) else
+                      f"({self._block_var(x.blocks[a], a)} * {self.p.block(a)} + {coords[a]})"
+                      for a in x.node.axes}
+        at = self._at(buf, coords)
+        if buf.itemsize == 2:
+            return FORMATS[self.p.tensors[x.node.tensor].dtype].to_float.format(at)
+        return at
+
+    def _resident(self, w: _Writer) -> None:
+        """Load every resident slab once, before anything reads it."""
+        slabs = [v for v in self.plan.values if v.mode == "resident"]
+        done: set[int] = set()
+        for v in slabs:
+            buf = v.buffer
+            if id(buf) in done:
+                continue
+            done.add(id(buf))
+            load = v.node
+            blocks = {a: self.grid_vars[a] if a in self.grid_vars else "0" for a in load.axes}
+            size = buf.elements if not buf.order else math.prod(buf.sizes)
+            with w.block(f"for (int bb_i = bb_tid; bb_i < {size}; bb_i += bb_nthr)"):
+                coords = self._decode(w, buf.order, "bb_i", buf.sizes)
+                offset = self._global_offset(load.tensor, load.axes, blocks, coords)
+                value = f"g_{_c_name(load.tensor)}[{offset}]"
+                if buf.itemsize == 4:
+                    value = FORMATS[self.p.tensors[load.tensor].dtype].to_float.format(value)
+                w(f"{self._at(buf, coords)} = {value};")
+        if done:
+            self._barrier(w)
+
+    def _val(self, x: Value, e: _Elem) -> str:
         """An expression for element `e.coords` of `x`, emitting temporaries into `e`."""
         if x.kind == "const":
             return _literal(x.node.value)
-        if x.mode == "shared":
-            if x.buf.half:
-                return FORMATS[self.p.tensors[x.node.tensor].dtype].to_float.format(
-                    self._at(x.buf, e.coords))
-            return self._at(x.buf, e.coords)
-        if x.mode == "reg":
-            return x.reg
+        if x.mode in ("local", "resident"):
+            return self._local(x, e.coords)
+        if x.mode == "register":
+            return self.regs[x]
         if x not in e.memo:
             name = self._fresh("v")
             e.w(f"const float {name} = {self._compute(x, e)};")
             e.memo[x] = name
         return e.memo[x]
 
-    def _compute(self, x: _Inst, e: _Elem) -> str:
+    def _compute(self, x: Value, e: _Elem) -> str:
         """The expression of `x`'s own operation on its (possibly materialised) operands."""
-        match x.kind:
-            case "load":
-                dtype = self.p.tensors[x.node.tensor].dtype
-                return FORMATS[dtype].to_float.format(self._global(x, e.coords))
-            case "unary":
-                return UNARY[x.node.op].cuda.format(x=self._val(x.args[0], e))
-            case "binary":
-                return BINARY[x.node.op].cuda.format(x=self._val(x.args[0], e),
-                                                     y=self._val(x.args[1], e))
-            case "result" | "get":
-                red = x.red
-                i = x.node.index if x.kind == "get" else 0
-                env = {c: (lambda b=b: self._at(b, e.coords))
-                       for c, b in zip(red.monoid.state, red.states)}
-                return self._expr(red.monoid.finalize[i], env)
-        raise IRError(f"internal: cannot compute {x.kind} inline")
+        if x.kind in ("result", "get"):
+            i = x.node.index if x.kind == "get" else 0
+            return self._finalize(x.acc, i, e)
+        return EXPR(x.node, _Reader(child=lambda i: self._val(x.args[i], e),
+                                    element=lambda: self._load_element(x, e)))
+
+    def _load_element(self, x: Value, e: _Elem) -> str:
+        dtype = self.p.tensors[x.node.tensor].dtype
+        return FORMATS[dtype].to_float.format(self._global(x, e.coords))
+
+    def _finalize(self, acc: Accumulation, i: int, e: _Elem) -> str:
+        env = {c: (lambda b=b: self._at(b, e.coords)) for c, b in zip(acc.monoid.state, acc.states)}
+        return self._expr(acc.monoid.finalize[i], env)
 
     def _expr(self, n: Node, env: dict[str, Callable[[], str]]) -> str:
         """A monoid expression (elementwise over Vars) as C."""
-        match n:
-            case Var(name):
-                return env[name]()
-            case Const(v):
-                return _literal(v)
-            case Unary(op, x):
-                return UNARY[op].cuda.format(x=self._expr(x, env))
-            case Binary(op, x, y):
-                return BINARY[op].cuda.format(x=self._expr(x, env), y=self._expr(y, env))
-        raise IRError(f"monoid expressions must be elementwise, found {n!r}")
+        if not isinstance(n, (Var, Const, Unary, Binary)):
+            raise IRError(f"monoid expressions must be elementwise, found {n!r}")
+        kids = (n.x,) if isinstance(n, Unary) else (n.x, n.y) if isinstance(n, Binary) else ()
+        return EXPR(n, _Reader(child=lambda i: self._expr(kids[i], env),
+                               var=lambda name: env[name]()))
 
-    def _contract(self, w: _Writer, x: _Inst) -> None:
+    def _contract(self, w: _Writer, x: Value) -> None:
         """An in-tile reduction or a contraction, the reduced axis split over spare threads.
 
         With more threads than output elements, `bb_p` threads share each output element: each
@@ -908,7 +559,7 @@ class _KernelGen:
             fold, ident = BINARY["add"].cuda, "0.0f"
         else:
             fold, ident = TILE_REDUCE[x.node.op].cuda, _IDENTITY[x.node.op]
-        out = x.buf if x.into is None else x.into[0].states[x.into[1]]
+        out = x.buffer if x.into is None else x.into[0].states[x.into[1]]
 
         def write(coords: dict[str, str]) -> None:
             target = self._at(out, coords)
@@ -927,7 +578,7 @@ class _KernelGen:
             return coords
 
         self._before_write(w)
-        scratch = self.temps.get(x)
+        scratch = x.scratch
         micro = self._micro_tile(x) if x.kind == "dot" and scratch is None else None
         if micro is not None:
             self._dot_tiled(w, x, out, micro)
@@ -961,7 +612,7 @@ class _KernelGen:
                     write(self._decode(w, x.order, "bb_o"))
         self._barrier(w)
 
-    def _micro_tile(self, x: _Inst) -> tuple[int, int] | None:
+    def _micro_tile(self, x: Value) -> tuple[int, int] | None:
         """Outputs per thread along the first and last axes of a dot's tile, or None.
 
         A thread computing ri x rj outputs loads ri + rj operand elements per step of the
@@ -974,10 +625,10 @@ class _KernelGen:
         n_out = math.prod(self.p.block(a) for a in order)
         options = [(ri, rj) for ri in (4, 2, 1) for rj in (4, 2, 1)
                    if first % ri == 0 and last % rj == 0 and ri * rj > 1
-                   and n_out // (ri * rj) >= self.threads]
+                   and n_out // (ri * rj) >= self.plan.threads]
         return max(options, key=lambda r: (r[0] * r[1], r[1]), default=None)
 
-    def _dot_tiled(self, w: _Writer, x: _Inst, out: _Buf, micro: tuple[int, int]) -> None:
+    def _dot_tiled(self, w: _Writer, x: Value, out: Buffer, micro: tuple[int, int]) -> None:
         """A dot in which every thread accumulates a ri x rj micro-tile in registers.
 
         A thread's outputs are interleaved (i + r * blocks/ri), so neighbouring threads still
@@ -1026,8 +677,8 @@ class _KernelGen:
                 value = f"{target} + bb_acc_{p}_{q}" if x.into else f"bb_acc_{p}_{q}"
                 w(f"{target} = {value};")
 
-    def _loop_text(self, w: _Writer, op: _LoopOp) -> None:
-        inits = [(ident, buf) for red in op.reds
+    def _loop_text(self, w: _Writer, op: LoopPlan) -> None:
+        inits = [(ident, buf) for red in op.accs
                  for c, (ident, buf) in enumerate(zip(red.monoid.identity, red.states))
                  if c not in red.aliases]
         if inits:
@@ -1039,21 +690,21 @@ class _KernelGen:
             self._barrier(w)
         if not self._has_work(op):
             return
-        with w.block(f"for (int {op.var} = 0; {op.var} < {self.trips[op.loop.axis]}; "
-                     f"++{op.var})"):
+        with w.block(f"for (int bb_b{op.id} = 0; bb_b{op.id} < {op.trips}; "
+                     f"++bb_b{op.id})"):
             self._ops(w, op.body)
-            for red in op.reds:
+            for red in op.accs:
                 self._combine(w, red)
             if self.dirty:
                 self._barrier(w)
 
-    def _has_work(self, op: _LoopOp) -> bool:
+    def _has_work(self, op: LoopPlan) -> bool:
         """Does the loop's body do anything (a one-trip loop over aliased tiles does not)?"""
-        return any(len(red.in_place) < red.monoid.arity for red in op.reds) or any(
-            isinstance(o, _LoopOp) or o.mode in ("shared", "reg", "accumulate")
+        return any(len(red.in_place) < red.monoid.arity for red in op.accs) or any(
+            isinstance(o, LoopPlan) or o.mode in ("local", "register", "accumulate")
             for o in op.body)
 
-    def _combine(self, w: _Writer, red: _Red) -> None:
+    def _combine(self, w: _Writer, red: Accumulation) -> None:
         """Fold one iteration's contributions into a reduction's state, group by group (see
         `_phases`), or through temporaries when the groups cannot be ordered."""
         m = red.monoid
@@ -1087,40 +738,14 @@ class _KernelGen:
     def _store(self, w: _Writer) -> None:
         s = self.store
         fmt = FORMATS[self.p.tensors[s.tensor].dtype]
-        blocks = {a: self.blocks[a] for a in s.axes}
+        blocks = {a: self.grid_vars[a] for a in s.axes}
 
         def write(e: _Elem) -> None:
             offset = self._global_offset(s.tensor, s.axes, blocks, e.coords)
             target = f"g_{_c_name(s.tensor)}[{offset}]"
-            e.w(f"{target} = {fmt.from_float.format(self._val(self.value, e))};")
+            e.w(f"{target} = {fmt.from_float.format(self._val(self.plan.result, e))};")
 
         self._each(w, s.axes, write)
-
-
-def _assign_offsets(bufs: list[_Buf]) -> int:
-    """Shared-memory offsets by liveness (first fit, in definition order); the bytes needed."""
-    events: dict[int, tuple[list[_Buf], list[_Buf]]] = {}
-    for b in bufs:
-        b.last = max(b.last, b.first)
-        events.setdefault(b.first, ([], []))[0].append(b)
-        events.setdefault(b.last, ([], []))[1].append(b)
-    live: list[_Buf] = []
-    peak = 0
-    for seq in sorted(events):
-        born, dying = events[seq]
-        for b in born:
-            size = -(-b.nbytes // _ALIGN) * _ALIGN
-            offset = 0
-            for other in sorted(live, key=lambda o: o.offset):
-                if offset + size <= other.offset:
-                    break
-                offset = max(offset, other.offset + -(-other.nbytes // _ALIGN) * _ALIGN)
-            b.offset = offset
-            live.append(b)
-            peak = max(peak, offset + size)
-        for b in dying:
-            live.remove(b)
-    return peak
 
 
 # --------------------------------------------------------------------------------------------

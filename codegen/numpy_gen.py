@@ -2,9 +2,9 @@
 
 Why it looks the way it does:
 
-- *Loops come from `bbrules.schedule`*, the same schedule the cost model prices, so the code runs
-  exactly the loops that were costed: merged sibling reductions share one Python loop carrying
-  several accumulators, and every node is computed in the loop body the schedule puts it in.
+- *Loops come from the kernel's plan* (`bbrules.plan`), the plan the cost model prices, so the
+  code runs exactly the loops that were costed: merged sibling reductions share one Python loop
+  carrying several accumulators, and every node is computed in the loop body the plan puts it in.
 - *The grid is vectorised.*  Running one Python call per grid point would make the interpreter
   overhead, not data movement, the cost.  Instead every tile of a kernel is one array holding the
   tile of *all* grid points at once, in a fixed layout: a (blocks, block) pair of dimensions per
@@ -34,10 +34,12 @@ from typing import AbstractSet, Callable, Mapping, Sequence, Union
 import numpy as np
 
 from bbrules.ir import (Axis, Binary, BlockProgram, BlockReduce, Const, Dim, Dot, Get, IRError,
-                        Load, Node, Reduce, Store, TileType, Tuple, Unary, Var, children,
-                        postorder, show_kernel, tile_type, type_of, validate)
+                        KindTable, Load, Node, Reduce, Store, TileType, Tuple, Unary, Var,
+                        children, postorder, show_kernel, tile_type, type_of, validate)
 from bbrules.ops import BINARY, TILE_REDUCE, UNARY, OpInfo
-from bbrules.schedule import Loop, Step, schedule_kernel
+from bbrules.plan import plan_for
+from bbrules.schedule import Loop, Step
+from bbrules.targets import Target, get_target
 
 _INFIX = {"add": "+", "sub": "-", "mul": "*", "div": "/"}
 _RESERVED = {"np", "f32", "run", "inputs", "_input", "UNARY", "BINARY", "TILE_REDUCE"}
@@ -258,17 +260,61 @@ class _Stmt:
     escapes: frozenset[str] = frozenset()
 
 
+# One schedule step as generated code, per node kind: the statement, or None for a value that
+# is only a reference (a constant, a tuple, a tuple's component).
+STEP = KindTable("numpy step", exempt={
+    Reduce: "a reduction is a loop of the plan (_KernelWriter.loop), not a step",
+    Var: "monoid variables occur only in monoid expressions (_expressions)"})
+
+
+@STEP.on(Const)
+def _(n: Const, w: _KernelWriter) -> None:
+    w.scopes[-1][n] = _literal(n.value)
+
+
+@STEP.on(Tuple)
+def _(n: Tuple, w: _KernelWriter) -> None:
+    w.scopes[-1][n] = tuple(w.lookup(i) for i in n.items)
+
+
+@STEP.on(Get)
+def _(n: Get, w: _KernelWriter) -> None:
+    value = w.lookup(n.x)
+    assert isinstance(value, tuple), "validated programs get from tuples only"
+    w.scopes[-1][n] = value[n.index]
+
+
+@STEP.on(Load)
+def _(n: Load, w: _KernelWriter) -> _Stmt:
+    return w.array(n, w.fresh(n.tensor), w.load(n))
+
+
+@STEP.on(BlockReduce)
+def _(n: BlockReduce, w: _KernelWriter) -> _Stmt:
+    return w.array(n, w.fresh(f"b{n.op}"), w.block_reduce(n))
+
+
+@STEP.on(Unary, Binary)
+def _(n: Unary | Binary, w: _KernelWriter) -> _Stmt:
+    return w.elementwise(n, w.fresh(n.op))
+
+
+@STEP.on(Dot)
+def _(n: Dot, w: _KernelWriter) -> _Stmt:
+    return w.array(n, w.fresh("dot"), w.dot(n))
+
+
 class _KernelWriter:
     """Writes the function for one kernel by walking its schedule."""
 
     def __init__(self, p: BlockProgram, store: Store, fn_name: str, params: Mapping[str, str],
-                 fns: _Functions):
+                 fns: _Functions, capacity: int):
         self.p = p
         self.store = store
         self.fn_name = fn_name
         self.params = params
         self.fns = fns
-        self.schedule = schedule_kernel(store, {a: d.blocks for a, d in p.dims.items()})
+        self.schedule = plan_for(p, store, capacity).schedule
         used = {a for n in postorder(store.value) for a in _axes_of(n)}
         self.layout = _Layout(store.axes, tuple(a for a in p.dims if a in used
                                                 and a not in store.axes), p.dims)
@@ -329,28 +375,10 @@ class _KernelWriter:
         return out
 
     def compute(self, n: Node) -> _Stmt | None:
-        match n:
-            case Const():
-                self.scopes[-1][n] = _literal(n.value)
-                return None
-            case Tuple(items):
-                self.scopes[-1][n] = tuple(self.lookup(i) for i in items)
-                return None
-            case Get(i, x):
-                value = self.lookup(x)
-                assert isinstance(value, tuple), "validated programs get from tuples only"
-                self.scopes[-1][n] = value[i]
-                return None
-            case Load():
-                name, text = self.fresh(n.tensor), self.load(n)
-            case BlockReduce(op, _, _):
-                name, text = self.fresh(f"b{op}"), self.block_reduce(n)
-            case Unary(op, _) | Binary(op, _, _):
-                return self.elementwise(n, self.fresh(op))
-            case Dot():
-                name, text = self.fresh("dot"), self.dot(n)
-            case _:
-                raise IRError(f"numpy backend: cannot compute {n!r} as one step")
+        return STEP(n, self)
+
+    def array(self, n: Node, name: str, text: str) -> _Stmt:
+        """A step defining array `name` as `text`."""
         self.scopes[-1][n] = name
         owned = frozenset() if isinstance(n, Load) else frozenset((name,))
         return _Stmt([f"{name} = {text}"], (name,), frozenset(self.reads), owned=owned)
@@ -630,9 +658,14 @@ def _kernel_params(p: BlockProgram, k: Store, names: Mapping[str, str]) -> dict[
     return {t: names[t] for t in tensors}
 
 
-def generate(p: BlockProgram) -> str:
-    """The numpy module for `p`: one function per kernel and `run(**inputs) -> outputs`."""
+def generate(p: BlockProgram, target: Target | str | None = None) -> str:
+    """The numpy module for `p`: one function per kernel and `run(**inputs) -> outputs`.
+
+    Each kernel runs the loops of its plan on `target` (default: the H100's local memory, which
+    decides only which inputs are resident, not the loops)."""
     validate(p)
+    if target is None or isinstance(target, str):
+        target = get_target(target or "h100")
     names: dict[str, str] = {}
     for t in p.tensors:
         names[t] = _identifier(t, set(names.values()))
@@ -643,7 +676,7 @@ def generate(p: BlockProgram) -> str:
         fn_name = _identifier(f"kernel_{k.tensor}", taken)
         taken.add(fn_name)
         params = _kernel_params(p, k, names)
-        body = _KernelWriter(p, k, fn_name, params, fns).write()
+        body = _KernelWriter(p, k, fn_name, params, fns, target.local_capacity).write()
         kernels.append((fn_name, k, body))
 
     out = [f'"""numpy code generated by bbrules: {len(p.kernels)} kernel(s).',

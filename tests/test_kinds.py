@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import pytest
 
-from bbrules import interp
+from bbrules import cost, interp
 from bbrules.blockfile import parse_block_program
+from bbrules.codegen import cuda_gen, numpy_gen
 from bbrules.engine import CONSTRUCTORS, Saturator, compile_pack
 from bbrules.ir import (KINDS, KindTable, attrs, children, kind_of, map_attrs, postorder,
                         rebuild, show_program)
@@ -18,7 +19,7 @@ from bbrules.ir.kinds import Sort
 from bbrules.rule import RulePack
 from test_blockfile import every_node
 
-PASSES = [interp]
+PASSES = [interp, cost, numpy_gen, cuda_gen]
 
 
 def _nodes_of(program) -> set:

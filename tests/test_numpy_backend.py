@@ -23,13 +23,15 @@ from bbrules.inputs import random_inputs
 from bbrules.ir import (SUM, MAX, BlockProgram, BlockReduce, Const, Dot, Get, Load, Monoid, Reduce, Store,
                         Unary, Var)
 from bbrules.lower import lower
-from bbrules.schedule import Loop, schedule_kernel, walk_steps
+from bbrules.plan import plan_for
+from bbrules.targets import get_target
 
 from irbuild import (WELFORD, add, attention_reference, div, flash_attention, mul, online_softmax,
                      program, rand, sub, welford_stats)
 from strategies import programs
 
 EXAMPLES = sorted((Path(__file__).parent.parent / "examples").glob("*.bbp"))
+H100 = get_target("h100")
 
 # Small replacement (extent, block) pairs: several blocks of unequal sizes per axis, and a
 # one-block variant.  Dims that are equal in an example stay equal (renaming needs it).
@@ -59,11 +61,10 @@ def python_loops(source: str) -> int:
 
 
 def scheduled_loops(p: BlockProgram) -> int:
-    """Loops the schedule runs with more than one iteration (one-block loops need no `for`)."""
-    trips = {a: d.blocks for a, d in p.dims.items()}
-    return sum(1 for k in p.kernels
-               for step, _ in walk_steps(schedule_kernel(k, trips).body)
-               if isinstance(step, Loop) and trips[step.axis] > 1)
+    """Loops the kernels' plans run with more than one iteration (one-block loops need no
+    `for`)."""
+    return sum(1 for k in p.kernels for loop in plan_for(p, k, H100.local_capacity).loops
+               if loop.trips > 1)
 
 
 @pytest.mark.parametrize("pool", [SEVERAL_BLOCKS, ONE_BLOCK], ids=["several", "one-block"])

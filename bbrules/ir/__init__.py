@@ -20,9 +20,4 @@ from .typecheck import deps, sched_deps, shape, tile_type, type_of
 from .types import SCALAR, Axis, AxisSet, IRError, TileType, Type, union
 
 
-def monoid_of(r: Reduce) -> Monoid:
-    """The monoid a reduction folds with."""
-    return r.monoid
-
-
 __all__ = [name for name in dir() if not name.startswith("_")]
