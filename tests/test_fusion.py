@@ -15,7 +15,7 @@ from bbrules.frontend import load_program, parse_program
 from bbrules.fuse import fuse
 from bbrules.inputs import random_inputs
 from bbrules.blockfile import parse_block_program
-from bbrules.ir import BlockProgram, Tuple, show_program, validate
+from bbrules.ir import BlockProgram, Tuple, monoid_of, show_program, validate
 from bbrules.lower import lower
 from bbrules.packs import load_packs
 from bbrules.rulefile import parse_rules
@@ -25,6 +25,7 @@ from bbrules.targets import get_target
 ROOT = Path(__file__).parent.parent
 EXAMPLES = ROOT / "examples"
 PROGRAMS = Path(__file__).parent / "programs"
+NEG_SUB = Path(__file__).parent / "packs" / "neg_sub"
 H100 = get_target("h100")
 
 
@@ -92,6 +93,40 @@ def test_spellings_of_attention_fuse_to_the_same_cost(pack, spelling):
     assert len(r.program.kernels) == 1
     assert (r.after.traffic, r.after.flops) == (reference.traffic, reference.flops)
     assert math.isclose(r.after.time, reference.time, rel_tol=1e-12)
+
+
+def flash_form(r, reference) -> bool:
+    """Whether `r` is attention's Flash form: one kernel, one loop over `k` folding a 3-tuple
+    with the softmax monoid, and the global traffic of `reference` (attention.bbp fused)."""
+    p = r.program
+    if [k.tensor for k in p.kernels] != ["O"] or r.after.traffic != reference.traffic:
+        return False
+    (loop,) = loops(p)
+    reds = loop.reduces
+    return loop.axis == "k" and len(reds) == 1 and monoid_of(reds[0]).name == "softmax" and \
+        isinstance(reds[0].x, Tuple) and len(reds[0].x.items) == 3
+
+
+@pytest.mark.parametrize("dims", [None, {"q": (256, 64), "k": (256, 64)}])
+def test_a_rule_joined_into_fuse_lets_a_negated_exponent_fuse(pack, dims, tmp_path):
+    # `exp(-(M - S))` reaches the softmax rules only if `-(x - y) => y - x` runs between the
+    # fusion steps: in the standard `fuse` stage, not in a stage of its own after it.
+    negated = PROGRAMS / "attention_negated.bbp"
+    reference = fused(EXAMPLES / "attention.bbp", pack, dims).after
+    alone = fused(negated, pack, dims)
+    assert not flash_form(alone, reference) and alone.after.traffic > reference.traffic
+    own_stage = tmp_path / "neg_sub"
+    own_stage.mkdir()
+    text = (NEG_SUB / "neg_sub.bbr").read_text()
+    (own_stage / "neg_sub.bbr").write_text(text.replace("stage fuse += neg_sub",
+                                                        "stage mine: neg_sub"))
+    after = fused(negated, load_packs([own_stage]), dims)
+    assert not flash_form(after, reference)
+    joined = fused(negated, load_packs([NEG_SUB]), dims)
+    assert flash_form(joined, reference)
+    assert (joined.after.flops, joined.after.time) == (reference.flops, reference.time)
+    if dims is not None:
+        assert_matches_dense(negated, joined.program, dims)
 
 
 @pytest.mark.parametrize("objective, dims", [
