@@ -95,6 +95,27 @@ def test_spellings_of_attention_fuse_to_the_same_cost(pack, spelling):
     assert math.isclose(r.after.time, reference.time, rel_tol=1e-12)
 
 
+@pytest.mark.parametrize("old, new", [
+    ("max[k] S[q, k]\n", "max[k] S[q, k] + 0.0\n"),
+    ("max[k] S[q, k]\n", "0.0 + max[k] S[q, k]\n"),
+    ("exp(S[q, k] - M[q])", "exp(S[q, k] - M[q] - 0.0)"),
+    ("exp(S[q, k] - M[q])", "exp(-(-(S[q, k] - M[q])))"),
+    ("exp(S[q, k] - M[q])", "exp(S[q, k] + -1 * M[q])"),
+    ("E[q, k] / L[q]", "E[q, k] * 1.0 / L[q]"),
+    ("E[q, k] / L[q]", "E[q, k] / L[q] / 1.0"),
+    ("* 0.125", "* -0.125 * -1"),
+])
+def test_identity_elements_do_not_stop_fusion(pack, old, new):
+    # `+ 0.0`, `- 0.0`, `-(-x)`, `* 1.0`, `* -1`: attention fuses exactly as written plainly.
+    text = (EXAMPLES / "attention.bbp").read_text()
+    assert old in text
+    reference = fused(EXAMPLES / "attention.bbp", pack)
+    r = fuse(lower(parse_program(text.replace(old, new), "attention.bbp")), pack, H100)
+    assert r.program.kernels == reference.program.kernels
+    assert (r.after.traffic, r.after.flops, r.after.time) == \
+        (reference.after.traffic, reference.after.flops, reference.after.time)
+
+
 def flash_form(r, reference) -> bool:
     """Whether `r` is attention's Flash form: one kernel, one loop over `k` folding a 3-tuple
     with the softmax monoid, and the global traffic of `reference` (attention.bbp fused)."""
