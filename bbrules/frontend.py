@@ -21,9 +21,9 @@ from typing import Union
 
 from lark import Lark, Token, Transformer, v_args
 from lark.tree import Meta
-from lark.exceptions import UnexpectedCharacters, UnexpectedInput, UnexpectedToken, VisitError
+from lark.exceptions import UnexpectedInput, VisitError
 
-from .errors import SourceError, Span, UsageError
+from .errors import SourceError, Span, UsageError, syntax_error
 from .ir import DTYPE_BYTES, AxisSet, Dim, TensorDecl
 from .ops import UNARY
 from .program import Apply, Expr, Number, Program, Reduction, Ref, Statement, free_axes
@@ -184,26 +184,6 @@ class _ToAst(Transformer):
 
 
 _TOKEN_WORDS = {"NAME": "a name", "NUMBER": "a number", "_NL": "end of line", "$END": "end of file"}
-
-
-def _describe_terminal(name: str) -> str:
-    if name in _TOKEN_WORDS:
-        return _TOKEN_WORDS[name]
-    term = _parser().get_terminal(name)
-    return f"'{term.pattern.value}'"
-
-
-def _syntax_error(err: UnexpectedInput, path: str, text: str) -> SourceError:
-    span = Span(path, err.line, err.column)
-    if isinstance(err, UnexpectedToken):
-        tok = err.token
-        found = _TOKEN_WORDS[tok.type] if tok.type in ("_NL", "$END") else f"'{tok}'"
-        expected = sorted({_describe_terminal(t) for t in err.accepts or err.expected})
-        choice = expected[0] if len(expected) == 1 else "one of " + ", ".join(expected)
-        return SourceError(span, f"syntax error: unexpected {found}; expected {choice}", text)
-    if isinstance(err, UnexpectedCharacters):
-        return SourceError(span, f"syntax error: unexpected character '{err.char}'", text)
-    return SourceError(span, f"syntax error: {err}", text)
 
 
 # --------------------------------------------------------------------------------------------
@@ -411,7 +391,8 @@ def parse_program(text: str, path: str = "<string>",
     try:
         tree = _parser().parse(source)
     except UnexpectedInput as err:
-        raise _syntax_error(err, path, text) from None
+        raise syntax_error(err, _parser(), source, path, _TOKEN_WORDS,
+                           character="character {!r}") from None
     try:
         items = _ToAst(path, text).transform(tree)
     except VisitError as err:
