@@ -20,8 +20,8 @@ from lark import Lark, Token, Transformer, Tree, UnexpectedInput, v_args
 from lark.visitors import merge_transformers
 
 from .errors import SourceError, Span, syntax_error
-from .ir import (BUILTIN_MONOIDS, Binary, BlockReduce, Const, Dot, Get, Load, Monoid, Node,
-                 Reduce, TensorDecl, Tuple, Unary, Var)
+from .ir import (BUILTIN_MONOIDS, Binary, BlockReduce, Const, Dim, DimError, Dot, Get, Load,
+                 Monoid, Node, Reduce, TensorDecl, Tuple, Unary, Var, checked_dim)
 from .ops import UNARY
 from .rule import AxisSize, CExpr, Pattern, PConst, PVar, Stored
 
@@ -98,6 +98,16 @@ class Size:
     extent: Num
     block: Num | None
     span: Span = field(compare=False)
+
+    def dim(self, text: str, of: str | None = None) -> Dim:
+        """The dimension these sizes declare (`ir.checked_dim`), or a `SourceError` at the
+        number at fault."""
+        try:
+            return checked_dim(self.name.name, self.extent.value,
+                               None if self.block is None else self.block.value, of)
+        except DimError as e:
+            at = self.extent if e.part == "extent" else self.block
+            raise SourceError(at.span, str(e), text) from None
 
 
 @dataclass(frozen=True)

@@ -448,7 +448,8 @@ class _PackBuilder:
         for s in d.sizes:
             if s.name.name in dims:
                 raise _error(f, s.name.span, f"size of '{s.name.name}' given twice")
-            dims[s.name.name] = _size(f, s)
+            dim = s.dim(f.text)
+            dims[s.name.name] = (dim.extent, dim.block)
         self.pack.checks.append(Check(target, term, expect,
                                       d.arrow is None or d.arrow.text == "!=>", dims, d.rule.span,
                                       resolver.stored))
@@ -461,17 +462,6 @@ class _PackBuilder:
         except IRError as err:
             raise _error(f, e.span, f"ill-formed check term: {err}") from None
         return term
-
-
-def _size(f: _File, s: Size) -> tuple[int, int]:
-    extent = s.extent.value
-    block = extent if s.block is None else s.block.value
-    for n in (s.extent, s.block):
-        if n is not None and (n.value != int(n.value) or n.value < 1):
-            raise _error(f, n.span, "sizes are positive integers")
-    if extent % block:
-        raise _error(f, s.block.span, f"block size {block:g} does not divide extent {extent:g}")
-    return int(extent), int(block)
 
 
 def _type_mismatch(rule: Rule, tries: int = 150, samples: int = 4) -> str | None:
