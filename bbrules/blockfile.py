@@ -14,8 +14,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .errors import SourceError, Span
-from .exprsyntax import (Expr, ExprTransformer, MonoidDecl, Name, Num, Resolver, Scope, Size,
-                         parse, resolve_monoid)
+from .exprsyntax import (Expr, ExprTransformer, MonoidDecl, Name, Resolver, Scope, Size, parse,
+                         resolve_monoid)
 from .ir import (BUILTIN_MONOIDS, DTYPE_BYTES, BlockProgram, Dim, IRError, Monoid, Store,
                  TensorDecl, validate)
 
@@ -123,21 +123,11 @@ class _Builder:
         source = decls[0].path if decls and isinstance(decls[0], _Source) else None
         return BlockFile(program, source)
 
-    def positive_int(self, n: Num, what: str) -> int:
-        if n.value != int(n.value) or n.value < 1:
-            raise self.error(n.span, f"{what} must be a positive integer, not {n.value:g}")
-        return int(n.value)
-
     def dim(self, d: Size) -> None:
         name = d.name.name
         if name in self.dims:
             raise self.error(d.name.span, f"dimension '{name}' is declared twice")
-        extent = self.positive_int(d.extent, "an extent")
-        block = extent if d.block is None else self.positive_int(d.block, "a block size")
-        if extent % block:
-            raise self.error(d.block.span, f"block size {block} does not divide the extent "
-                                           f"{extent} of '{name}'")
-        self.dims[name] = Dim(name, extent, block)
+        self.dims[name] = d.dim(self.text, of=f"'{name}'")
 
     def tensor(self, t: _Tensor) -> None:
         name = t.name.name

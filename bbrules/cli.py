@@ -13,7 +13,7 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -31,9 +31,9 @@ from .fuse import FuseResult, fuse
 from .inputs import random_inputs
 from .ir import BlockProgram, Dim, show_program
 from .lower import lower
-from .packs import discover_packs, load_packs
+from .packs import discover_packs, load_each, load_packs, merge_all, pack_directories
 from .program import Program
-from .rulefile import load_pack
+from .rule import RulePack
 from .soundness import check_soundness
 from .targets import get_target
 
@@ -409,8 +409,9 @@ def _packs_args(p: argparse.ArgumentParser) -> None:
 @command("packs", "list the installed rule packs", _packs_args)
 def cmd_packs(args: argparse.Namespace) -> int:
     rows = []
-    for name, directory in discover_packs().items():
-        pack = load_pack(directory, name=name)
+    installed = discover_packs()
+    for (name, directory), pack in zip(installed.items(),
+                                       load_each({d: n for n, d in installed.items()})):
         rows.append({"name": name, "path": str(directory), "rules": len(pack.rules),
                      "checks": len(pack.checks), "monoids": [m.name for m in pack.monoids]})
     if args.json:
@@ -423,7 +424,10 @@ def cmd_packs(args: argparse.Namespace) -> int:
 
 def _check_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("packs", nargs="*", metavar="PACK",
-                   help="rule pack directories (default: the standard and installed packs)")
+                   help="rule pack directories to check, loaded on top of the standard and "
+                        "installed packs (default: check the standard and installed packs)")
+    p.add_argument("--no-installed", action="store_true",
+                   help="load the PACKs alone, not on top of the standard and installed packs")
     p.add_argument("--trials", type=int, default=20,
                    help="random instantiations per rule in the soundness check")
     p.add_argument("--seed", type=int, default=0)
@@ -433,14 +437,15 @@ def _check_args(p: argparse.ArgumentParser) -> None:
 @command("check", "run the rule packs' check cases and test every rule's soundness on random "
                   "tiles", _check_args)
 def cmd_check(args: argparse.Namespace) -> int:
-    pack = load_packs([Path(d) for d in args.packs], include_installed=not args.packs)
+    loaded, pack = _packs_to_check([Path(d) for d in args.packs], not args.no_installed)
     progress = _progress(args)
     if progress:
         progress(f"{len(pack.checks)} check cases")
-    failures = [str(f) for f in run_checks(pack)]
+    failures = [str(f) for f in run_checks(replace(loaded, checks=pack.checks))]
     if progress:
         progress(f"soundness of {len(pack.rules)} rules, {args.trials} trials each")
-    unsound = [str(u) for u in check_soundness(pack, trials=args.trials, seed=args.seed)]
+    unsound = [str(u) for u in check_soundness(replace(loaded, rules=pack.rules),
+                                               trials=args.trials, seed=args.seed)]
     if args.json:
         print(json.dumps({"rules": len(pack.rules), "checks": len(pack.checks),
                           "check_failures": failures, "unsound": unsound}, indent=2))
@@ -450,6 +455,20 @@ def cmd_check(args: argparse.Namespace) -> int:
         print(f"{len(pack.rules)} rules, {len(pack.checks)} checks: {len(failures)} checks "
               f"failed, {len(unsound)} rules unsound")
     return 1 if failures or unsound else 0
+
+
+def _packs_to_check(dirs: list[Path], include_installed: bool) -> tuple[RulePack, RulePack]:
+    """(every loaded pack, the packs in `dirs` or all loaded ones if none is given).
+
+    A pack is checked where it is used: on top of the installed packs, so that its checks may
+    name their rules and rulesets and its stages theirs; only its own rules and checks run.
+    """
+    directories = pack_directories(dirs, include_installed)
+    packs = load_each(directories)
+    given = {d.resolve() for d in dirs}
+    chosen = [p for d, p in zip(directories, packs) if not given or d in given]
+    return merge_all(packs), RulePack("checked", [r for p in chosen for r in p.rules],
+                                      checks=[c for p in chosen for c in p.checks])
 
 
 # --------------------------------------------------------------------------------------------

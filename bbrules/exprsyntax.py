@@ -16,13 +16,12 @@ from functools import cache
 from importlib.resources import files
 from typing import Mapping, Union
 
-from lark import Lark, Token, Transformer, Tree, UnexpectedCharacters, UnexpectedInput, v_args
-from lark.lexer import PatternStr
+from lark import Lark, Token, Transformer, Tree, UnexpectedInput, v_args
 from lark.visitors import merge_transformers
 
-from .errors import SourceError, Span
-from .ir import (BUILTIN_MONOIDS, KINDS, Binary, Const, Kind, Load, Monoid, Node, Sort,
-                 TensorDecl, Unary, Var)
+from .errors import SourceError, Span, syntax_error
+from .ir import (BUILTIN_MONOIDS, KINDS, Binary, Const, Dim, DimError, Kind, Load, Monoid, Node,
+                 Sort, TensorDecl, Unary, Var, checked_dim)
 from .ops import UNARY
 from .rule import AxisSize, CExpr, PAxis, Pattern, PConst, PMonoid, PVar, Stored
 
@@ -99,6 +98,16 @@ class Size:
     extent: Num
     block: Num | None
     span: Span = field(compare=False)
+
+    def dim(self, text: str, of: str | None = None) -> Dim:
+        """The dimension these sizes declare (`ir.checked_dim`), or a `SourceError` at the
+        number at fault."""
+        try:
+            return checked_dim(self.name.name, self.extent.value,
+                               None if self.block is None else self.block.value, of)
+        except DimError as e:
+            at = self.extent if e.part == "extent" else self.block
+            raise SourceError(at.span, str(e), text) from None
 
 
 @dataclass(frozen=True)
@@ -229,34 +238,6 @@ _TOKEN_WORDS = {
 }
 
 
-def _describe(parser: Lark, terminal: str) -> str:
-    words = _TOKEN_WORDS.get(terminal.rsplit("__", 1)[-1])
-    if words:
-        return words
-    pattern = parser.get_terminal(terminal).pattern
-    return repr(pattern.value) if isinstance(pattern, PatternStr) else terminal
-
-
-def _end_position(text: str) -> tuple[int, int]:
-    """Just after the last non-blank character: where a truncated file needs more."""
-    lines = text.rstrip().split("\n")
-    return len(lines), len(lines[-1]) + 1
-
-
-def _expected(parser: Lark, text: str, pos: int) -> set[str]:
-    """The terminals the parser accepts after `text[:pos]`.
-
-    Computed by replaying the prefix: the sets lark attaches to its errors come from the lexer
-    (which folds keywords into NAME) or from merged LALR states (which over-approximate).
-    """
-    replay = parser.parse_interactive(text[:pos])
-    try:
-        replay.exhaust_lexer()
-    except UnexpectedInput:
-        return set()
-    return replay.accepts()
-
-
 def parse(grammar_name: str, text: str, path: str, transformer: ExprTransformer) -> object:
     """Parse `text` and transform it; a syntax error becomes a `SourceError` with a caret.
 
@@ -266,19 +247,7 @@ def parse(grammar_name: str, text: str, path: str, transformer: ExprTransformer)
     try:
         tree = parser.parse(text)
     except UnexpectedInput as e:
-        if isinstance(e, UnexpectedCharacters):
-            pos, line, column = e.pos_in_stream, e.line, e.column
-            found = repr(text[pos])
-        elif getattr(e, "token", None) is None or e.token.type == "$END":
-            found, pos = "end of file", len(text)
-            line, column = _end_position(text)
-        else:
-            found, line, column, pos = repr(str(e.token)), e.line, e.column, e.token.start_pos
-        words = sorted({_describe(parser, t) for t in _expected(parser, text, pos)})
-        message = f"syntax error: unexpected {found}"
-        if words:
-            message += f"; expected {words[0] if len(words) == 1 else 'one of ' + ', '.join(words)}"
-        raise SourceError(Span(path, line, column), message, text) from None
+        raise syntax_error(e, parser, text, path, _TOKEN_WORDS) from None
     return make_transformer(transformer).transform(tree)
 
 

@@ -21,10 +21,10 @@ from typing import Union
 
 from lark import Lark, Token, Transformer, v_args
 from lark.tree import Meta
-from lark.exceptions import UnexpectedCharacters, UnexpectedInput, UnexpectedToken, VisitError
+from lark.exceptions import UnexpectedInput, VisitError
 
-from .errors import SourceError, Span, UsageError
-from .ir import DTYPE_BYTES, AxisSet, Dim, TensorDecl
+from .errors import SourceError, Span, UsageError, syntax_error
+from .ir import DTYPE_BYTES, AxisSet, Dim, DimError, TensorDecl, checked_dim
 from .ops import UNARY
 from .program import Apply, Expr, Number, Program, Reduction, Ref, Statement, free_axes
 
@@ -56,10 +56,10 @@ class _Name:
 @dataclass(frozen=True)
 class _DimDecl:
     name: _Name
-    extent: int
-    block: int
+    extent: float
+    block: float | None  # None: declared without a block size, the whole extent is one block
+    extent_span: Span
     block_span: Span
-    one_block: bool  # declared without a block size: the whole extent is one block
 
 
 @dataclass(frozen=True)
@@ -97,23 +97,13 @@ class _ToAst(Transformer):
     def _name(self, tok: Token) -> _Name:
         return _Name(str(tok), self._span(tok))
 
-    def _size(self, tok: Token, what: str) -> int:
-        if not tok.isdigit():
-            raise SourceError(self._span(tok), f"{what} must be a positive integer, got '{tok}'",
-                              self.text)
-        if int(tok) == 0:
-            raise SourceError(self._span(tok), f"{what} must be positive, got 0", self.text)
-        return int(tok)
-
     def start(self, meta: Meta, items: list[_Item]) -> list[_Item]:
         return items
 
     def dim_decl(self, meta: Meta, children: list[Token]) -> _DimDecl:
-        name, extent_tok, *rest = children
-        extent = self._size(extent_tok, "a dimension's extent")
-        block_tok = rest[0] if rest else extent_tok
-        block = self._size(block_tok, "a block size") if rest else extent
-        return _DimDecl(self._name(name), extent, block, self._span(block_tok), not rest)
+        name, extent, *block = children
+        return _DimDecl(self._name(name), float(extent), float(block[0]) if block else None,
+                        self._span(extent), self._span(block[0] if block else extent))
 
     def input_decl(self, meta: Meta, children: list) -> _InputDecl:
         *tensors, dtype = children
@@ -186,26 +176,6 @@ class _ToAst(Transformer):
 _TOKEN_WORDS = {"NAME": "a name", "NUMBER": "a number", "_NL": "end of line", "$END": "end of file"}
 
 
-def _describe_terminal(name: str) -> str:
-    if name in _TOKEN_WORDS:
-        return _TOKEN_WORDS[name]
-    term = _parser().get_terminal(name)
-    return f"'{term.pattern.value}'"
-
-
-def _syntax_error(err: UnexpectedInput, path: str, text: str) -> SourceError:
-    span = Span(path, err.line, err.column)
-    if isinstance(err, UnexpectedToken):
-        tok = err.token
-        found = _TOKEN_WORDS[tok.type] if tok.type in ("_NL", "$END") else f"'{tok}'"
-        expected = sorted({_describe_terminal(t) for t in err.accepts or err.expected})
-        choice = expected[0] if len(expected) == 1 else "one of " + ", ".join(expected)
-        return SourceError(span, f"syntax error: unexpected {found}; expected {choice}", text)
-    if isinstance(err, UnexpectedCharacters):
-        return SourceError(span, f"syntax error: unexpected character '{err.char}'", text)
-    return SourceError(span, f"syntax error: {err}", text)
-
-
 # --------------------------------------------------------------------------------------------
 # Names, axes and roles
 
@@ -270,26 +240,25 @@ class _Checker:
     # declarations ---------------------------------------------------------------------------
 
     def dim(self, d: _DimDecl) -> None:
+        """The declared sizes are checked even where an override replaces them; a problem with
+        the overridden sizes is reported at the dimension's name."""
         name = d.name.name
         if name in self.dims:
             raise self.error(d.name.span, f"dimension '{name}' is already declared")
-        extent, block = d.extent, d.block
+        try:
+            dim = checked_dim(name, d.extent, d.block)
+        except DimError as e:
+            raise self.error(d.extent_span if e.part == "extent" else d.block_span,
+                             str(e)) from None
         if name in self.overrides:
-            extent, new_block = self.overrides[name]
-            if new_block is not None:
-                block = new_block
-            elif d.one_block:
-                block = extent
-            if extent <= 0 or block <= 0:
-                raise UsageError(f"dimension override {name}={extent}/{block}: sizes must be "
-                                 f"positive")
-            if extent % block:
-                raise self.error(d.name.span, f"block size {block} of dimension '{name}' does "
-                                 f"not divide its overridden extent {extent}")
-        elif extent % block:
-            raise self.error(d.block_span, f"block size {block} does not divide the extent "
-                             f"{extent} of dimension '{name}'")
-        self.dims[name] = Dim(name, extent, block)
+            extent, block = self.overrides[name]
+            block = dim.block if block is None and d.block is not None else block
+            try:
+                dim = checked_dim(name, extent, block,
+                                  of=f"dimension '{name}' (as overridden)")
+            except DimError as e:
+                raise self.error(d.name.span, str(e)) from None
+        self.dims[name] = dim
 
     def axes(self, names: tuple[_Name, ...]) -> None:
         """Each axis of a declaration or target is a declared dimension, used once."""
@@ -411,7 +380,8 @@ def parse_program(text: str, path: str = "<string>",
     try:
         tree = _parser().parse(source)
     except UnexpectedInput as err:
-        raise _syntax_error(err, path, text) from None
+        raise syntax_error(err, _parser(), source, path, _TOKEN_WORDS,
+                           character="character {!r}") from None
     try:
         items = _ToAst(path, text).transform(tree)
     except VisitError as err:
@@ -443,9 +413,8 @@ def parse_dim_override(s: str) -> tuple[str, int, int | None]:
                          f"NAME=EXTENT/BLOCK, e.g. q=256/64")
     name, extent = m.group(1), int(m.group(2))
     block = None if m.group(3) is None else int(m.group(3))
-    if extent == 0 or block == 0:
-        raise UsageError(f"bad dimension override '{s}': sizes must be positive")
-    if block is not None and extent % block:
-        raise UsageError(f"bad dimension override '{s}': block {block} does not divide "
-                         f"extent {extent}")
+    try:
+        checked_dim(name, extent, block)
+    except DimError as e:
+        raise UsageError(f"bad dimension override '{s}': {e}") from None
     return name, extent, block

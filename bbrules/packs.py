@@ -7,11 +7,14 @@ only, so a pack costs nothing until it is loaded.
 
 Packs load in order (standard, then installed ones by name, then extra directories), each on
 top of the ones before it: a later pack may use an earlier pack's monoids, name its rulesets in
-its stages and its rules in its checks, and may not redefine its rules.
+its stages, add its own rulesets to an earlier pack's stage (`stage fuse += mine`) and name its
+rules in its checks, and may not redefine its rules or stages.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from functools import reduce
 from importlib.metadata import entry_points
 from importlib.resources import files
 from pathlib import Path
@@ -50,8 +53,9 @@ def discover_packs() -> dict[str, Path]:
     return packs
 
 
-def load_packs(extra_dirs: list[Path], include_installed: bool = True) -> RulePack:
-    """The installed packs (unless `include_installed` is false) and `extra_dirs`, as one pack."""
+def pack_directories(extra_dirs: list[Path], include_installed: bool = True) -> dict[Path, str]:
+    """The directories to load, in order, with the name of each pack: the installed packs
+    (unless `include_installed` is false), then `extra_dirs` (each directory once)."""
     named: dict[Path, str] = {}
     if include_installed:
         named = {d.resolve(): name for name, d in discover_packs().items()}
@@ -61,8 +65,25 @@ def load_packs(extra_dirs: list[Path], include_installed: bool = True) -> RulePa
         if not any(d.glob("*.bbr")):
             raise UsageError(f"{d}: no .bbr files in this rule pack directory")
         named.setdefault(d.resolve(), d.name)
+    return named
+
+
+def load_each(directories: Mapping[Path, str]) -> list[RulePack]:
+    """The pack of each directory, each loaded on top of the ones before it."""
+    packs: list[RulePack] = []
     merged: RulePack | None = None
-    for directory, name in named.items():
+    for directory, name in directories.items():
         pack = load_pack(directory, base=merged, name=name)
+        packs.append(pack)
         merged = pack if merged is None else merged.merge(pack)
-    return merged or RulePack("none")
+    return packs
+
+
+def merge_all(packs: list[RulePack]) -> RulePack:
+    """Packs loaded by `load_each`, as one pack."""
+    return reduce(RulePack.merge, packs) if packs else RulePack("none")
+
+
+def load_packs(extra_dirs: list[Path], include_installed: bool = True) -> RulePack:
+    """The installed packs (unless `include_installed` is false) and `extra_dirs`, as one pack."""
+    return merge_all(load_each(pack_directories(extra_dirs, include_installed)))

@@ -14,7 +14,7 @@ egglog; the soundness checker (`bbrules.soundness`) instantiates them on random 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Union
 
 from .errors import Span
@@ -177,11 +177,20 @@ class Check:
 
 @dataclass(frozen=True)
 class Stage:
-    """Rulesets run in order; each stage saturates (within budget) before the next."""
+    """Rulesets run together, iteration by iteration, until the stage saturates, hits its
+    iteration cap or a budget; stages run in order of declaration.
+
+    A later declaration `stage NAME += RULESET` (`RulePack.joins`) adds rulesets to a stage:
+    the stage keeps its place and its cap, and the added rulesets run in every iteration of it.
+    """
 
     name: str
     rulesets: tuple[str, ...]
     iterations: int | None = None
+
+    def joined(self, rulesets: tuple[str, ...]) -> Stage:
+        """This stage with `rulesets` added to it."""
+        return replace(self, rulesets=self.rulesets + rulesets)
 
 
 @dataclass
@@ -194,8 +203,18 @@ class RulePack:
     checks: list[Check] = field(default_factory=list)
     stages: list[Stage] = field(default_factory=list)
     tolerances: dict[str, float] = field(default_factory=dict)
+    joins: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    """Rulesets this pack adds to stages of packs loaded before it, by stage name."""
 
     def merge(self, other: RulePack) -> RulePack:
+        """`other` loaded on top of this pack: its joins go into this pack's stages, and
+        joins into stages neither pack declares stay joins of the result."""
+        mine = {s.name for s in self.stages}
+        joins = dict(self.joins)
+        for stage, rulesets in other.joins.items():
+            if stage not in mine:
+                joins[stage] = joins.get(stage, ()) + rulesets
+        stages = [s.joined(other.joins.get(s.name, ())) for s in self.stages]
         return RulePack(f"{self.name}+{other.name}", self.rules + other.rules,
                         self.monoids + other.monoids, self.checks + other.checks,
-                        self.stages + other.stages, {**self.tolerances, **other.tolerances})
+                        stages + other.stages, {**self.tolerances, **other.tolerances}, joins)

@@ -1,8 +1,9 @@
 """Rule files (.bbr): the rule language, parsed and validated into a `bbrules.rule.RulePack`.
 
 A file is a sequence of declarations, each starting with a keyword (see `docs/rules.md`):
-`ruleset`, `rule`, `stage`, `monoid`, `tolerance` and `check`.  A pack is a directory of such
-files read together, so a check in one file may name a rule of another.
+`ruleset`, `rule`, `stage` (declaring a stage, or `stage NAME += ...` joining one), `monoid`,
+`tolerance` and `check`.  A pack is a directory of such files read together, so a check in one
+file may name a rule of another, and a join a stage of another.
 
 Everything is validated before anything runs, because a wrong rule silently produces wrong
 programs: syntax, unknown functions and arities, unknown monoids, right-hand-side variables
@@ -76,6 +77,12 @@ class _Stage:
 
 
 @dataclass(frozen=True)
+class _StageJoin:
+    name: Name
+    rulesets: tuple[Name, ...]
+
+
+@dataclass(frozen=True)
 class _Tolerance:
     name: Name
     value: Num
@@ -123,6 +130,10 @@ class _RuleTransformer(ExprTransformer):
         name, *rulesets, iterations = children
         return _Stage(self._name(name), tuple(self._name(r) for r in rulesets),
                       None if iterations is None else self._num(iterations))
+
+    def stage_join(self, children: list) -> _StageJoin:
+        name, *rulesets = children
+        return _StageJoin(self._name(name), tuple(self._name(r) for r in rulesets))
 
     def tolerance(self, children: list) -> _Tolerance:
         name, value = children
@@ -253,11 +264,15 @@ class _PackBuilder:
                     self.rulesets.add(ruleset)
                 elif isinstance(d, _Rule):
                     self.rule(f, d, ruleset)
+        for f in files:  # every stage first, so that a join may name one of a later file
+            for d in f.decls:
+                if isinstance(d, _Stage):
+                    self.stage(f, d)
         for f in files:
             for d in f.decls:
                 match d:
-                    case _Stage():
-                        self.stage(f, d)
+                    case _StageJoin():
+                        self.join(f, d)
                     case _Tolerance():
                         self.tolerance(f, d)
                     case _Check():
@@ -281,11 +296,13 @@ class _PackBuilder:
             self.pack.monoids.append(m)
 
     def stage(self, f: _File, d: _Stage) -> None:
-        for r in d.rulesets:
-            if r.name not in self.rulesets:
-                known = ", ".join(sorted(self.rulesets)) or "none"
-                raise _error(f, r.span, f"stage '{d.name.name}' names unknown ruleset "
-                                        f"'{r.name}' (known: {known})")
+        name = d.name.name
+        if any(s.name == name for s in self.pack.stages):
+            raise _error(f, d.name.span, f"stage '{name}' is declared twice in this pack")
+        if any(s.name == name for s in self.base.stages):
+            raise _error(f, d.name.span, f"stage '{name}' is declared by an earlier pack; "
+                                         f"'stage {name} += RULESET' adds rulesets to it")
+        self.known_rulesets(f, d)
         iterations = None
         if d.iterations is not None:
             v = d.iterations.value
@@ -294,6 +311,36 @@ class _PackBuilder:
             iterations = int(v)
         self.pack.stages.append(Stage(d.name.name, tuple(r.name for r in d.rulesets),
                                       iterations))
+
+    def join(self, f: _File, d: _StageJoin) -> None:
+        """`stage NAME += RULESET, ...`: into a stage of this pack directly, into one of an
+        earlier pack through `RulePack.joins` (applied when the packs are merged)."""
+        name = d.name.name
+        mine = next((i for i, s in enumerate(self.pack.stages) if s.name == name), None)
+        earlier = next((s for s in self.base.stages if s.name == name), None)
+        if mine is None and earlier is None:
+            known = ", ".join(s.name for s in self.base.stages + self.pack.stages) or "none"
+            raise _error(f, d.name.span, f"'stage {name} +=' names unknown stage '{name}' "
+                                         f"(known: {known})")
+        self.known_rulesets(f, d)
+        present = list(self.pack.stages[mine].rulesets if mine is not None else
+                       earlier.rulesets + self.pack.joins.get(name, ()))
+        for r in d.rulesets:
+            if r.name in present:
+                raise _error(f, r.span, f"ruleset '{r.name}' is already in stage '{name}'")
+            present.append(r.name)
+        added = tuple(r.name for r in d.rulesets)
+        if mine is not None:
+            self.pack.stages[mine] = self.pack.stages[mine].joined(added)
+        else:
+            self.pack.joins[name] = self.pack.joins.get(name, ()) + added
+
+    def known_rulesets(self, f: _File, d: _Stage | _StageJoin) -> None:
+        for r in d.rulesets:
+            if r.name not in self.rulesets:
+                known = ", ".join(sorted(self.rulesets)) or "none"
+                raise _error(f, r.span, f"stage '{d.name.name}' names unknown ruleset "
+                                        f"'{r.name}' (known: {known})")
 
     def tolerance(self, f: _File, d: _Tolerance) -> None:
         if d.name.name not in self.rule_names:
@@ -403,7 +450,8 @@ class _PackBuilder:
         for s in d.sizes:
             if s.name.name in dims:
                 raise _error(f, s.name.span, f"size of '{s.name.name}' given twice")
-            dims[s.name.name] = _size(f, s)
+            dim = s.dim(f.text)
+            dims[s.name.name] = (dim.extent, dim.block)
         self.pack.checks.append(Check(target, term, expect,
                                       d.arrow is None or d.arrow.text == "!=>", dims, d.rule.span,
                                       resolver.stored))
@@ -416,17 +464,6 @@ class _PackBuilder:
         except IRError as err:
             raise _error(f, e.span, f"ill-formed check term: {err}") from None
         return term
-
-
-def _size(f: _File, s: Size) -> tuple[int, int]:
-    extent = s.extent.value
-    block = extent if s.block is None else s.block.value
-    for n in (s.extent, s.block):
-        if n is not None and (n.value != int(n.value) or n.value < 1):
-            raise _error(f, n.span, "sizes are positive integers")
-    if extent % block:
-        raise _error(f, s.block.span, f"block size {block:g} does not divide extent {extent:g}")
-    return int(extent), int(block)
 
 
 def _type_mismatch(rule: Rule, monoids: Mapping[str, Monoid], tries: int = 150,

@@ -85,6 +85,16 @@ def test_check_catches_an_unsound_pack_with_a_counterexample(capsys):
     assert "exp_of_sum" in out and "sides differ" in out
 
 
+def test_check_runs_a_pack_on_top_of_the_standard_pack(capsys):
+    # The pack joins the standard `fuse` stage; only its own rules and checks are run.
+    assert main(["check", "--json", str(ROOT / "tests" / "packs" / "neg_sub")]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert (report["rules"], report["checks"]) == (1, 3)
+    assert report["check_failures"] == [] and report["unsound"] == []
+    assert main(["check", "--no-installed", str(ROOT / "tests" / "packs" / "neg_sub")]) == 2
+    assert "names unknown stage 'fuse'" in capsys.readouterr().err
+
+
 def test_check_passes_on_the_standard_pack(capsys):
     assert main(["check", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)

@@ -6,10 +6,12 @@ from pathlib import Path
 
 import pytest
 
+from bbrules.blockfile import parse_block_program
 from bbrules.errors import SourceError, Span, UsageError
 from bbrules.frontend import load_program, parse_dim_override, parse_program
 from bbrules.ir import Dim, TensorDecl
 from bbrules.program import Apply, Number, Reduction, Ref, free_axes
+from bbrules.rulefile import parse_rules
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 HERE = Span("<test>", 1, 1)  # spans take no part in equality
@@ -163,9 +165,9 @@ def test_parse_dim_override(text, want):
 @pytest.mark.parametrize("text, fragment", [
     ("q", "expected NAME=EXTENT"),
     ("q=1.5", "expected NAME=EXTENT"),
-    ("q=0", "sizes must be positive"),
-    ("q=64/0", "sizes must be positive"),
-    ("q=100/64", "block 64 does not divide extent 100"),
+    ("q=0", "a dimension's extent must be positive, got 0"),
+    ("q=64/0", "a block size must be positive, got 0"),
+    ("q=100/64", "block size 64 does not divide the extent 100 of dimension 'q'"),
 ])
 def test_bad_dim_override(text, fragment):
     with pytest.raises(UsageError, match=fragment):
@@ -181,7 +183,8 @@ def test_overrides_replace_extent_and_block():
 def test_override_keeping_a_block_that_does_not_divide():
     with pytest.raises(SourceError) as err:
         load_program(EXAMPLES / "attention.bbp", {"q": (96, None)})
-    assert "block size 64 of dimension 'q' does not divide its overridden extent 96" in str(err.value)
+    assert "block size 64 does not divide the extent 96 of dimension 'q' (as overridden)" in \
+        str(err.value)
     assert (err.value.span.line, err.value.span.column) == (2, 5)
 
 
@@ -198,3 +201,26 @@ def test_override_making_a_renaming_inconsistent_is_reported_at_the_use():
 def test_missing_file():
     with pytest.raises(UsageError, match="cannot read"):
         load_program(EXAMPLES / "no_such_program.bbp")
+
+
+@pytest.mark.parametrize("sizes, message", [
+    ("8 / 3", "block size 3 does not divide the extent 8"),
+    ("8 / 0", "a block size must be positive, got 0"),
+    ("0", "a dimension's extent must be positive, got 0"),
+    ("8.5", "a dimension's extent must be a positive integer, got '8.5'"),
+])
+def test_every_way_of_writing_sizes_is_checked_alike(sizes, message):
+    # A program's dim, a block program's dim, a check's `with` and the command line's --dim.
+    def raised(parse) -> str:
+        with pytest.raises((SourceError, UsageError)) as err:
+            parse()
+        return str(err.value)
+
+    program = f"dim q = {sizes}\ninput A[q] : f32\nB[q] = A[q]\noutput B\n"
+    rules = f"rule r: ?x => ?x\ncheck r: load(A[q]) with q = {sizes}\n"
+    found = [raised(lambda: parse_program(program, "p.bbp")),
+             raised(lambda: parse_block_program(f"dim q = {sizes}\n", "p.bbk")),
+             raised(lambda: parse_rules(rules, "r.bbr"))]
+    if "." not in sizes:
+        found.append(raised(lambda: parse_dim_override("q=" + sizes.replace(" ", ""))))
+    assert all(message in f for f in found), found

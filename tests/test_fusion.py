@@ -25,6 +25,7 @@ from bbrules.targets import get_target
 ROOT = Path(__file__).parent.parent
 EXAMPLES = ROOT / "examples"
 PROGRAMS = Path(__file__).parent / "programs"
+NEG_SUB = Path(__file__).parent / "packs" / "neg_sub"
 H100 = get_target("h100")
 
 
@@ -92,6 +93,61 @@ def test_spellings_of_attention_fuse_to_the_same_cost(pack, spelling):
     assert len(r.program.kernels) == 1
     assert (r.after.traffic, r.after.flops) == (reference.traffic, reference.flops)
     assert math.isclose(r.after.time, reference.time, rel_tol=1e-12)
+
+
+@pytest.mark.parametrize("old, new", [
+    ("max[k] S[q, k]\n", "max[k] S[q, k] + 0.0\n"),
+    ("max[k] S[q, k]\n", "0.0 + max[k] S[q, k]\n"),
+    ("exp(S[q, k] - M[q])", "exp(S[q, k] - M[q] - 0.0)"),
+    ("exp(S[q, k] - M[q])", "exp(-(-(S[q, k] - M[q])))"),
+    ("exp(S[q, k] - M[q])", "exp(S[q, k] + -1 * M[q])"),
+    ("E[q, k] / L[q]", "E[q, k] * 1.0 / L[q]"),
+    ("E[q, k] / L[q]", "E[q, k] / L[q] / 1.0"),
+    ("* 0.125", "* -0.125 * -1"),
+])
+def test_identity_elements_do_not_stop_fusion(pack, old, new):
+    # `+ 0.0`, `- 0.0`, `-(-x)`, `* 1.0`, `* -1`: attention fuses exactly as written plainly.
+    text = (EXAMPLES / "attention.bbp").read_text()
+    assert old in text
+    reference = fused(EXAMPLES / "attention.bbp", pack)
+    r = fuse(lower(parse_program(text.replace(old, new), "attention.bbp")), pack, H100)
+    assert r.program.kernels == reference.program.kernels
+    assert (r.after.traffic, r.after.flops, r.after.time) == \
+        (reference.after.traffic, reference.after.flops, reference.after.time)
+
+
+def flash_form(r, reference) -> bool:
+    """Whether `r` is attention's Flash form: one kernel, one loop over `k` folding a 3-tuple
+    with the softmax monoid, and the global traffic of `reference` (attention.bbp fused)."""
+    p = r.program
+    if [k.tensor for k in p.kernels] != ["O"] or r.after.traffic != reference.traffic:
+        return False
+    (loop,) = loops(p)
+    reds = loop.reduces
+    return loop.axis == "k" and len(reds) == 1 and reds[0].monoid.name == "softmax" and \
+        isinstance(reds[0].x, Tuple) and len(reds[0].x.items) == 3
+
+
+@pytest.mark.parametrize("dims", [None, {"q": (256, 64), "k": (256, 64)}])
+def test_a_rule_joined_into_fuse_lets_a_negated_exponent_fuse(pack, dims, tmp_path):
+    # `exp(-(M - S))` reaches the softmax rules only if `-(x - y) => y - x` runs between the
+    # fusion steps: in the standard `fuse` stage, not in a stage of its own after it.
+    negated = PROGRAMS / "attention_negated.bbp"
+    reference = fused(EXAMPLES / "attention.bbp", pack, dims).after
+    alone = fused(negated, pack, dims)
+    assert not flash_form(alone, reference) and alone.after.traffic > reference.traffic
+    own_stage = tmp_path / "neg_sub"
+    own_stage.mkdir()
+    text = (NEG_SUB / "neg_sub.bbr").read_text()
+    (own_stage / "neg_sub.bbr").write_text(text.replace("stage fuse += neg_sub",
+                                                        "stage mine: neg_sub"))
+    after = fused(negated, load_packs([own_stage]), dims)
+    assert not flash_form(after, reference)
+    joined = fused(negated, load_packs([NEG_SUB]), dims)
+    assert flash_form(joined, reference)
+    assert (joined.after.flops, joined.after.time) == (reference.flops, reference.time)
+    if dims is not None:
+        assert_matches_dense(negated, joined.program, dims)
 
 
 @pytest.mark.parametrize("objective, dims", [

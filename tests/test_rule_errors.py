@@ -70,6 +70,16 @@ CASES = [
      "expected shape(...) or deps(...), not size(...)"),
     ("trips", "rule a: reduce(?a, sum, ?x) => reduce(?a, sum, ?x) when trips(?a) < trips(?a)\n",
      1, 67, "trip counts compare only with =="),
+    ("unknown stage", "ruleset one\nrule a: ?x => ?x\nstage s: one\nstage fuse += one\n", 4, 7,
+     "'stage fuse +=' names unknown stage 'fuse' (known: s)"),
+    ("join unknown ruleset", "ruleset one\nrule a: ?x => ?x\nstage s: one\nstage s += two\n",
+     4, 12, "stage 's' names unknown ruleset 'two' (known: one)"),
+    ("join twice", "ruleset one\nrule a: ?x => ?x\nstage s: one\nstage s += one\n", 4, 12,
+     "ruleset 'one' is already in stage 's'"),
+    ("stage twice", "ruleset one\nrule a: ?x => ?x\nstage s: one\nstage s: one\n", 4, 7,
+     "stage 's' is declared twice in this pack"),
+    ("join iterations", "ruleset one\nrule a: ?x => ?x\nstage s: one\n"
+     "stage s += one iterations 2\n", 4, 16, "syntax error: unexpected 'iterations'"),
 ]
 
 
@@ -84,6 +94,28 @@ def test_malformed_rule_file(text: str, line: int, column: int, message: str) ->
     source_line, caret = str(e).splitlines()[1:3]
     assert source_line.strip() == text.splitlines()[line - 1].strip()
     assert caret.index("^") == column + 1  # printed with two spaces of indent
+
+
+def test_a_stage_of_an_earlier_pack_is_joined_not_redeclared() -> None:
+    base = parse_rules("ruleset one\nrule a: ?x => ?x\nstage fuse: one\n", "base.bbr")
+    with pytest.raises(SourceError) as err:
+        parse_rules("ruleset two\nrule b: ?y => ?y\nstage fuse: two\n", "later.bbr", base=base)
+    assert (err.value.span.line, err.value.span.column) == (3, 7)
+    assert "stage 'fuse' is declared by an earlier pack; 'stage fuse += RULESET' adds" in \
+        err.value.message
+    with pytest.raises(SourceError, match="ruleset 'one' is already in stage 'fuse'"):
+        parse_rules("stage fuse += one\n", "later.bbr", base=base)
+
+
+def test_the_cli_reports_joining_an_unknown_stage_and_exits_2(tmp_path: Path, capsys) -> None:
+    (tmp_path / "join.bbr").write_text("ruleset mine\nrule a: ?x => ?x\nstage fusion += mine\n")
+    for command in (["check"], ["apply", str(EXAMPLE), "--rules"]):
+        assert main([*command, str(tmp_path)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"{tmp_path / 'join.bbr'}:3:7: error: 'stage fusion +=' names "
+                              f"unknown stage 'fusion' (known: forward, normalise, algebra, "
+                              f"fuse, sink)")
+        assert "Traceback" not in err
 
 
 def test_error_in_another_file_of_the_pack_names_that_file(tmp_path: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -9,8 +10,9 @@ import pytest
 from bbrules.errors import SourceError
 from bbrules.ir import (SUM, Binary, BlockReduce, Const, Dot, Get, Load, Monoid, Reduce,
                         Tuple, Unary, Var)
-from bbrules.rule import (AxisEq, AxisIn, AxisSize, CExpr, Check, ConstCmp, PAxis, PConst, PMonoid, PVar,
-                          Stage, Stored, TripsEq)
+from bbrules.packs import load_packs
+from bbrules.rule import (AxisEq, AxisIn, AxisSize, CExpr, Check, ConstCmp, PAxis, PConst, PMonoid,
+                          PVar, RulePack, Stage, Stored, TripsEq)
 from bbrules.rulefile import load_pack, parse_rules
 
 SPEC = """\
@@ -163,9 +165,39 @@ def test_a_pack_builds_on_earlier_packs() -> None:
         parse_rules("rule e: ?y => ?y", "again.bbr", base=base)
 
 
+def test_a_pack_joins_stages_of_earlier_packs_and_its_own(tmp_path: Path) -> None:
+    base = parse_rules("ruleset one\nrule a: ?x + ?y => ?y + ?x\nruleset two\n"
+                       "rule b: ?x * ?y => ?y * ?x\nstage first: one\n"
+                       "stage second: two iterations 3\n", "base.bbr")
+    # A join may name a stage declared in a later file of the same pack.
+    (tmp_path / "a_join.bbr").write_text("ruleset mine\nrule c: -(-?x) => ?x\n"
+                                         "stage second += mine\nstage own += two\n")
+    (tmp_path / "b_stage.bbr").write_text("stage own: mine\n")
+    pack = load_pack(tmp_path, base=base)
+    assert pack.stages == [Stage("own", ("mine", "two"))]
+    assert pack.joins == {"second": ("mine",)}
+    merged = base.merge(pack)
+    # The joined stage keeps its place and its cap; the pack's own stages follow.
+    assert merged.stages == [Stage("first", ("one",)), Stage("second", ("two", "mine"), 3),
+                             Stage("own", ("mine", "two"))]
+    assert merged.joins == {}
+    # A pack merged before the one whose stage it joins keeps the join.
+    assert pack.merge(RulePack("later")).joins == {"second": ("mine",)}
+
+
 def test_the_reference_example_parses() -> None:
     doc = (Path(__file__).parents[1] / "docs" / "rules.md").read_text()
     example = doc.split("```\n")[1]
     pack = parse_rules(example, "example.bbr")
     assert [r.name for r in pack.rules] == ["forward", "mul_comm", "fold_mul", "hoist_factor"]
     assert [c.rule for c in pack.checks] == ["hoist_factor", "hoist_factor", "fusion"]
+
+
+def test_the_reference_join_example_joins_the_standard_fuse_stage() -> None:
+    doc = (Path(__file__).parents[1] / "docs" / "rules.md").read_text()
+    (example,) = [b for b in doc.split("```\n") if "stage fuse +=" in b]
+    standard = load_packs([])
+    pack = parse_rules(textwrap.dedent(example), "neg_sub.bbr", base=standard)
+    fuse = next(s for s in standard.merge(pack).stages if s.name == "fuse")
+    assert fuse.rulesets[-1] == "neg_sub"
+    assert fuse.iterations == next(s for s in standard.stages if s.name == "fuse").iterations

@@ -14,7 +14,8 @@ from .kinds import (KINDS, Kind, KindTable, Sort, attrs, build, children, is_nod
 from .monoid import BUILTIN_MONOIDS, MAX, MIN, SUM, Monoid, monoids_used, var_names
 from .nodes import (Binary, BlockReduce, Const, Dot, Get, Load, Node, Reduce, Tuple, Unary,
                     Var)
-from .program import DTYPE_BYTES, BlockProgram, Dim, Store, TensorDecl, validate
+from .program import (DTYPE_BYTES, BlockProgram, Dim, DimError, Store, TensorDecl, checked_dim,
+                      validate)
 from .show import fmt_number, show_kernel, show_monoid, show_node, show_program
 from .typecheck import deps, sched_deps, shape, tile_type, type_of
 from .types import SCALAR, Axis, AxisSet, IRError, TileType, Type, union

@@ -25,6 +25,36 @@ class Dim:
         return self.extent // self.block
 
 
+class DimError(ValueError):
+    """Sizes that make no dimension; `part` ("extent" or "block") is the number at fault."""
+
+    def __init__(self, part: str, message: str):
+        super().__init__(message)
+        self.part = part
+
+
+def checked_dim(name: str, extent: float, block: float | None, of: str | None = None) -> Dim:
+    """Dimension `name`: `extent` elements in blocks of `block` (one block when None).
+
+    Every way of writing sizes (a program's `dim`, a block program's, a check's `with`, the
+    command line's `--dim`) comes here, so they all accept the same sizes: positive integers,
+    the block dividing the extent.  `of` names the dimension in the message for a block that
+    does not divide (default "dimension 'name'").
+    """
+    for part, what, v in (("extent", "a dimension's extent", extent),
+                          ("block", "a block size", block)):
+        if v is not None and v != int(v):
+            raise DimError(part, f"{what} must be a positive integer, got '{v:g}'")
+        if v is not None and v < 1:
+            raise DimError(part, f"{what} must be positive, got {v:g}")
+    whole = int(extent)
+    size = whole if block is None else int(block)
+    if whole % size:
+        raise DimError("block", f"block size {size} does not divide the extent {whole} of "
+                                f"{of or f'dimension {name!r}'}")
+    return Dim(name, whole, size)
+
+
 DTYPE_BYTES = {"f32": 4, "f16": 2, "bf16": 2}
 
 
