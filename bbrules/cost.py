@@ -43,9 +43,9 @@ from dataclasses import asdict, dataclass
 from functools import lru_cache
 from typing import Mapping
 
-from .ir import (Binary, BlockProgram, BlockReduce, Const, Dim, Dot, Get, KindTable, Load,
-                 Monoid, Node, Reduce, Store, TensorDecl, Tuple, Unary, Var, postorder)
-from .ops import BINARY, UNARY
+from .ir import (ELEMENTWISE_KINDS, BlockProgram, BlockReduce, Const, Dim, Dot, Get, KindTable,
+                 Load, Monoid, Node, Reduce, Store, TensorDecl, Tuple, Var, is_elementwise,
+                 operator, postorder)
 from .plan import LoopPlan, Op, Value, kernel_uses, plan_kernel
 from .plan import clear_cache as _clear_plans
 from .targets import Target
@@ -252,13 +252,12 @@ def _monoid_flops(m: Monoid, shapes: tuple[frozenset[str], ...]) -> tuple[FlopTe
         seen: set[Node] = set()
         for e in exprs:
             for n in postorder(e):
-                if n in seen or not isinstance(n, (Unary, Binary)):
+                if n in seen or not is_elementwise(n):
                     continue
                 seen.add(n)
                 axes = frozenset().union(*(var_shapes[v.name] for v in postorder(n)
                                            if isinstance(v, Var)))
-                table = UNARY if isinstance(n, Unary) else BINARY
-                out.append((axes, table[n.op].flops))
+                out.append((axes, operator(n).flops))
         return tuple(out)
 
     return terms(m.combine), terms(m.finalize)
@@ -290,14 +289,9 @@ def _(n: Load, c: _KernelCoster, v: Value, runs: int) -> int:
     return 0
 
 
-@FLOPS.on(Unary)
-def _(n: Unary, c: _KernelCoster, v: Value, runs: int) -> int:
-    return c.elements(v.shape) * UNARY[n.op].flops
-
-
-@FLOPS.on(Binary)
-def _(n: Binary, c: _KernelCoster, v: Value, runs: int) -> int:
-    return c.elements(v.shape) * BINARY[n.op].flops
+@FLOPS.on(*ELEMENTWISE_KINDS)
+def _(n: Node, c: _KernelCoster, v: Value, runs: int) -> int:
+    return c.elements(v.shape) * operator(n).flops
 
 
 @FLOPS.on(BlockReduce)

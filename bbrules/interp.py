@@ -25,10 +25,10 @@ from typing import Callable
 
 import numpy as np
 
-from .ir import (Axis, Binary, BlockProgram, BlockReduce, Const, Dot, Get, IRError, KindTable,
-                 Load, Monoid, Node, Reduce, Store, Tuple, Unary, Var, kind_of, postorder,
-                 sched_deps, validate)
-from .ops import BINARY, TILE_REDUCE, UNARY
+from .ir import (ELEMENTWISE_KINDS, Axis, BlockProgram, BlockReduce, Const, Dot, Get, IRError,
+                 KindTable, Load, Monoid, Node, Reduce, Store, Tuple, Var, children,
+                 is_elementwise, operator, postorder, sched_deps, validate)
+from .ops import TILE_REDUCE
 
 F32 = np.float32
 
@@ -93,14 +93,9 @@ def _var(n: Var, run: _Evaluation) -> Value:
     return run.var(n.name)
 
 
-@EVAL.on(Unary)
-def _unary(n: Unary, run: _Evaluation) -> Value:
-    return _elementwise(UNARY[n.op].numpy, run.tile(n.x))
-
-
-@EVAL.on(Binary)
-def _binary(n: Binary, run: _Evaluation) -> Value:
-    return _elementwise(BINARY[n.op].numpy, run.tile(n.x), run.tile(n.y))
+@EVAL.on(*ELEMENTWISE_KINDS)
+def _apply(n: Node, run: _Evaluation) -> Value:
+    return _elementwise(operator(n).numpy, *(run.tile(c) for c in children(n)))
 
 
 @EVAL.on(BlockReduce)
@@ -152,7 +147,7 @@ class _MonoidExpr(_Evaluation):
         self.bound = bound
 
     def value(self, n: Node) -> Value:
-        if not (kind_of(n).elementwise or isinstance(n, (Const, Var))):
+        if not (is_elementwise(n) or isinstance(n, (Const, Var))):
             raise IRError(f"monoid expressions must be elementwise, found {n!r}")
         return EVAL(n, self)
 

@@ -67,6 +67,9 @@ BINARY: dict[str, OpInfo] = {
     )
 }
 
+# Every elementwise operator by name (the names of the tables above are distinct).
+ELEMENTWISE: dict[str, OpInfo] = {**UNARY, **BINARY}
+
 # In-tile reductions: numpy reducer and CUDA combine template.
 TILE_REDUCE: dict[str, OpInfo] = {
     "sum": OpInfo("sum", np.sum, 1, "(({x}) + ({y}))"),

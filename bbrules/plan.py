@@ -48,7 +48,8 @@ from functools import lru_cache
 from typing import Literal, Mapping
 
 from .ir import (Binary, BlockProgram, BlockReduce, Const, Dim, Dot, Get, IRError, Load, Monoid,
-                 Node, Reduce, Store, TensorDecl, Tuple, Unary, Var, postorder, shape)
+                 Node, Reduce, Store, TensorDecl, Tuple, Var, children, is_elementwise, postorder,
+                 shape)
 from .schedule import Compute, KernelSchedule, Loop, Step, schedule_kernel
 
 MAX_THREADS = 256  # threads per block: the launch bound every kernel is compiled for
@@ -379,9 +380,8 @@ class _Planner:
             case Tuple(items):
                 return Value("tuple", n, tuple(scope.lookup(i) for i in items), frozenset(), (),
                              path, 0, mode="tuple")
-        kind = {Unary: "unary", Binary: "binary", BlockReduce: "breduce", Dot: "dot"}[type(n)]
-        args = tuple(scope.lookup(c) for c in ((n.x,) if isinstance(n, (Unary, BlockReduce))
-                                               else (n.x, n.y)))
+        kind = "elementwise" if is_elementwise(n) else {BlockReduce: "breduce", Dot: "dot"}[type(n)]
+        args = tuple(scope.lookup(c) for c in children(n))
         return self._new(kind, n, args, shape(n), path)
 
     def _loop(self, loop: Loop, scope: _Scope, path: tuple[int, ...]) -> LoopPlan:

@@ -46,10 +46,11 @@ from pathlib import Path
 import numpy as np
 
 from bbrules.errors import UsageError
-from bbrules.ir import (Binary, BlockProgram, BlockReduce, Const, Dot, Get, IRError, KindTable,
-                        Load, Node, Reduce, Tuple, Unary, Var, validate)
-from bbrules.ops import BINARY, TILE_REDUCE, UNARY
-from bbrules.plan import (MAX_THREADS, Accumulation, BlockIndex, Buffer, KernelPlan, LoopPlan,
+from bbrules.ir import (ELEMENTWISE_KINDS, Binary, BlockProgram, BlockReduce, Const, Dot, Get,
+                        IRError, KindTable, Load, Node, Reduce, Tuple, Unary, Var, children,
+                        operator, validate)
+from bbrules.ops import BINARY, TILE_REDUCE
+from bbrules.plan import (MAX_THREADS, Accumulation, BlockIndex, Buffer, KernelPlan, LoopPlan, Op,
                           Value, plan_for)
 from bbrules.targets import Target, get_target
 
@@ -303,14 +304,9 @@ def _(n: Var, r: _Reader) -> str:
     return r.var(n.name)
 
 
-@EXPR.on(Unary)
-def _(n: Unary, r: _Reader) -> str:
-    return UNARY[n.op].cuda.format(x=r.child(0))
-
-
-@EXPR.on(Binary)
-def _(n: Binary, r: _Reader) -> str:
-    return BINARY[n.op].cuda.format(x=r.child(0), y=r.child(1))
+@EXPR.on(*ELEMENTWISE_KINDS)
+def _(n: Node, r: _Reader) -> str:
+    return operator(n).cuda.format(**{v: r.child(i) for i, v in enumerate("xyz"[:len(children(n))])})
 
 
 @EXPR.on(Load, Get, Reduce)
@@ -400,7 +396,7 @@ class _KernelGen:
         if self.dirty:
             self._barrier(w)
 
-    def _ops(self, w: _Writer, ops: list[_Op]) -> None:
+    def _ops(self, w: _Writer, ops: list[Op]) -> None:
         for op in ops:
             if isinstance(op, LoopPlan):
                 self._loop_text(w, op)

@@ -33,16 +33,17 @@ from typing import AbstractSet, Callable, Mapping, Sequence, Union
 
 import numpy as np
 
-from bbrules.ir import (Axis, Binary, BlockProgram, BlockReduce, Const, Dim, Dot, Get, IRError,
-                        KindTable, Load, Node, Reduce, Store, TileType, Tuple, Unary, Var,
-                        children, postorder, show_kernel, tile_type, type_of, validate)
-from bbrules.ops import BINARY, TILE_REDUCE, UNARY, OpInfo
+from bbrules.ir import (ELEMENTWISE_KINDS, Axis, Binary, BlockProgram, BlockReduce, Const, Dim,
+                        Dot, Get, IRError, KindTable, Load, Node, Reduce, Store, TileType, Tuple,
+                        Var, children, is_elementwise, operator, postorder, rebuild, show_kernel,
+                        tile_type, type_of, validate)
+from bbrules.ops import TILE_REDUCE, OpInfo
 from bbrules.plan import plan_for
 from bbrules.schedule import Loop, Step
 from bbrules.targets import Target, get_target
 
 _INFIX = {"add": "+", "sub": "-", "mul": "*", "div": "/"}
-_RESERVED = {"np", "f32", "run", "inputs", "_input", "UNARY", "BINARY", "TILE_REDUCE"}
+_RESERVED = {"np", "f32", "run", "inputs", "_input", "ELEMENTWISE", "TILE_REDUCE"}
 
 # A value in generated code: an expression (a name or a literal), or one per tuple component.
 Code = Union[str, tuple[str, ...]]
@@ -78,7 +79,8 @@ class _Functions:
 
     aliases: dict[str, str] = field(default_factory=dict)
 
-    def ref(self, table: str, info: OpInfo) -> str:
+    def ref(self, info: OpInfo, table: str = "ELEMENTWISE") -> str:
+        """The name generated code calls `info`'s numpy function by (`table` in bbrules.ops)."""
         fn = info.numpy
         if getattr(np, getattr(fn, "__name__", ""), None) is fn:
             return f"np.{fn.__name__}"
@@ -88,20 +90,17 @@ class _Functions:
 
     def call(self, node: Node, args: Sequence[tuple[str, bool]]) -> str:
         """Code for one elementwise operator over operand codes, each (text, is infix)."""
-        match node:
-            case Unary(op, _):
-                return f"{self.ref('UNARY', UNARY[op])}({args[0][0]})"
-            case Binary(op, _, _) if op in _INFIX:
-                x, y = (f"({text})" if infix else text for text, infix in args)
-                return f"{x} {_INFIX[op]} {y}"
-            case Binary(op, _, _):
-                return f"{self.ref('BINARY', BINARY[op])}({args[0][0]}, {args[1][0]})"
-        raise IRError(f"not an elementwise operator: {node!r}")
+        if not is_elementwise(node):
+            raise IRError(f"not an elementwise operator: {node!r}")
+        if isinstance(node, Binary) and node.op in _INFIX:
+            x, y = (f"({text})" if infix else text for text, infix in args)
+            return f"{x} {_INFIX[node.op]} {y}"
+        return f"{self.ref(operator(node))}({', '.join(text for text, _ in args)})"
 
     @staticmethod
-    def ufunc(node: Unary | Binary) -> str | None:
+    def ufunc(node: Node) -> str | None:
         """`np.<name>` when the operator is a numpy ufunc (which can write into an operand)."""
-        fn = (UNARY if isinstance(node, Unary) else BINARY)[node.op].numpy
+        fn = operator(node).numpy
         return f"np.{fn.__name__}" if isinstance(fn, np.ufunc) else None
 
 
@@ -133,7 +132,7 @@ def _expressions(roots: Sequence[Node], env: Mapping[str, str], fns: _Functions,
                 return env[name], False
             case Const(v):
                 return _literal(v), False
-            case Unary() | Binary():
+            case _ if is_elementwise(e):
                 text = fns.call(e, [code(c) for c in children(e)])
                 if uses[e] > 1:
                     named[e] = fresh("c")
@@ -143,7 +142,7 @@ def _expressions(roots: Sequence[Node], env: Mapping[str, str], fns: _Functions,
         raise IRError(f"monoid expressions must be elementwise, found {e!r}")
 
     for e in (n for r in roots for n in postorder(r)):
-        if uses[e] > 1 and isinstance(e, (Unary, Binary)):
+        if uses[e] > 1 and is_elementwise(e):
             code(e)
     return lines, [code(r)[0] for r in roots]
 
@@ -294,9 +293,9 @@ def _(n: BlockReduce, w: _KernelWriter) -> _Stmt:
     return w.array(n, w.fresh(f"b{n.op}"), w.block_reduce(n))
 
 
-@STEP.on(Unary, Binary)
-def _(n: Unary | Binary, w: _KernelWriter) -> _Stmt:
-    return w.elementwise(n, w.fresh(n.op))
+@STEP.on(*ELEMENTWISE_KINDS)
+def _(n: Node, w: _KernelWriter) -> _Stmt:
+    return w.elementwise(n, w.fresh(operator(n).name))
 
 
 @STEP.on(Dot)
@@ -383,7 +382,7 @@ class _KernelWriter:
         owned = frozenset() if isinstance(n, Load) else frozenset((name,))
         return _Stmt([f"{name} = {text}"], (name,), frozenset(self.reads), owned=owned)
 
-    def elementwise(self, n: Unary | Binary, name: str) -> _Stmt:
+    def elementwise(self, n: Node, name: str) -> _Stmt:
         """One operator; where it is a ufunc, also the variant writing into a dying operand."""
         args = [self.lookup(c) for c in children(n)]
         t = tile_type(n)
@@ -399,7 +398,7 @@ class _KernelWriter:
         return stmt
 
     def block_reduce(self, n: BlockReduce) -> str:
-        fn = self.fns.ref("TILE_REDUCE", TILE_REDUCE[n.op])
+        fn = self.fns.ref(TILE_REDUCE[n.op], "TILE_REDUCE")
         return f"{fn}({self.tile(n.x)}, axis={self.layout.element_dim(n.axis)}, keepdims=True)"
 
     def load(self, n: Load) -> str:
@@ -499,7 +498,7 @@ class _KernelWriter:
         stmt = _Stmt(shared + [f"{', '.join(acc)} = {', '.join(new)}"],
                      uses=frozenset(self.reads), escapes=escapes)
         root = m.combine[0]
-        if (m.arity == 1 and isinstance(root, (Unary, Binary)) and self.fns.ufunc(root)
+        if (m.arity == 1 and is_elementwise(root) and self.fns.ufunc(root)
                 and _fresh_state(r)[0]):
             operands = children(root)
             shared, args = _expressions(operands, env, self.fns, self.fresh)
@@ -534,7 +533,7 @@ class _KernelWriter:
             lines.append(f"{name} = {text}")
             acc.append(name)
             defs.append(name)
-            if isinstance(e, (Unary, Binary)) and part.shape:
+            if is_elementwise(e) and part.shape:
                 owned.add(name)
         self.owned |= owned
         return _Stmt(lines, tuple(defs), frozenset(self.reads), frozenset(owned))
@@ -559,7 +558,7 @@ class _KernelWriter:
                 lines.append(f"{name} = {text}")
                 defs.append(name)
                 results.append(name)
-                if isinstance(f, (Unary, Binary)) and ft.shape:
+                if is_elementwise(f) and ft.shape:
                     owned.add(name)
             self.reads.update(acc)
             self.scopes[-1][r] = results[0] if len(results) == 1 else tuple(results)
@@ -593,8 +592,6 @@ def _with_identity(e: Node, identity: Mapping[str, Node]) -> Node:
     match e:
         case Var(name) if name in identity:
             return identity[name]
-        case Unary(op, x):
-            return Unary(op, _with_identity(x, identity))
         case Binary(op, x, y):
             x, y = _with_identity(x, identity), _with_identity(y, identity)
             if isinstance(y, Const) and (op, y.value) in _RIGHT_NEUTRAL:
@@ -602,6 +599,8 @@ def _with_identity(e: Node, identity: Mapping[str, Node]) -> Node:
             if isinstance(x, Const) and (op, x.value) in _LEFT_NEUTRAL:
                 return y
             return Binary(op, x, y)
+        case _ if is_elementwise(e):
+            return rebuild(e, tuple(_with_identity(c, identity) for c in children(e)))
     return e
 
 
@@ -614,7 +613,7 @@ def _fresh_state(r: Reduce) -> tuple[bool, ...]:
     m = r.monoid
     t = type_of(r.x)
     parts = t if isinstance(t, tuple) else (t,)
-    return tuple(isinstance(e, (Unary, Binary)) and bool(p.shape)
+    return tuple(is_elementwise(e) and bool(p.shape)
                  for e, p in zip(m.combine, parts))
 
 

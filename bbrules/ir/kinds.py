@@ -64,7 +64,9 @@ class Kind:
     (`b{op}` gives bsum, bmax, bmin).  None marks a kind with a syntax of its own (loads,
     numbers, variables).  `egg` is the egglog constructor, None for kinds that never enter the
     e-graph.  `loop` marks a kind whose AXIS field is a sequential loop: the node no longer
-    depends on that axis.  `elementwise` kinds may appear in a monoid's expressions.
+    depends on that axis.  `elementwise` kinds may appear in a monoid's expressions; each
+    applies one operator of `ops` to its children (named by its OP field, or by its call when
+    the kind has none), so the passes treat them all alike through `operator`.
     """
 
     cls: type
@@ -154,7 +156,8 @@ def _dag_eq(self: object, other: object) -> bool:
 
 
 def node(*, call: str | None = None, egg: str | None = None, loop: bool = False,
-         elementwise: bool = False) -> Callable[[type], type]:
+         elementwise: bool = False, ops: Mapping[str, Any] | None = None
+         ) -> Callable[[type], type]:
     """Declare a node kind: make the class a frozen dataclass with DAG-friendly hashing and
     equality, and record its `Kind` (as `cls.kind`) in `KINDS`."""
     def declare(cls: type) -> type:
@@ -162,9 +165,9 @@ def node(*, call: str | None = None, egg: str | None = None, loop: bool = False,
         cls.__eq__ = _dag_eq  # type: ignore[method-assign]
         cls = dataclass(frozen=True, eq=False)(cls)
         declared = tuple((f.name, f.metadata["sort"]) for f in fields(cls))
-        ops = next((f.metadata.get("ops") for f in fields(cls)
-                    if f.metadata["sort"] is Sort.OP), None)
-        cls.kind = Kind(cls, cls.__name__, declared, call, egg, loop, elementwise, ops)
+        table = next((f.metadata.get("ops") for f in fields(cls)
+                      if f.metadata["sort"] is Sort.OP), ops)
+        cls.kind = Kind(cls, cls.__name__, declared, call, egg, loop, elementwise, table)
         KINDS.append(cls)
         return cls
     return declare
@@ -172,6 +175,18 @@ def node(*, call: str | None = None, egg: str | None = None, loop: bool = False,
 
 def kind_of(n: object) -> Kind:
     return type(n).kind  # type: ignore[attr-defined]
+
+
+def is_elementwise(n: object) -> bool:
+    kind = getattr(type(n), "kind", None)
+    return kind is not None and kind.elementwise
+
+
+def operator(n: Any) -> Any:
+    """The operator (an `ops.OpInfo`) an elementwise node applies to its children."""
+    kind = kind_of(n)
+    op = next((n.__dict__[f] for f, s in kind.fields if s is Sort.OP), kind.call)
+    return kind.ops[op]
 
 
 # --------------------------------------------------------------------------------------------

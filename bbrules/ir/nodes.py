@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Union
 
 from ..ops import BINARY, TILE_REDUCE, UNARY
-from .kinds import Sort, attr, child, children_field, node
+from .kinds import KINDS, Sort, attr, child, children_field, node
 from .types import SCALAR, Axis, IRError, TileType, Type, union
 
 if TYPE_CHECKING:
@@ -180,3 +180,6 @@ class Get:
 
 
 Node = Union[Load, Const, Var, Unary, Binary, BlockReduce, Dot, Reduce, Tuple, Get]
+
+# The kinds that apply one operator elementwise (`kinds.operator`): every pass treats them alike.
+ELEMENTWISE_KINDS: tuple[type, ...] = tuple(k for k in KINDS if k.kind.elementwise)
