@@ -67,8 +67,17 @@ BINARY: dict[str, OpInfo] = {
     )
 }
 
+def _where(c: np.ndarray, x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    return np.where(c != 0, x, y)
+
+
+# Operators of three operands; the CUDA template reads them as {x}, {y}, {z}.
+TERNARY: dict[str, OpInfo] = {
+    "where": OpInfo("where", _where, 1, "((({x}) != 0.0f) ? ({y}) : ({z}))"),
+}
+
 # Every elementwise operator by name (the names of the tables above are distinct).
-ELEMENTWISE: dict[str, OpInfo] = {**UNARY, **BINARY}
+ELEMENTWISE: dict[str, OpInfo] = {**UNARY, **BINARY, **TERNARY}
 
 # In-tile reductions: numpy reducer and CUDA combine template.
 TILE_REDUCE: dict[str, OpInfo] = {

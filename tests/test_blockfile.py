@@ -8,7 +8,7 @@ import pytest
 from bbrules.blockfile import load_block_program, parse_block_program
 from bbrules.errors import SourceError
 from bbrules.ir import (MAX, MIN, SUM, Binary, BlockProgram, BlockReduce, Const, Dim, Dot, Get, Load,
-                        Monoid, Reduce, Store, TensorDecl, Tuple, Unary, Var, postorder,
+                        Monoid, Reduce, Store, TensorDecl, Tuple, Unary, Var, Where, postorder,
                         show_program)
 
 # Online softmax with the output accumulator in the state: (running max, denominator, numerator).
@@ -74,7 +74,8 @@ def every_node() -> BlockProgram:
         _dims(s=(8, 4), k=(8, 4), e=(16, 8)),
         _tensors(("X", ("s", "e"), "input"), ("Y", ("s", "e"), "temp"),
                  ("Z", ("s",), "output")),
-        (Store("Y", ("s", "e"), Binary("sub", Unary("neg", clipped), Const(-2.5))),
+        (Store("Y", ("s", "e"), Binary("sub", Unary("neg", clipped),
+                                       Where(Binary("sub", norm, Const(0.5)), x, Const(-2.5)))),
          Store("Z", ("s",), Binary("add", low,
                                    Binary("mul", Const(-1.0), Get(0, pair))))),
         ("Z",))

@@ -7,16 +7,22 @@ encoding fails here, before any program needs it.
 
 from __future__ import annotations
 
+import shutil
+
+import numpy as np
 import pytest
 
 from bbrules import cost, interp
 from bbrules.blockfile import parse_block_program
 from bbrules.codegen import cuda_gen, numpy_gen
 from bbrules.engine import CONSTRUCTORS, Saturator, compile_pack
+from bbrules.inputs import random_inputs
 from bbrules.ir import (KINDS, KindTable, attrs, children, kind_of, map_attrs, postorder,
                         rebuild, show_program)
 from bbrules.ir.kinds import Sort
 from bbrules.rule import RulePack
+from bbrules.targets import get_target
+from cuda_emu import emulate
 from test_blockfile import every_node
 
 PASSES = [interp, cost, numpy_gen, cuda_gen]
@@ -71,3 +77,19 @@ def test_every_term_kind_goes_through_the_egraph_and_back() -> None:
             node = graph.enode_of(n)
             assert node is not None and node.attrs == attrs(n)
             assert node.build(children(n)) == n
+
+
+def test_every_kind_runs_alike_in_every_backend() -> None:
+    """The program with every kind: the interpreter, the numpy backend and the CUDA kernels
+    (emulated) compute the same values, and the cost model prices it."""
+    program = every_node()
+    inputs = random_inputs(program, seed=3)
+    want = interp.run(program, inputs)
+    got = {"numpy": numpy_gen.run(program, inputs)}
+    if shutil.which("g++"):
+        got["cuda"] = emulate(cuda_gen.generate(program), inputs)
+    for backend, out in got.items():
+        for name in program.outputs:
+            np.testing.assert_allclose(out[name], want[name], rtol=1e-5, atol=1e-5,
+                                       err_msg=f"{backend}: {name}")
+    assert cost.cost_program(program, get_target("h100")).flops > 0

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Union
 
-from ..ops import BINARY, TILE_REDUCE, UNARY
+from ..ops import BINARY, TERNARY, TILE_REDUCE, UNARY
 from .kinds import KINDS, Sort, attr, child, children_field, node
 from .types import SCALAR, Axis, IRError, TileType, Type, union
 
@@ -158,6 +158,18 @@ class Reduce:
         return out[0] if len(out) == 1 else out
 
 
+@node(call="where", egg="Sel", elementwise=True, ops=TERNARY)
+class Where:
+    """Select elementwise: `x` where the condition `c` is nonzero, else `y`."""
+
+    c: Node = child()
+    x: Node = child()
+    y: Node = child()
+
+    def infer(self, kids: tuple[Type, ...]) -> Type:
+        return union(*(_tile(t, k) for t, k in zip(kids, (self.c, self.x, self.y))))
+
+
 @node(call="tuple", egg="Tup")
 class Tuple:
     items: tuple[Node, ...] = children_field()
@@ -179,7 +191,7 @@ class Get:
         return t[self.index]
 
 
-Node = Union[Load, Const, Var, Unary, Binary, BlockReduce, Dot, Reduce, Tuple, Get]
+Node = Union[Load, Const, Var, Unary, Binary, BlockReduce, Dot, Reduce, Where, Tuple, Get]
 
 # The kinds that apply one operator elementwise (`kinds.operator`): every pass treats them alike.
 ELEMENTWISE_KINDS: tuple[type, ...] = tuple(k for k in KINDS if k.kind.elementwise)
