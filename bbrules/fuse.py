@@ -17,7 +17,8 @@ from typing import Mapping, get_args
 import numpy as np
 
 from .cost import ProgramCost, cost_program
-from .engine import Budget, Progress, Saturator, StageStats, compile_pack, rename_axes
+from .axes import rename_axes
+from .engine import Budget, Progress, Saturator, StageStats, compile_pack
 from .extract import ExtractStats, extract
 from .ir import (Binary, BlockProgram, BlockReduce, Const, Dim, Dot, Get, Load, Node, Reduce,
                  Tuple, Unary, children, postorder, show_node, validate)

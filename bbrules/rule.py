@@ -6,8 +6,8 @@ A pattern is an IR term (`bbrules.ir` node classes) in which
   string starting with `?` (`?a`), matching any axis / monoid;
 - a constant may be a `PConst` (`?c`), matching any constant (so rules can fold constants).
 
-The parser (`bbrules.rulefile`) builds these; the engine (`bbrules.engine`) compiles them to
-egglog; the soundness checker (`bbrules.soundness`) instantiates them on random tiles.
+The parser (`bbrules.rulefile`) builds these; the engine (`bbrules.engine.compile`) compiles
+them to egglog; the soundness checker (`bbrules.soundness`) instantiates them on random tiles.
 """
 
 from __future__ import annotations
