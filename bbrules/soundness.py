@@ -21,10 +21,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .instantiate import Instance, NotInstantiable, checked_type, flipped, instances
+from .instantiate import Instance, flipped, instances
 from .interp import run
 from .ir import (BlockProgram, Get, IRError, Node, Reduce, Store, TensorDecl, TileType,
                  register_monoid, show_node, tile_type, type_of, validate)
+from .patterns import NotInstantiable, checked_type
 from .rule import Rule, RulePack
 
 RTOL = 1e-4

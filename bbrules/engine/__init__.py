@@ -7,12 +7,14 @@
 - `checks`: a pack's check cases (`run_checks`).
 """
 
-from .checks import CHECK_BUDGET, CheckFailure, run_checks
-from .compile import CompiledPack, compile_pack, rule_of, size_facts
-from .graph import ClassGraph
-from .saturate import Budget, Progress, Saturator, StageStats
+from ..options import Budget, Options
+from .checks import CheckFailure, run_checks
+from .compile import CompiledPack, Provenance, compile_pack, rule_of, size_facts
+from .graph import ClassGraph, Firing
+from .saturate import Progress, RuleStats, Saturator, StageStats
 from .terms import TERM_CONSTRUCTORS, ENode, TermWriter, enode_key, node_text
 
-__all__ = ["CHECK_BUDGET", "CheckFailure", "run_checks", "CompiledPack", "compile_pack",
-           "rule_of", "size_facts", "ClassGraph", "Budget", "Progress", "Saturator",
-           "StageStats", "TERM_CONSTRUCTORS", "ENode", "TermWriter", "enode_key", "node_text"]
+__all__ = ["Budget", "Options", "CheckFailure", "run_checks", "CompiledPack", "Provenance",
+           "compile_pack", "rule_of", "size_facts", "ClassGraph", "Firing", "Progress",
+           "RuleStats", "Saturator", "StageStats", "TERM_CONSTRUCTORS", "ENode", "TermWriter",
+           "enode_key", "node_text"]

@@ -7,9 +7,8 @@ from dataclasses import dataclass
 from ..ir import show_node
 from ..rule import Check, RulePack, Stage
 from .compile import CompiledPack, compile_pack
-from .saturate import Budget, Saturator
-
-CHECK_BUDGET = Budget(nodes=5_000, iterations=8, seconds=5.0)
+from ..options import Options
+from .saturate import Saturator
 
 
 @dataclass(frozen=True)
@@ -24,15 +23,16 @@ class CheckFailure:
         return f"{where}check {self.check.rule}: {self.message}"
 
 
-def run_checks(pack: RulePack, budget: Budget = CHECK_BUDGET) -> list[CheckFailure]:
+def run_checks(pack: RulePack, options: Options = Options()) -> list[CheckFailure]:
     """Run every `check` case of `pack`; the failures, in declaration order.
 
     A check runs only the rule (or ruleset) it names, from a fresh e-graph holding just its
-    term, until saturation or `budget`.  `term => expect` holds when the expected term is then
-    in the term's e-class, `term !=> expect` when it is not (so the direction of a one-way rule
-    is checked), and a bare `term` when the rules never match it.  A `load(store(v))` of a
-    check term is a load of the intermediate tensor `check.stored` names, written as `fuse`
-    writes a program's: carrying the value stored, renamed to the load's axes.
+    term, until saturation or `options.check_budget`.  `term => expect` holds when the
+    expected term is then in the term's e-class, `term !=> expect` when it is not (so the
+    direction of a one-way rule is checked), and a bare `term` when the rules never match it.
+    A `load(store(v))` of a check term is a load of the intermediate tensor `check.stored`
+    names, written as `fuse` writes a program's: carrying the value stored, renamed to the
+    load's axes.
     """
     failures = []
     compiled: dict[str, CompiledPack] = {}
@@ -42,9 +42,9 @@ def run_checks(pack: RulePack, budget: Budget = CHECK_BUDGET) -> list[CheckFailu
             chosen = [r for r in pack.rules if target in (r.name, r.ruleset)]
             compiled[target] = compile_pack(pack, chosen)
         cp = compiled[target]
-        sat = Saturator(cp, check.dims)
+        sat = Saturator(cp, check.dims, options)
         sat.add_terms({"term": check.term}, check.stored)
-        stats = sat.run(budget, stages=[Stage("check", tuple(cp.rulesets))])
+        stats = sat.run(options.check_budget, stages=[Stage("check", tuple(cp.rulesets))])
         graph = sat.freeze()
         same = check.expect is not None and graph.lookup(check.expect) == graph.named["term"]
         shown = show_node(check.term)

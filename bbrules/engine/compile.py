@@ -19,22 +19,65 @@ from typing import Callable, Iterable, Mapping, NoReturn
 
 from ..errors import SourceError, Span
 from ..ir import MONOIDS, Const, Load, Monoid, Var, postorder, register_monoid
+from ..ops import BINARY, COMPARE, UNARY
 from ..rule import (AxisEq, AxisIn, AxisSize, CExpr, ConstCmp, Guard, Pattern, PConst, PVar,
-                    Rule, RulePack, Stage, Stored, TripsEq)
-from .terms import MAX_TUPLE, MIN_TUPLE, TERM_DATATYPE, _axis, _f64, _q, node_text
+                    Rule, RulePack, Stage, Stored, TripsEq, pattern_var)
+from .terms import MAX_TUPLE, MIN_TUPLE, TERM_DATATYPE, _axis, _f64, _q, enode_key, node_text
 
 ANALYSIS = "__analysis"
 
 
-_CONST_BINARY = {"add": "+", "sub": "-", "mul": "*", "div": "/", "max": "max", "min": "min"}
-_CONST_UNARY = {"neg": "(neg {x})", "exp": "(exp {x})", "log": "(log {x})",
-                "sqrt": "(sqrt {x})", "rsqrt": "(/ 1.0 (sqrt {x}))", "recip": "(/ 1.0 {x})",
-                "abs": "(abs {x})", "square": "(* {x} {x})"}
-_CMP = {"==": "=", "!=": "!=", "<": "<", "<=": "<=", ">": ">", ">=": ">="}
+ITERATION = "iteration"  # a 0-ary function Python sets to the iteration about to run
+STAMP = "__stamp"  # the ruleset that stamps new records with the iteration
+
+
+@dataclass(frozen=True)
+class Provenance:
+    """How one direction of a rule records where it applies.
+
+    A copy of the rule's query in ruleset `record_<rs>`, run just before every iteration the
+    rule runs in (so on the graph that iteration matches), inserts a row
+    `(fired_<rs> root v1 v2 ...)` for each new match: the e-class of the matched left side and
+    the values of the left side's variables (`columns`: name and egglog sort, in the order the
+    left side binds them; `stored` names the tensor and axes variables of each
+    `load(store(...))` in it, in pre-order).  The `__stamp` ruleset then moves new rows into
+    `when_<rs>`, whose value is the iteration they were first applied in.  The rule itself is
+    left alone: an action of its own would make a rewrite that adds nothing count as a change,
+    and egglog cannot read the iteration in a rule's actions (binding it in the query would
+    make every old match new again whenever it changes).
+    """
+
+    ruleset: str
+    rule: Rule
+    lhs: Pattern
+    rhs: Pattern
+    columns: tuple[tuple[str, str], ...]
+    stored: tuple[tuple[str, str], ...]
+
+    def declarations(self) -> str:
+        sorts = " ".join(sort for _, sort in self.columns)
+        row = " ".join(["?__root", *(name for name, _ in self.columns)])
+        return (f"(relation fired_{self.ruleset} (Term {sorts}))\n"
+                f"(function when_{self.ruleset} (Term {sorts}) i64 :merge (min old new))\n"
+                f"(rule ((fired_{self.ruleset} {row}) (= ?__it ({ITERATION}))) "
+                f"((set (when_{self.ruleset} {row}) ?__it) (delete (fired_{self.ruleset} {row}))) "
+                f":ruleset {STAMP})")
+
+    def record(self, query: str) -> str:
+        """The rule that records the matches of `query`."""
+        row = " ".join(["?__root", *(name for name, _ in self.columns)])
+        return (f"(ruleset {self.recorder})\n"
+                f"(rule ({query}) ((fired_{self.ruleset} {row})) :ruleset {self.recorder})")
+
+    @property
+    def recorder(self) -> str:
+        """The ruleset of the recording copy of the rule."""
+        return f"record_{self.ruleset}"
 
 
 class _RuleCompiler:
-    """One direction of one rule as an egglog `rule`: a query (lhs + guards) and a union."""
+    """One direction of one rule as an egglog `rule`: a query (lhs + guards) and a union; and
+    the rule recording its matches."""
 
     def __init__(self, rule: Rule, lhs: Pattern, rhs: Pattern, egg_name: str, ruleset: str):
         self.rule = rule
@@ -42,6 +85,8 @@ class _RuleCompiler:
         self.fresh = 0
         self.term_vars: set[str] = set()
         self.const_vars: set[str] = set()
+        self.columns: dict[str, str] = {}
+        self.stored: list[tuple[str, str]] = []
         self.ground_loads: list[Load] = []
         if isinstance(lhs, PVar):
             self.error("a left-hand side must be a node, not a bare variable")
@@ -50,8 +95,12 @@ class _RuleCompiler:
         for g in rule.guards:
             self.guard(g)
         out = self.rhs(rhs)
-        self.text = (f"(rule ({' '.join(self.facts)}) ((union ?__root {out})) "
-                     f":ruleset {ruleset} :name {_q(egg_name)})")
+        self.provenance = Provenance(ruleset, rule, lhs, rhs, tuple(self.columns.items()),
+                                     tuple(self.stored))
+        query = " ".join(self.facts)
+        self.text = (f"(rule ({query}) ((union ?__root {out})) "
+                     f":ruleset {ruleset} :name {_q(egg_name)})\n"
+                     f"{self.provenance.declarations()}\n{self.provenance.record(query)}")
 
     def error(self, message: str) -> NoReturn:
         span = self.rule.span or Span("<rules>", 1, 1)
@@ -67,15 +116,24 @@ class _RuleCompiler:
         match p:
             case PVar(name):
                 self.term_vars.add(name)
+                self.columns.setdefault(name, "Term")
                 return name
             case PConst(name):
                 self.const_vars.add(name)
+                self.columns.setdefault(name, "f64")
                 return f"(Cst {name})"
             case Stored(v):
-                return f"(LdS {self.var('t')} {self.var('ax')} {self.lhs(v)})"
+                tensor, axes = self.var("t"), self.var("ax")
+                self.stored.append((tensor, axes))
+                self.columns.update({tensor: "String", axes: "String"})
+                return f"(LdS {tensor} {axes} {self.lhs(v)})"
             case CExpr() | AxisSize():
                 self.error("constant arithmetic belongs on the right-hand side")
-        return self.node(p, self.lhs)
+        text = self.node(p, self.lhs)
+        for a in enode_key(p)[1]:
+            if pattern_var(a):
+                self.columns.setdefault(a, "String")
+        return text
 
     def rhs(self, p: Pattern) -> str:
         match p:
@@ -115,12 +173,11 @@ class _RuleCompiler:
                 return _f64(v)
             case AxisSize(kind, axis):
                 return f"(a{kind} {_axis(axis)})"
-            case CExpr(op, (x,)) if op in _CONST_UNARY:
-                return _CONST_UNARY[op].format(x=self.const_expr(x))
-            case CExpr(op, (x, y)) if op in _CONST_BINARY:
-                return f"({_CONST_BINARY[op]} {self.const_expr(x)} {self.const_expr(y)})"
-            case CExpr(op, _):
-                self.error(f"cannot fold '{op}' of constants")
+            case CExpr(op, args):
+                table = UNARY if len(args) == 1 else BINARY
+                if op not in table or not table[op].f64 or len(args) > 2:
+                    self.error(f"cannot fold '{op}' of constants")
+                return table[op].f64.format(**dict(zip("xy", map(self.const_expr, args))))
         self.error(f"not a constant expression: {e!r}")
 
     def analysis_of(self, var: str, analysis: str) -> str:
@@ -143,9 +200,8 @@ class _RuleCompiler:
             case TripsEq(left, right):
                 self.facts.append(f"(= (atrips {_axis(left)}) (atrips {_axis(right)}))")
             case ConstCmp(var, op, value):
-                self.facts.append(f"({_CMP[op]} {self.const_expr(PConst(var))} "
+                self.facts.append(f"({COMPARE[op][1]} {self.const_expr(PConst(var))} "
                                   f"{self.const_expr(value)})")
-
 
 
 def _egg_rules(rule: Rule) -> list[tuple[str, Pattern, Pattern]]:
@@ -209,7 +265,9 @@ _PRELUDE = f"""
 (function ablock (String) f64 :merge old)
 (function aextent (String) f64 :merge old)
 (function atrips (String) f64 :merge old)
+(function {ITERATION} () i64 :merge new)
 (ruleset {ANALYSIS})
+(ruleset {STAMP})
 """
 
 
@@ -222,6 +280,7 @@ class CompiledPack:
     egg_rules: dict[str, str]  # egglog ruleset -> egglog rule name
     stages: tuple[Stage, ...]
     ground_loads: tuple[Load, ...]
+    provenance: dict[str, Provenance]  # egglog ruleset -> how its rule records firings
 
 
 def compile_pack(pack: RulePack, rules: Iterable[Rule] | None = None) -> CompiledPack:
@@ -233,6 +292,7 @@ def compile_pack(pack: RulePack, rules: Iterable[Rule] | None = None) -> Compile
     rulesets: dict[str, list[str]] = {}
     egg_rules: dict[str, str] = {}
     loads: list[Load] = []
+    provenance: dict[str, Provenance] = {}
     for i, rule in enumerate(chosen):
         for j, (name, lhs, rhs) in enumerate(_egg_rules(rule)):
             rs = f"r{i}_{j}"
@@ -242,8 +302,9 @@ def compile_pack(pack: RulePack, rules: Iterable[Rule] | None = None) -> Compile
             loads.extend(compiled.ground_loads)
             rulesets.setdefault(rule.ruleset, []).append(rs)
             egg_rules[rs] = name
+            provenance[rs] = compiled.provenance
     return CompiledPack("\n".join(lines), rulesets, egg_rules, _stages(pack, rulesets),
-                        tuple(dict.fromkeys(loads)))
+                        tuple(dict.fromkeys(loads)), provenance)
 
 
 def _stages(pack: RulePack, rulesets: Mapping[str, list[str]]) -> tuple[Stage, ...]:
@@ -251,7 +312,6 @@ def _stages(pack: RulePack, rulesets: Mapping[str, list[str]]) -> tuple[Stage, .
     named = {rs for s in pack.stages for rs in s.rulesets}
     rest = tuple(rs for rs in rulesets if rs not in named)
     return tuple(pack.stages) + ((Stage("default", rest),) if rest else ())
-
 
 
 def size_facts(dims: Mapping[str, tuple[int, int]]) -> list[str]:

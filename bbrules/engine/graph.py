@@ -8,7 +8,21 @@ from typing import Mapping
 from egglog.bindings import EGraph
 
 from ..ir import Node, children
+from .compile import Provenance
 from .terms import TERM_CONSTRUCTORS, ENode, decode, enode_key
+
+
+@dataclass(frozen=True)
+class Firing:
+    """One recorded application of a rule direction (egglog ruleset `ruleset`): the e-class
+    its left side matched, its variables' values (e-class ids for value variables, strings
+    for axes, monoids and stored loads' tensors and axes, floats for constants) and the
+    iteration it first happened in."""
+
+    ruleset: str
+    root: int
+    values: dict[str, object]
+    iteration: int
 
 
 @dataclass
@@ -17,6 +31,7 @@ class ClassGraph:
 
     classes: dict[int, tuple[ENode, ...]]
     named: dict[str, int]  # e-class of every term added by name (roots, check terms)
+    firings: tuple[Firing, ...] = ()  # read back only when asked for
     index: dict[tuple, int] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -55,7 +70,8 @@ class ClassGraph:
 
 
 
-def read_back(egraph: EGraph, roots: Mapping[str, str]) -> ClassGraph:
+def read_back(egraph: EGraph, roots: Mapping[str, str],
+              provenance: Mapping[str, Provenance] | None = None) -> ClassGraph:
     frozen = egraph.freeze()
     ids: dict[object, int] = {}
 
@@ -76,5 +92,11 @@ def read_back(egraph: EGraph, roots: Mapping[str, str]) -> ClassGraph:
     for key, g in roots.items():
         fn = frozen.functions[g]
         named[key] = cid(fn.rows[0].output)
-    return ClassGraph({c: tuple(dict.fromkeys(ns)) for c, ns in classes.items()}, named)
-
+    firings = []
+    for rs, prov in (provenance or {}).items():
+        read = {"Term": cid, "String": egraph.value_to_string, "f64": egraph.value_to_f64}
+        for row in frozen.functions[f"when_{rs}"].rows:
+            values = {name: read[sort](v) for (name, sort), v in zip(prov.columns, row.inputs[1:])}
+            firings.append(Firing(rs, cid(row.inputs[0]), values, egraph.value_to_i64(row.output)))
+    return ClassGraph({c: tuple(dict.fromkeys(ns)) for c, ns in classes.items()}, named,
+                      tuple(firings))

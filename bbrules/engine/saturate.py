@@ -7,6 +7,10 @@ its limit doubles, which keeps commutativity and associativity from crowding out
 else.  egglog applies an iteration's matches before Python sees their number, so a ban starts
 with the next iteration; the node budget bounds what one iteration can add.
 
+Before each iteration the active rules' recording copies write the matches it is about to
+apply into the e-graph, stamped with the iteration (`compile.Provenance`), and the time and
+matches egglog reports per rule are summed (`RuleStats`).
+
 The saturated e-graph is read back through `EGraph.freeze()` (rows of every constructor) into
 a `ClassGraph` for extraction; nothing is parsed from printed text.
 """
@@ -20,29 +24,14 @@ from typing import Callable, Iterable, Mapping
 from egglog.bindings import EGraph
 
 from ..ir import Node
+from ..options import Budget, Options
 from ..rule import Stage
-from .compile import ANALYSIS, CompiledPack, rule_of, size_facts
+from .compile import ANALYSIS, ITERATION, STAMP, CompiledPack, rule_of, size_facts
 from .graph import ClassGraph, read_back
 from .terms import TERM_CONSTRUCTORS, TermWriter
 
-MATCH_LIMIT = 1000  # egg's back-off defaults: initial match limit and ban length
-BAN_LENGTH = 5
 
 Progress = Callable[[str], None]
-
-
-@dataclass(frozen=True)
-class Budget:
-    """Limits on saturation.  Hitting one is not an error: extraction uses what was found.
-
-    `nodes` caps the e-nodes of the graph, `iterations` the iterations of each stage (a stage
-    may declare a lower cap), `seconds` the wall time of all stages together.  The defaults
-    keep the paper's examples far inside a 2-core, 24 GiB machine (a few thousand e-nodes).
-    """
-
-    nodes: int = 40_000
-    iterations: int = 16
-    seconds: float = 20.0
 
 
 @dataclass(frozen=True)
@@ -64,6 +53,21 @@ class StageStats:
                 "matches": dict(self.matches)}
 
 
+@dataclass
+class RuleStats:
+    """What one rule did over all stages: egglog's matches (a match found again in a later
+    iteration counts again), distinct applications recorded in the e-graph (set by
+    `Saturator.rule_stats`), and egglog's search-and-apply time."""
+
+    rule: str
+    matches: int = 0
+    applications: int = 0
+    seconds: float = 0.0
+
+    def to_json(self) -> dict:
+        return {"rule": self.rule, "matches": self.matches, "applications": self.applications,
+                "seconds": self.seconds}
+
 
 @dataclass
 class _BackOff:
@@ -77,14 +81,18 @@ class _BackOff:
 class Saturator:
     """An egglog e-graph holding one compiled pack and the terms added to it."""
 
-    def __init__(self, compiled: CompiledPack, dims: Mapping[str, tuple[int, int]]):
+    def __init__(self, compiled: CompiledPack, dims: Mapping[str, tuple[int, int]],
+                 options: Options = Options()):
         self.compiled = compiled
+        self.options = options
         self.egraph = EGraph()
         self.writer = TermWriter()
         self.roots: dict[str, str] = {}
         self.combined: dict[frozenset[str], str] = {}
         self.fired: list[tuple[int, str, int]] = []  # (global iteration, rule, matches)
         self.iteration = 0
+        self.rules = {rule_of(name): RuleStats(rule_of(name))
+                      for name in compiled.egg_rules.values()}
         ground = TermWriter(prefix="g")
         for load in compiled.ground_loads:
             ground.name(load)
@@ -116,6 +124,12 @@ class Saturator:
             self.combined[key] = name
         return self.combined[key]
 
+    def _record(self, active: list[str], iteration: int) -> None:
+        """Record the matches the active rules are about to apply, stamped `iteration`."""
+        record = self._ruleset_for([self.compiled.provenance[rs].recorder for rs in active])
+        self._exec(f"(run-schedule (run {record}))\n(set ({ITERATION}) {iteration})\n"
+                   f"(run-schedule (run {STAMP}))")
+
     def run(self, budget: Budget = Budget(), progress: Progress | None = None,
             stages: Iterable[Stage] | None = None) -> list[StageStats]:
         """Run the stages in order within `budget`; one StageStats per stage.
@@ -137,7 +151,7 @@ class Saturator:
         start = time.perf_counter()
         rulesets = [rs for name in stage.rulesets for rs in self.compiled.rulesets.get(name, [])]
         cap = min(budget.iterations, stage.iterations or budget.iterations)
-        backoff = {rs: _BackOff(MATCH_LIMIT) for rs in rulesets}
+        backoff = {rs: _BackOff(self.options.match_limit) for rs in rulesets}
         matches: dict[str, int] = {}
         done = 0
         stop = "saturated"
@@ -147,19 +161,25 @@ class Saturator:
                 break
             active = [rs for rs in rulesets if backoff[rs].banned_until < done]
             self._exec(f"(run-schedule (saturate (run {ANALYSIS})))")
+            if active:
+                self._record(active, self.iteration + 1)
             report = self._exec(f"(run-schedule (run {self._ruleset_for(active)}))")[0].report \
                 if active else None
             done += 1
             self.iteration += 1
             for rs in active:
-                n = report.num_matches_per_rule.get(self.compiled.egg_rules[rs], 0)
+                egg_name = self.compiled.egg_rules[rs]
+                n = report.num_matches_per_rule.get(egg_name, 0)
+                rule = rule_of(egg_name)
+                spent = report.search_and_apply_time_per_rule.get(egg_name)
+                self.rules[rule].seconds += spent.total_seconds() if spent else 0.0
                 if n:
-                    rule = rule_of(self.compiled.egg_rules[rs])
                     matches[rule] = matches.get(rule, 0) + n
+                    self.rules[rule].matches += n
                     self.fired.append((self.iteration, rule, n))
                 b = backoff[rs]
                 if n > b.limit << b.times_banned:
-                    b.banned_until = done + (BAN_LENGTH << b.times_banned)
+                    b.banned_until = done + (self.options.ban_length << b.times_banned)
                     b.times_banned += 1
             if report is None or not report.updated:
                 banned = [b for b in backoff.values() if b.banned_until >= done]
@@ -184,7 +204,18 @@ class Saturator:
         return StageStats(stage.name, iterations, graph.n_nodes, len(graph.classes), seconds,
                           stop, matches)
 
-    def freeze(self) -> ClassGraph:
-        """The current e-graph as e-classes of e-nodes, with the class of every root."""
-        return read_back(self.egraph, self.roots)
+    def freeze(self, provenance: bool = False) -> ClassGraph:
+        """The current e-graph as e-classes of e-nodes, with the class of every root, and with
+        `provenance` the recorded firings of every rule."""
+        return read_back(self.egraph, self.roots,
+                         self.compiled.provenance if provenance else None)
+
+    def rule_stats(self, graph: ClassGraph) -> list[RuleStats]:
+        """Per-rule statistics, applications counted in `graph` (frozen with provenance)."""
+        applied: dict[str, int] = {}
+        for f in graph.firings:
+            rule = rule_of(self.compiled.egg_rules[f.ruleset])
+            applied[rule] = applied.get(rule, 0) + 1
+        return [RuleStats(s.rule, s.matches, applied.get(s.rule, 0), s.seconds)
+                for s in self.rules.values()]
 
