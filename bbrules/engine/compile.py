@@ -28,7 +28,11 @@ ANALYSIS = "__analysis"
 
 
 ITERATION = "iteration"  # a 0-ary function Python sets to the iteration about to run
-STAMP = "__stamp"  # the ruleset that stamps new records with the iteration
+STAMP = "__stamp"  # the ruleset stamping new records with it
+
+
+SORTS = ("Term", "String", "f64")  # the sorts of a recorded variable, in row order
+_PADDING = {"Term": "?__root", "String": '""', "f64": "0.0"}
 
 
 @dataclass(frozen=True)
@@ -36,17 +40,20 @@ class Provenance:
     """How one direction of a rule records where it applies.
 
     A copy of the rule's query in ruleset `record_<rs>`, run just before every iteration the
-    rule runs in (so on the graph that iteration matches), inserts a row
-    `(fired_<rs> root v1 v2 ...)` for each new match: the e-class of the matched left side and
+    rule runs in (so on the graph that iteration matches), inserts a row into the relation
+    `fired` for each new match: the rule's `index`, the e-class of the matched left side and
     the values of the left side's variables (`columns`: name and egglog sort, in the order the
     left side binds them; `stored` names the tensor and axes variables of each
-    `load(store(...))` in it, in pre-order).  The `__stamp` ruleset then moves new rows into
-    `when_<rs>`, whose value is the iteration they were first applied in.  The rule itself is
-    left alone: an action of its own would make a rewrite that adds nothing count as a change,
-    and egglog cannot read the iteration in a rule's actions (binding it in the query would
-    make every old match new again whenever it changes).
+    `load(store(...))` in it, in pre-order).  One relation serves every rule: its row has as
+    many slots of each sort as the widest rule needs (`widths`), unused ones padded.  The
+    `__stamp` rule then moves new rows into the function `when`, whose value is the iteration
+    they were first applied in.  The rule itself is left alone: an action of its own would
+    make a rewrite that adds nothing count as a change, and egglog cannot read the iteration
+    in a rule's actions (binding it in the query would make every old match new again
+    whenever it changes).
     """
 
+    index: int
     ruleset: str
     rule: Rule
     lhs: Pattern
@@ -54,32 +61,53 @@ class Provenance:
     columns: tuple[tuple[str, str], ...]
     stored: tuple[tuple[str, str], ...]
 
-    def declarations(self) -> str:
-        sorts = " ".join(sort for _, sort in self.columns)
-        row = " ".join(["?__root", *(name for name, _ in self.columns)])
-        return (f"(relation fired_{self.ruleset} (Term {sorts}))\n"
-                f"(function when_{self.ruleset} (Term {sorts}) i64 :merge (min old new))\n"
-                f"(rule ((fired_{self.ruleset} {row}) (= ?__it ({ITERATION}))) "
-                f"((set (when_{self.ruleset} {row}) ?__it) (delete (fired_{self.ruleset} {row}))) "
-                f":ruleset {STAMP})")
-
-    def record(self, query: str) -> str:
-        """The rule that records the matches of `query`."""
-        row = " ".join(["?__root", *(name for name, _ in self.columns)])
-        return (f"(ruleset {self.recorder})\n"
-                f"(rule ({query}) ((fired_{self.ruleset} {row})) :ruleset {self.recorder})")
-
     @property
     def recorder(self) -> str:
         """The ruleset of the recording copy of the rule."""
         return f"record_{self.ruleset}"
+
+    def row(self, widths: Mapping[str, int]) -> str:
+        """The recorded row, in egglog syntax over the query's variables."""
+        out = [str(self.index), "?__root"]
+        for sort in SORTS:
+            names = [name for name, s in self.columns if s == sort]
+            out += names + [_PADDING[sort]] * (widths[sort] - len(names))
+        return " ".join(out)
+
+    def values(self, inputs: list, read: Mapping[str, Callable[[object], object]],
+               widths: Mapping[str, int]) -> dict[str, object]:
+        """The variables' values in a row of `when` (after its index and root)."""
+        out: dict[str, object] = {}
+        at = 2
+        for sort in SORTS:
+            names = [name for name, s in self.columns if s == sort]
+            out.update((name, read[sort](v)) for name, v in zip(names, inputs[at:]))
+            at += widths[sort]
+        return out
+
+
+def _provenance_text(provenance: Iterable[Provenance], queries: Iterable[str],
+                     widths: Mapping[str, int]) -> str:
+    """The `fired` relation, the `when` function, the stamp rule and every recording rule."""
+    sorts = " ".join(["i64", "Term", *(sort for sort in SORTS for _ in range(widths[sort]))])
+    row = " ".join(["?__r", "?__root", *(f"?__v{i}" for i in range(sum(widths.values())))])
+    lines = [f"(relation fired ({sorts}))",
+             f"(function when ({sorts}) i64 :merge (min old new))",
+             f"(ruleset {STAMP})",
+             f"(rule ((fired {row}) (= ?__it ({ITERATION}))) ((set (when {row}) ?__it) "
+             f"(delete (fired {row}))) :ruleset {STAMP})"]
+    for prov, query in zip(provenance, queries):
+        lines.append(f"(ruleset {prov.recorder})")
+        lines.append(f"(rule ({query}) ((fired {prov.row(widths)})) :ruleset {prov.recorder})")
+    return "\n".join(lines)
 
 
 class _RuleCompiler:
     """One direction of one rule as an egglog `rule`: a query (lhs + guards) and a union; and
     the rule recording its matches."""
 
-    def __init__(self, rule: Rule, lhs: Pattern, rhs: Pattern, egg_name: str, ruleset: str):
+    def __init__(self, rule: Rule, lhs: Pattern, rhs: Pattern, egg_name: str, ruleset: str,
+                 index: int):
         self.rule = rule
         self.facts: list[str] = []
         self.fresh = 0
@@ -95,12 +123,11 @@ class _RuleCompiler:
         for g in rule.guards:
             self.guard(g)
         out = self.rhs(rhs)
-        self.provenance = Provenance(ruleset, rule, lhs, rhs, tuple(self.columns.items()),
-                                     tuple(self.stored))
-        query = " ".join(self.facts)
-        self.text = (f"(rule ({query}) ((union ?__root {out})) "
-                     f":ruleset {ruleset} :name {_q(egg_name)})\n"
-                     f"{self.provenance.declarations()}\n{self.provenance.record(query)}")
+        self.provenance = Provenance(index, ruleset, rule, lhs, rhs,
+                                     tuple(self.columns.items()), tuple(self.stored))
+        self.query = " ".join(self.facts)
+        self.text = (f"(rule ({self.query}) ((union ?__root {out})) "
+                     f":ruleset {ruleset} :name {_q(egg_name)})")
 
     def error(self, message: str) -> NoReturn:
         span = self.rule.span or Span("<rules>", 1, 1)
@@ -267,7 +294,6 @@ _PRELUDE = f"""
 (function atrips (String) f64 :merge old)
 (function {ITERATION} () i64 :merge new)
 (ruleset {ANALYSIS})
-(ruleset {STAMP})
 """
 
 
@@ -281,6 +307,7 @@ class CompiledPack:
     stages: tuple[Stage, ...]
     ground_loads: tuple[Load, ...]
     provenance: dict[str, Provenance]  # egglog ruleset -> how its rule records firings
+    widths: dict[str, int]  # slots of each sort in a provenance row
 
 
 def compile_pack(pack: RulePack, rules: Iterable[Rule] | None = None) -> CompiledPack:
@@ -293,18 +320,23 @@ def compile_pack(pack: RulePack, rules: Iterable[Rule] | None = None) -> Compile
     egg_rules: dict[str, str] = {}
     loads: list[Load] = []
     provenance: dict[str, Provenance] = {}
+    queries: list[str] = []
     for i, rule in enumerate(chosen):
         for j, (name, lhs, rhs) in enumerate(_egg_rules(rule)):
             rs = f"r{i}_{j}"
-            compiled = _RuleCompiler(rule, lhs, rhs, name, rs)
+            compiled = _RuleCompiler(rule, lhs, rhs, name, rs, len(provenance))
             lines.append(f"(ruleset {rs})")
             lines.append(compiled.text)
             loads.extend(compiled.ground_loads)
             rulesets.setdefault(rule.ruleset, []).append(rs)
             egg_rules[rs] = name
             provenance[rs] = compiled.provenance
+            queries.append(compiled.query)
+    widths = {sort: max((sum(s == sort for _, s in p.columns) for p in provenance.values()),
+                        default=0) for sort in SORTS}
+    lines.append(_provenance_text(provenance.values(), queries, widths))
     return CompiledPack("\n".join(lines), rulesets, egg_rules, _stages(pack, rulesets),
-                        tuple(dict.fromkeys(loads)), provenance)
+                        tuple(dict.fromkeys(loads)), provenance, widths)
 
 
 def _stages(pack: RulePack, rulesets: Mapping[str, list[str]]) -> tuple[Stage, ...]:

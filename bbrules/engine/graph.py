@@ -8,7 +8,7 @@ from typing import Mapping
 from egglog.bindings import EGraph
 
 from ..ir import Node, children
-from .compile import Provenance
+from .compile import CompiledPack
 from .terms import TERM_CONSTRUCTORS, ENode, decode, enode_key
 
 
@@ -71,7 +71,9 @@ class ClassGraph:
 
 
 def read_back(egraph: EGraph, roots: Mapping[str, str],
-              provenance: Mapping[str, Provenance] | None = None) -> ClassGraph:
+              provenance: CompiledPack | None = None) -> ClassGraph:
+    """The e-graph's e-classes and roots, and with `provenance` (the pack that recorded them)
+    its recorded firings."""
     frozen = egraph.freeze()
     ids: dict[object, int] = {}
 
@@ -93,10 +95,13 @@ def read_back(egraph: EGraph, roots: Mapping[str, str],
         fn = frozen.functions[g]
         named[key] = cid(fn.rows[0].output)
     firings = []
-    for rs, prov in (provenance or {}).items():
+    if provenance is not None:
+        by_index = list(provenance.provenance.values())
         read = {"Term": cid, "String": egraph.value_to_string, "f64": egraph.value_to_f64}
-        for row in frozen.functions[f"when_{rs}"].rows:
-            values = {name: read[sort](v) for (name, sort), v in zip(prov.columns, row.inputs[1:])}
-            firings.append(Firing(rs, cid(row.inputs[0]), values, egraph.value_to_i64(row.output)))
+        for row in frozen.functions["when"].rows:
+            prov = by_index[egraph.value_to_i64(row.inputs[0])]
+            values = prov.values(row.inputs, read, provenance.widths)
+            firings.append(Firing(prov.ruleset, cid(row.inputs[1]), values,
+                                  egraph.value_to_i64(row.output)))
     return ClassGraph({c: tuple(dict.fromkeys(ns)) for c, ns in classes.items()}, named,
                       tuple(firings))

@@ -207,8 +207,7 @@ class Saturator:
     def freeze(self, provenance: bool = False) -> ClassGraph:
         """The current e-graph as e-classes of e-nodes, with the class of every root, and with
         `provenance` the recorded firings of every rule."""
-        return read_back(self.egraph, self.roots,
-                         self.compiled.provenance if provenance else None)
+        return read_back(self.egraph, self.roots, self.compiled if provenance else None)
 
     def rule_stats(self, graph: ClassGraph) -> list[RuleStats]:
         """Per-rule statistics, applications counted in `graph` (frozen with provenance)."""
