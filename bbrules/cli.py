@@ -309,7 +309,10 @@ def _apply_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-o", "--output", metavar="OUT.bbk",
                    help="write the fused block program (readable by show, cost, run, codegen)")
     p.add_argument("--explain", action="store_true",
-                   help="print the chain of rules that turned the input into the output")
+                   help="print the chain of rule applications that turns the input into the "
+                        "output, each with the rule's file:line and the subterm it rewrote")
+    p.add_argument("--stats", action="store_true",
+                   help="print per-rule statistics: matches, applications, time")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
@@ -328,8 +331,10 @@ def cmd_apply(args: argparse.Namespace) -> int:
         print(json.dumps(result.to_json(), indent=2, default=_finite))
         return 0
     print(fusion_report(result))
+    if args.stats:
+        print("\n" + rule_table(result))
     if args.explain:
-        print("\nrules applied, in the order they first fired:")
+        print("\nrule applications from the input to the output, in replay order:")
         for line in result.explain():
             print(f"  {line}")
     if args.output:
@@ -363,6 +368,16 @@ def fusion_report(r: FuseResult) -> str:
     x = r.extraction
     lines.append(f"extraction: {x.method}, {x.candidates} candidates costed, {x.rejected} "
                  f"rejected, {x.seconds:.2f} s")
+    return "\n".join(lines)
+
+
+def rule_table(r: FuseResult) -> str:
+    """Per-rule statistics, the rules that matched most first (the others are counted)."""
+    used = sorted((s for s in r.rules if s.matches), key=lambda s: (-s.matches, s.rule))
+    lines = [f"{'rule':20} {'matches':>8} {'applications':>13} {'time':>9}"]
+    lines += [f"{s.rule:20} {s.matches:8} {s.applications:13} {s.seconds * 1e3:7.2f} ms"
+              for s in used]
+    lines.append(f"{len(r.rules) - len(used)} other rules never matched")
     return "\n".join(lines)
 
 

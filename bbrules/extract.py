@@ -17,7 +17,7 @@ dropped.
 The search.  Candidates are checked by rebuilding them as IR and recomputing every kernel's
 types from the chosen nodes (`ir.type_of`, `ir.sched_deps`; `ir.validate` on the result), not
 from the e-class analysis, so an ill-scoped choice is rejected.  When the space reachable from
-the outputs has at most `EXHAUSTIVE_LIMIT` candidates it is enumerated.  Otherwise a local
+the outputs has at most `Options.exhaustive_limit` candidates it is enumerated.  Otherwise a local
 search runs from two seeds: the input program itself, and a forward-everything program picked
 by a tree cost that multiplies a loop body by its trip count (so nested loop-invariant
 reductions, which the scheduler would run as separate passes, look expensive).  It takes the
@@ -47,15 +47,9 @@ from .cost import ProgramCost, cost_kernel, cost_program
 from .engine import ClassGraph, ENode
 from .ir import (BlockProgram, IRError, Load, Node, Store, TensorDecl,
                  TileType, postorder, sched_deps, show_program, type_of, validate)
+from .options import Options
 from .targets import Target
 
-EXHAUSTIVE_LIMIT = 1000  # candidates: at about half a millisecond each, at most half a second
-MAX_EVALUATIONS = 2_000  # local search builds at most this many candidates per extraction
-MOVES_PER_CLASS = 12  # options of one class a local search step tries
-RELEASE_USERS = 4  # a shared class is released only from at most this many users at once
-RELEASE_WAYS = 3  # options per user a release move combines
-RELEASE_MOVES = 4  # release moves per shared class
-FOLLOWUP_SLACK = 2.0  # a move is combined with follow-ups only if at most this much costlier
 _COMMUTATIVE = {"add", "mul", "max", "min"}
 
 Slot: TypeAlias = int | str  # an e-class's use choice, or a stored tensor's definition choice
@@ -118,8 +112,10 @@ class Extractor:
     """Builds and prices candidates from one saturated e-graph."""
 
     def __init__(self, graph: ClassGraph, source: BlockProgram, target: Target,
-                 objective: str = "time", max_kernels: int | None = None):
+                 objective: str = "time", max_kernels: int | None = None,
+                 knobs: Options = Options()):
         self.graph = graph
+        self.knobs = knobs
         self.source = source
         self.target = target
         self.objective = objective
@@ -336,12 +332,12 @@ class Extractor:
 
     def alternatives(self, c: int) -> list[int]:
         """The options of class c a local search step tries: all of them, or in a class
-        swollen by associativity the `MOVES_PER_CLASS` lowest by tree cost."""
+        swollen by associativity the `Options.moves_per_class` lowest by tree cost."""
         if c not in self.shortlist:
             costs = self.tree_cost_table()
             ranked = sorted(range(len(self.options[c])),
                             key=lambda i: (self.node_tree_cost(self.options[c][i], costs), i))
-            self.shortlist[c] = ranked[:MOVES_PER_CLASS]
+            self.shortlist[c] = ranked[:self.knobs.moves_per_class]
         return self.shortlist[c]
 
     def tree_cost_table(self) -> dict[int, tuple[int, float]]:
@@ -392,7 +388,7 @@ class Extractor:
             found = self.evaluate(moved)
             if found is not None and found[0] < key:
                 return n, found, moved
-            if deep and (found is None or _near(found[0], key)):
+            if deep and (found is None or _near(found[0], key, self.knobs.followup_slack)):
                 for extra in self.followups(moved, None if found is None else found[1], built):
                     if self.built >= budget:
                         return None
@@ -464,9 +460,9 @@ class Extractor:
         A value that sibling terms share costs until its last user stops needing it: the
         sum of squares that RMSNorm's gate and up projections both scale by disappears from
         its own pass over the row only when both switch to the form that sinks it into their
-        loop, and each switch alone costs more.  With up to `RELEASE_USERS` users, each
-        user's `RELEASE_WAYS` best options (by tree cost) that do not use the class are
-        combined, fewest rank points first, `RELEASE_MOVES` combinations per class.
+        loop, and each switch alone costs more.  With up to `Options.release_users` users,
+        each user's `release_ways` best options (by tree cost) that do not use the class are
+        combined, fewest rank points first, `release_moves` combinations per class.
         """
         users: dict[int, list[Slot]] = {}
         for slot in (*built.reached, *built.defined):
@@ -477,12 +473,13 @@ class Extractor:
                 users.setdefault(k, []).append(slot)
         out: list[Move] = []
         for shared, slots in users.items():
-            if not 2 <= len(slots) <= RELEASE_USERS:
+            if not 2 <= len(slots) <= self.knobs.release_users:
                 continue
-            ways = [self.without(choice, s, shared)[:RELEASE_WAYS] for s in slots]
+            ways = [self.without(choice, s, shared)[:self.knobs.release_ways] for s in slots]
             if not all(ways):
                 continue
-            combos = sorted(product(*(range(len(w)) for w in ways)), key=sum)[:RELEASE_MOVES]
+            combos = sorted(product(*(range(len(w)) for w in ways)),
+                            key=sum)[:self.knobs.release_moves]
             out += [tuple((s, w[r]) for s, w, r in zip(slots, ways, ranks)) for ranks in combos]
         return out
 
@@ -528,13 +525,15 @@ class Extractor:
 
 
 def extract(graph: ClassGraph, source: BlockProgram, target: Target, objective: str = "time",
-            max_kernels: int | None = None) -> tuple[BlockProgram, ProgramCost, ExtractStats]:
+            max_kernels: int | None = None, options: Options = Options()
+            ) -> tuple[BlockProgram, ProgramCost, ExtractStats]:
     """The cheapest valid program in `graph` equivalent to `source` (never costlier)."""
     start = time.perf_counter()
-    ex = Extractor(graph, source, target, objective, max_kernels)
-    candidates = list(ex.space(EXHAUSTIVE_LIMIT))
+    ex = Extractor(graph, source, target, objective, max_kernels, options)
+    limit = options.exhaustive_limit
+    candidates = list(ex.space(limit))
     found: list[tuple[tuple, Built]] = []
-    if len(candidates) <= EXHAUSTIVE_LIMIT:
+    if len(candidates) <= limit:
         method = "exhaustive"
         found = [r for r in map(ex.evaluate, candidates) if r is not None]
     else:
@@ -542,7 +541,8 @@ def extract(graph: ClassGraph, source: BlockProgram, target: Target, objective: 
         seeds = (ex.seed_from(source), ex.default_choice())
         for n, seed in enumerate(seeds):
             # Each seed may build an equal share of what the earlier ones left.
-            r = ex.local_search(seed, ex.built + (MAX_EVALUATIONS - ex.built) // (len(seeds) - n))
+            r = ex.local_search(seed, ex.built + (options.max_evaluations - ex.built)
+                               // (len(seeds) - n))
             if r is not None:
                 found.append(r)
     original = ex.price(source)
@@ -563,11 +563,11 @@ def extract(graph: ClassGraph, source: BlockProgram, target: Target, objective: 
 # --------------------------------------------------------------------------------------------
 
 
-def _near(key: tuple, current: tuple) -> bool:
-    """Is a candidate within `FOLLOWUP_SLACK` of the current one, so that one more change
+def _near(key: tuple, current: tuple, slack: float) -> bool:
+    """Is a candidate within `slack` times the current one, so that one more change
     below it may make it cheaper?  (A move that is invalid as built also qualifies: its
     defaults may be what breaks it.)"""
-    return key[0] == current[0] and key[1] <= current[1] * FOLLOWUP_SLACK
+    return key[0] == current[0] and key[1] <= current[1] * slack
 
 
 def _prune(nodes: tuple[ENode, ...]) -> tuple[ENode, ...]:

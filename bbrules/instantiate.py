@@ -14,34 +14,19 @@ say about it.
 
 from __future__ import annotations
 
-import operator
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
-from typing import Callable, Mapping
+from typing import Mapping
 
-import numpy as np
-
-from .ir import (BUILTIN_MONOIDS, BlockReduce, Const, Dim, IRError, Load, Monoid, Node, Sort,
-                 Store, TensorDecl, TileType, Tuple, Type, attrs, children, map_attrs,
-                 show_node, type_of)
-from .ops import BINARY, UNARY
-from .rule import (AxisEq, AxisIn, AxisSize, CExpr, ConstCmp, Guard, PAxis, Pattern, PConst,
-                   PMonoid, PVar, Rule, Stored, TripsEq)
-
-_COMPARE: dict[str, Callable[[float, float], bool]] = {
-    "<": operator.lt, "<=": operator.le, ">": operator.gt, ">=": operator.ge,
-    "==": operator.eq, "!=": operator.ne,
-}
-
+from .ir import (BUILTIN_MONOIDS, BlockReduce, Dim, Load, Monoid, Node, Store, TensorDecl,
+                 TileType, Tuple, attrs, children, show_node)
+from .patterns import Binding, NotInstantiable, checked_type
+from .rule import AxisSize, CExpr, ConstCmp, PAxis, Pattern, PConst, PMonoid, PVar, Rule, Stored
 
 def flipped(rule: Rule) -> Rule:
     """The right-to-left direction of a two-way rule, as a rule of its own."""
     return replace(rule, lhs=rule.rhs, rhs=rule.lhs)
-
-
-class NotInstantiable(Exception):
-    """The random choices do not give a well-formed term (the caller tries other choices)."""
 
 
 def subpatterns(p: Pattern) -> Iterator[Pattern]:
@@ -79,14 +64,10 @@ def variables(p: Pattern) -> dict[str, str]:
 
 
 @dataclass
-class Instance:
+class Instance(Binding):
     """One binding of a rule's variables, with the dims and input tensors it introduces."""
 
-    dims: dict[str, Dim]
-    axes: dict[str, str] = field(default_factory=dict)
-    monoids: dict[str, Monoid] = field(default_factory=dict)
-    values: dict[str, Node] = field(default_factory=dict)
-    consts: dict[str, float] = field(default_factory=dict)
+    dims: dict[str, Dim] = field(default_factory=dict)
     inputs: dict[str, TensorDecl] = field(default_factory=dict)
 
     def describe(self) -> str:
@@ -97,41 +78,10 @@ class Instance:
         parts += [f"{v} = {c!r}" for v, c in self.consts.items()]
         return ", ".join(parts)
 
-    def constant(self, e: Const | PConst | AxisSize | CExpr) -> float:
-        """The value of a constant pattern under this binding."""
-        match e:
-            case Const(v):
-                return v
-            case PConst(name):
-                return self.consts[name]
-            case AxisSize(kind, axis):
-                d = self.dims[self.axes[axis]]
-                return float({"block": d.block, "extent": d.extent, "trips": d.blocks}[kind])
-            case CExpr(op, args):
-                fn = (UNARY[op] if len(args) == 1 else BINARY[op]).numpy
-                with np.errstate(all="ignore"):
-                    return float(fn(*(np.float64(self.constant(a)) for a in args)))
-        raise AssertionError(e)
-
     def build(self, p: Pattern, stored: dict[Node, Store]) -> Node:
         """The IR term `p` stands for.  `load(store(v))` becomes a load of a tensor that a
         kernel in `stored` (shared by both sides of a rule) writes."""
-        match p:
-            case PVar(name):
-                return self.values[name]
-            case PConst() | CExpr() | AxisSize():
-                return Const(self.constant(p))
-            case Stored(v):
-                return self.stored(self.build(v, stored), stored)
-        kids = tuple(self.build(c, stored) for c in children(p))
-        return map_attrs(map_attrs(p, Sort.AXIS, self.axis, kids), Sort.MONOID, self.monoid,
-                         kids)
-
-    def axis(self, a: str | PAxis) -> str:
-        return self.axes[a.name] if isinstance(a, PAxis) else a
-
-    def monoid(self, m: Monoid | PMonoid) -> Monoid:
-        return self.monoids[m.name] if isinstance(m, PMonoid) else m
+        return super().build(p, lambda value: self.stored(value, stored))
 
     @staticmethod
     def stored(value: Node, stored: dict[Node, Store]) -> Node:
@@ -142,28 +92,6 @@ class Instance:
             stored[value] = Store(f"st{len(stored)}", tuple(sorted(t.shape)), value)
         k = stored[value]
         return Load(k.tensor, k.axes)
-
-    def holds(self, g: Guard) -> bool:
-        match g:
-            case AxisIn(axis, analysis, var, negated):
-                t = checked_type(self.values[var])
-                parts = (t,) if isinstance(t, TileType) else t
-                axes = frozenset().union(*(getattr(p, analysis) for p in parts))
-                return (self.axes[axis] in axes) != negated
-            case AxisEq(left, right, negated):
-                return (self.axes[left] == self.axes[right]) != negated
-            case TripsEq(left, right):
-                return self.dims[self.axes[left]].blocks == self.dims[self.axes[right]].blocks
-            case ConstCmp(var, op, value):
-                return _COMPARE[op](self.consts[var], self.constant(value))
-        raise AssertionError(g)
-
-
-def checked_type(n: Node) -> Type:
-    try:
-        return type_of(n)
-    except IRError as e:
-        raise NotInstantiable(str(e)) from None
 
 
 class _Sampler:

@@ -2,12 +2,14 @@
 
 Each operator has its numpy implementation (used by the dense evaluator, the reference
 interpreter and the numpy backend), a flop count per element (used by the cost model), and a
-CUDA C expression template over float operands `{x}` / `{y}` (used by the CUDA backend).
+CUDA C expression template over float operands `{x}` / `{y}` (used by the CUDA backend), and,
+for the operators rules may fold on constants, its egglog f64 spelling (used by the engine).
 Adding an operator here makes it known to the whole pipeline.
 """
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Callable
 
@@ -20,6 +22,7 @@ class OpInfo:
     numpy: Callable[..., np.ndarray]
     flops: int
     cuda: str
+    f64: str = ""  # egglog f64 arithmetic over `{x}` / `{y}`, for folding constants in rules
 
 
 def _sigmoid(x: np.ndarray) -> np.ndarray:
@@ -31,21 +34,23 @@ def _gelu(x: np.ndarray) -> np.ndarray:
     return 0.5 * x * (1.0 + np.tanh(0.7978845608028654 * (x + 0.044715 * x * x * x)))
 
 
-def _unary(name: str, fn: Callable[[np.ndarray], np.ndarray], flops: int, cuda: str) -> OpInfo:
-    return OpInfo(name, fn, flops, cuda)
+def _unary(name: str, fn: Callable[[np.ndarray], np.ndarray], flops: int, cuda: str,
+           f64: str = "") -> OpInfo:
+    return OpInfo(name, fn, flops, cuda, f64)
 
 
 UNARY: dict[str, OpInfo] = {
     op.name: op
     for op in (
-        _unary("exp", np.exp, 1, "expf({x})"),
-        _unary("log", np.log, 1, "logf({x})"),
-        _unary("sqrt", np.sqrt, 1, "sqrtf({x})"),
-        _unary("rsqrt", lambda x: 1.0 / np.sqrt(x), 1, "rsqrtf({x})"),
-        _unary("recip", lambda x: 1.0 / x, 1, "(1.0f / ({x}))"),
-        _unary("abs", np.abs, 1, "fabsf({x})"),
-        _unary("neg", np.negative, 1, "(-({x}))"),
-        _unary("square", np.square, 1, "(({x}) * ({x}))"),
+        _unary("exp", np.exp, 1, "expf({x})", "(exp {x})"),
+        _unary("log", np.log, 1, "logf({x})", "(log {x})"),
+        _unary("sqrt", np.sqrt, 1, "sqrtf({x})", "(sqrt {x})"),
+        _unary("rsqrt", lambda x: 1.0 / np.sqrt(x), 1, "rsqrtf({x})",
+               "(/ 1.0 (sqrt {x}))"),
+        _unary("recip", lambda x: 1.0 / x, 1, "(1.0f / ({x}))", "(/ 1.0 {x})"),
+        _unary("abs", np.abs, 1, "fabsf({x})", "(abs {x})"),
+        _unary("neg", np.negative, 1, "(-({x}))", "(neg {x})"),
+        _unary("square", np.square, 1, "(({x}) * ({x}))", "(* {x} {x})"),
         _unary("relu", lambda x: np.maximum(x, 0.0), 1, "fmaxf({x}, 0.0f)"),
         _unary("sigmoid", _sigmoid, 4, "(1.0f / (1.0f + expf(-({x}))))"),
         _unary("silu", lambda x: x * _sigmoid(x), 5, "(({x}) / (1.0f + expf(-({x}))))"),
@@ -58,12 +63,12 @@ UNARY: dict[str, OpInfo] = {
 BINARY: dict[str, OpInfo] = {
     op.name: op
     for op in (
-        OpInfo("add", np.add, 1, "(({x}) + ({y}))"),
-        OpInfo("sub", np.subtract, 1, "(({x}) - ({y}))"),
-        OpInfo("mul", np.multiply, 1, "(({x}) * ({y}))"),
-        OpInfo("div", np.divide, 1, "(({x}) / ({y}))"),
-        OpInfo("max", np.maximum, 1, "fmaxf({x}, {y})"),
-        OpInfo("min", np.minimum, 1, "fminf({x}, {y})"),
+        OpInfo("add", np.add, 1, "(({x}) + ({y}))", "(+ {x} {y})"),
+        OpInfo("sub", np.subtract, 1, "(({x}) - ({y}))", "(- {x} {y})"),
+        OpInfo("mul", np.multiply, 1, "(({x}) * ({y}))", "(* {x} {y})"),
+        OpInfo("div", np.divide, 1, "(({x}) / ({y}))", "(/ {x} {y})"),
+        OpInfo("max", np.maximum, 1, "fmaxf({x}, {y})", "(max {x} {y})"),
+        OpInfo("min", np.minimum, 1, "fminf({x}, {y})", "(min {x} {y})"),
     )
 }
 
@@ -84,4 +89,11 @@ TILE_REDUCE: dict[str, OpInfo] = {
     "sum": OpInfo("sum", np.sum, 1, "(({x}) + ({y}))"),
     "max": OpInfo("max", np.max, 1, "fmaxf({x}, {y})"),
     "min": OpInfo("min", np.min, 1, "fminf({x}, {y})"),
+}
+
+
+# Comparisons a rule's guard may make on constants: Python's operator and egglog's spelling.
+COMPARE: dict[str, tuple[Callable[[float, float], bool], str]] = {
+    "<": (operator.lt, "<"), "<=": (operator.le, "<="), ">": (operator.gt, ">"),
+    ">=": (operator.ge, ">="), "==": (operator.eq, "="), "!=": (operator.ne, "!="),
 }

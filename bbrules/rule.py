@@ -8,8 +8,8 @@ A pattern is an IR term (`bbrules.ir` node classes) in which
 
 Every variable keeps its `?` in its name, as the rule text writes it.
 
-The parser (`bbrules.rulefile`) builds these; the engine (`bbrules.engine`) compiles them to
-egglog; the soundness checker (`bbrules.soundness`) instantiates them on random tiles.
+The parser (`bbrules.rulefile`) builds these; the engine (`bbrules.engine.compile`) compiles
+them to egglog; the soundness checker (`bbrules.soundness`) instantiates them on random tiles.
 """
 
 from __future__ import annotations

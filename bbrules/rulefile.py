@@ -25,9 +25,10 @@ from lark import Token
 from .errors import SourceError, Span
 from .exprsyntax import (Call, Expr, ExprTransformer, Indexed, MonoidDecl, Name, Num, PatVar,
                          Resolver, Scope, Size, article, parse, resolve_monoid)
-from .instantiate import NotInstantiable, checked_type, flipped, instances
+from .instantiate import flipped, instances
 from .ir import (BUILTIN_MONOIDS, IRError, Load, Monoid, Node, Store, TileType, Type,
                  postorder, show_node, type_of)
+from .patterns import NotInstantiable, checked_type
 from .rule import AxisEq, AxisIn, Check, ConstCmp, Guard, PConst, Rule, RulePack, Stage, TripsEq
 
 # Declarations as parsed, before resolution ---------------------------------------------------

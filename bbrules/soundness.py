@@ -22,10 +22,11 @@ from typing import Mapping
 
 import numpy as np
 
-from .instantiate import Instance, NotInstantiable, checked_type, flipped, instances
+from .instantiate import Instance, flipped, instances
 from .interp import run
 from .ir import (BUILTIN_MONOIDS, SUM, BlockProgram, Get, IRError, Monoid, Node, Reduce, Store,
                  TensorDecl, TileType, show_node, tile_type, type_of, validate)
+from .patterns import NotInstantiable, checked_type
 from .rule import Rule, RulePack
 
 RTOL = 1e-4

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from bbrules.engine import (Budget, Saturator, compile_pack, rename_axes)
+from bbrules.ir import rename_axes
+from bbrules.engine import Budget, Saturator, compile_pack
+from bbrules.options import Options
 from bbrules.errors import SourceError
 from bbrules.frontend import parse_program
 from bbrules.ir import (SUM, BlockReduce, Binary, Const, Dot, Load, Reduce, Tuple, Get, Unary,
@@ -19,9 +21,10 @@ C = Load("C", ("k",))
 DIMS = {"q": (8, 4), "k": (16, 4), "d": (4, 4)}
 
 
-def saturate(text: str, terms: dict, dims=DIMS, budget: Budget = Budget()):
+def saturate(text: str, terms: dict, dims=DIMS, budget: Budget = Budget(),
+             options: Options = Options()):
     pack = parse_rules(text, "test.bbr")
-    sat = Saturator(compile_pack(pack), dims)
+    sat = Saturator(compile_pack(pack), dims, options)
     sat.add_terms(terms)
     stats = sat.run(budget)
     return sat, stats, sat.freeze()
@@ -37,6 +40,24 @@ def test_rule_rewrites_and_keeps_both_forms():
     assert g.lookup(hoist) == g.named["t"]
     assert stats[-1].stop == "saturated"
     assert stats[-1].matches == {"hoist": 1}
+
+
+def test_firings_are_recorded_with_their_class_bindings_and_iteration():
+    hoist = Reduce("k", "sum", Binary("mul", BlockReduce("sum", "k", A), B))
+    sat, _, _ = saturate(
+        "rule hoist: reduce(?a, sum, ?x * ?s) => reduce(?a, sum, ?x) * ?s "
+        "when ?a not in deps(?s)\n"
+        "rule one: reduce(?a, sum, ?x) * ?s => reduce(?a, sum, ?x) * ?s * 1.0", {"t": hoist})
+    g = sat.freeze(provenance=True)
+    x = g.lookup(BlockReduce("sum", "k", A))
+    by_rule = {(sat.compiled.egg_rules[f.ruleset], f.values["?x"]): f for f in g.firings}
+    first, second = by_rule["hoist", x], by_rule["one", x]
+    assert first.root == g.named["t"] and first.iteration == 1
+    assert first.values == {"?x": x, "?s": g.lookup(B), "?a": "k"}
+    assert second.iteration == 2  # its left side exists only after hoist
+    # `one` also matches reduce(k, sum, x * s) * 1.0, which it built itself.
+    assert by_rule["one", g.lookup(Binary("mul", BlockReduce("sum", "k", A), B))].iteration == 3
+    assert {s.rule: s.applications for s in sat.rule_stats(g)} == {"hoist": 1, "one": 2}
 
 
 def test_not_in_deps_guard_blocks_a_factor_that_varies_along_the_loop():
@@ -191,10 +212,9 @@ stage later: other
     assert [s.stop for s in stats] == ["node limit", "skipped"]
 
 
-def test_backoff_bans_a_rule_that_matches_too_much(monkeypatch):
-    import bbrules.engine as engine
-    monkeypatch.setattr(engine, "MATCH_LIMIT", 3)
-    sat, stats, _ = saturate(EXPLODE, {"t": _chain(6)}, budget=Budget(iterations=4))
+def test_backoff_bans_a_rule_that_matches_too_much():
+    sat, stats, _ = saturate(EXPLODE, {"t": _chain(6)}, budget=Budget(iterations=4),
+                             options=Options(match_limit=3))
     per_iteration = {}
     for it, rule, n in sat.fired:
         per_iteration.setdefault(rule, []).append(it)

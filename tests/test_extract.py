@@ -17,6 +17,7 @@ from bbrules.frontend import load_program, parse_program
 from bbrules.ir import (SUM, MAX, BlockProgram, BlockReduce, Binary, Const, Dot, Load, Reduce, Store,
                         TensorDecl, Tuple, Unary, Dim, postorder, show_program)
 from bbrules.lower import lower
+from bbrules.options import Options
 from bbrules.packs import load_packs
 from bbrules.rulefile import parse_rules
 from bbrules.targets import get_target
@@ -87,13 +88,12 @@ def test_three_pass_and_two_loop_forms_are_in_the_egraph_but_not_extracted(pack)
     # gets 16/132 of an H100, so by time materialising S (on a 256-point grid) is cheapest;
     # by traffic the one-kernel form is.  Either way local search finds the optimum.
     ("self_attention.bbp", "time"), ("self_attention.bbp", "traffic")])
-def test_local_search_agrees_with_exhaustive_search(pack, example, objective, monkeypatch):
+def test_local_search_agrees_with_exhaustive_search(pack, example, objective):
     p = lower(load_program(EXAMPLES / example))
     g = saturated(p, pack)
-    monkeypatch.setattr(extract_module, "EXHAUSTIVE_LIMIT", 5_000)
-    exhaustive, cost_a, stats_a = extract(g, p, H100, objective)
-    monkeypatch.setattr(extract_module, "EXHAUSTIVE_LIMIT", 0)
-    local, cost_b, stats_b = extract(g, p, H100, objective)
+    exhaustive, cost_a, stats_a = extract(g, p, H100, objective,
+                                          options=Options(exhaustive_limit=5_000))
+    local, cost_b, stats_b = extract(g, p, H100, objective, options=Options(exhaustive_limit=0))
     assert (stats_a.method, stats_b.method) == ("exhaustive", "local search")
     assert stats_b.candidates < stats_a.candidates
     assert cost_b.key(objective) == cost_a.key(objective)
@@ -117,7 +117,7 @@ output O
 def descend_from_input(graph: ClassGraph, p: BlockProgram) -> BlockProgram:
     """The local optimum the search reaches from the unfused program alone."""
     ex = Extractor(graph, p, H100)
-    found = ex.local_search(ex.seed_from(p), extract_module.MAX_EVALUATIONS)
+    found = ex.local_search(ex.seed_from(p), Options().max_evaluations)
     assert found is not None
     return found[1].program
 

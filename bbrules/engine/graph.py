@@ -1,0 +1,108 @@
+"""Reading the saturated e-graph back: e-classes of e-nodes, for extraction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from egglog.bindings import EGraph
+
+from ..ir import Node, children
+from .compile import CompiledPack
+from .terms import TERM_CONSTRUCTORS, ENode, decode, enode_key
+
+
+@dataclass(frozen=True)
+class Firing:
+    """One recorded application of a rule direction (egglog ruleset `ruleset`): the e-class
+    its left side matched, its variables' values (e-class ids for value variables, strings
+    for axes, monoids and stored loads' tensors and axes, floats for constants) and the
+    iteration it first happened in."""
+
+    ruleset: str
+    root: int
+    values: dict[str, object]
+    iteration: int
+
+
+@dataclass
+class ClassGraph:
+    """A frozen e-graph: e-classes (ids from 0, in a deterministic order) and their e-nodes."""
+
+    classes: dict[int, tuple[ENode, ...]]
+    named: dict[str, int]  # e-class of every term added by name (roots, check terms)
+    firings: tuple[Firing, ...] = ()  # read back only when asked for
+    index: dict[tuple, int] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        # An e-node (kind, attrs, child classes) lives in exactly one e-class.  A load is
+        # identified by tensor and axes alone: the value it carries follows from them.
+        self.index = {}
+        for c, nodes in self.classes.items():
+            for n in nodes:
+                kids = () if n.kind == "Load" else n.children
+                self.index[(n.kind, n.attrs, kids)] = c
+
+    @property
+    def n_nodes(self) -> int:
+        return sum(len(ns) for ns in self.classes.values())
+
+    def enode_of(self, n: Node) -> ENode | None:
+        """The e-node representing IR node `n`, if its whole term is in the graph."""
+        kind, attrs = enode_key(n)
+        kids = tuple(self.lookup(c) for c in children(n))
+        if any(k is None for k in kids):
+            return None
+        key = (kind, attrs, () if kind == "Load" else kids)
+        c = self.index.get(key)
+        if c is None:
+            return None
+        return next(e for e in self.classes[c] if (e.kind, e.attrs) == (kind, attrs)
+                    and (kind == "Load" or e.children == kids))
+
+    def lookup(self, n: Node) -> int | None:
+        """The e-class of IR term `n`, or None if the term is not represented."""
+        kind, attrs = enode_key(n)
+        kids = tuple(self.lookup(c) for c in children(n))
+        if any(k is None for k in kids):
+            return None
+        return self.index.get((kind, attrs, () if kind == "Load" else kids))
+
+
+
+def read_back(egraph: EGraph, roots: Mapping[str, str], compiled: CompiledPack,
+              provenance: bool = False) -> ClassGraph:
+    """The e-graph's e-classes and roots (monoid names read as `compiled`'s monoids), and with
+    `provenance` the firings its rules recorded."""
+    frozen = egraph.freeze()
+    ids: dict[object, int] = {}
+
+    def cid(v: object) -> int:
+        return ids.setdefault(v, len(ids))
+
+    classes: dict[int, list[ENode]] = {}
+    for name in TERM_CONSTRUCTORS:
+        fn = frozen.functions.get(name)
+        if fn is None:
+            continue
+        for row in fn.rows:
+            if row.subsumed:
+                continue
+            node = decode(egraph, name, row.inputs, cid, compiled.monoids)
+            classes.setdefault(cid(row.output), []).append(node)
+    named = {}
+    for key, g in roots.items():
+        fn = frozen.functions[g]
+        named[key] = cid(fn.rows[0].output)
+    firings = []
+    if provenance:
+        by_index = list(compiled.provenance.values())
+        read = {"Term": cid, "String": egraph.value_to_string, "f64": egraph.value_to_f64}
+        for row in frozen.functions["when"].rows:
+            prov = by_index[egraph.value_to_i64(row.inputs[0])]
+            values = prov.values(row.inputs, read, compiled.widths)
+            values.update((v, compiled.monoids[values[v]]) for v in prov.monoid_vars)
+            firings.append(Firing(prov.ruleset, cid(row.inputs[1]), values,
+                                  egraph.value_to_i64(row.output)))
+    return ClassGraph({c: tuple(dict.fromkeys(ns)) for c, ns in classes.items()}, named,
+                      tuple(firings))

@@ -1,0 +1,331 @@
+"""Explanations from provenance: the rule applications that turn the input into the output.
+
+Every compiled rule records its firings in the e-graph (`engine.compile.Provenance`): the
+e-class its left side matched, its variables' values and the iteration.  From a firing the
+left side and the right side are rebuilt as e-nodes of that class (the variables' classes
+below them), so each firing is an edge from one e-node of the class to another; a
+store-to-load forwarding firing is an edge from the load to the e-node of the value it carries.
+
+The chain is found top-down, kernel by kernel, from the input kernel's value to the extracted
+one (both in the kernel's root class).  At a subterm whose top e-node differs from the
+target's, the fewest firings of its class that lead from one to the other are replayed (each
+first reshaping the subterm's children into the firing's left side, recursively); then the
+children are explained the same way.  Every step is replayed as it is found, with the pattern
+matcher and guard evaluator of `bbrules.patterns`, so a chain that does not replay is never
+reported: the search raises `ExplainError` instead.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, replace
+from typing import Mapping
+
+from .engine import ClassGraph, CompiledPack, ENode, Firing, Provenance, enode_key
+from .errors import Span
+from .ir import BlockProgram, Dim, Load, Monoid, Node, children, rename_axes, show_node
+from .options import Options
+from .patterns import Binding
+from .rule import AxisSize, CExpr, Pattern, PConst, PVar, Rule, Stored, pattern_var
+
+Key = tuple  # an e-node: (kind, attrs, child classes); a load's child classes are ()
+
+
+class ExplainError(Exception):
+    """The recorded firings do not connect the input to the output (a bug to report)."""
+
+
+@dataclass(frozen=True)
+class Step:
+    """One rule application: in kernel `kernel`, the subterm at `path` (child indices from the
+    kernel's value) was `before` and became `after`."""
+
+    kernel: str
+    path: tuple[int, ...]
+    rule: str
+    reverse: bool  # the right-to-left direction of a two-way rule
+    iteration: int  # when the e-graph first recorded this application
+    span: Span | None = field(compare=False)
+    before: Node
+    after: Node
+
+    def __str__(self) -> str:
+        where = f"{_relative(self.span.path)}:{self.span.line}: " if self.span else ""
+        name = self.rule + (" (reverse)" if self.reverse else "")
+        return (f"{where}{name} in {self.kernel}, iteration {self.iteration}\n"
+                f"    {_short(show_node(self.before))}\n"
+                f" -> {_short(show_node(self.after))}")
+
+    def to_json(self) -> dict:
+        return {"rule": self.rule, "reverse": self.reverse, "iteration": self.iteration,
+                "at": str(self.span) if self.span else None, "kernel": self.kernel,
+                "path": list(self.path), "before": show_node(self.before),
+                "after": show_node(self.after)}
+
+
+def _relative(path: str) -> str:
+    """`path` from the working directory, when it lies below it."""
+    rel = os.path.relpath(path)
+    return path if rel.startswith("..") else rel
+
+
+def _short(text: str, width: int = 150) -> str:
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
+@dataclass(frozen=True)
+class _Goal:
+    """What a subterm must become: a term of class `cls` whose top e-node is `key` and whose
+    children satisfy `kids`; with `key` None, any term of the class."""
+
+    cls: int
+    key: Key | None = None
+    kids: tuple[_Goal, ...] = ()
+
+
+@dataclass(frozen=True)
+class _Edge:
+    """A firing as a rewrite of its class's e-node `source` into `target`."""
+
+    firing: Firing
+    provenance: Provenance
+    lhs: _Goal
+    target: Key
+
+
+def stored_values(p: BlockProgram) -> dict[str, tuple[tuple[str, ...], Node]]:
+    """What a load of each intermediate carries in the e-graph: its axes and stored value."""
+    return {k.tensor: (k.axes, k.value) for k in p.kernels}
+
+
+class Explainer:
+    """Finds the chain for one fusion: its input program, the saturated e-graph (frozen with
+    provenance) and the compiled pack that recorded it."""
+
+    def __init__(self, source: BlockProgram, graph: ClassGraph, compiled: CompiledPack,
+                 options: Options = Options()):
+        self.source = source
+        self.graph = graph
+        self.dims: Mapping[str, Dim] = source.dims
+        self.stored = stored_values(source)
+        self.depth = options.explain_depth
+        self.edges: dict[tuple[int, Key], list[_Edge]] = {}
+        self.memo: dict[tuple[Node, _Goal], tuple[Node, tuple[Step, ...]]] = {}
+        for f in sorted(graph.firings, key=lambda f: (f.iteration, f.ruleset)):
+            edge = self.edge(f, compiled.provenance[f.ruleset])
+            if edge is not None:
+                self.edges.setdefault((f.root, edge.lhs.key), []).append(edge)
+
+    def carried(self, load: Load) -> Node | None:
+        """The value a load of an intermediate carries (renamed to the load's axes)."""
+        if load.tensor not in self.stored:
+            return None
+        axes, value = self.stored[load.tensor]
+        return rename_axes(value, dict(zip(axes, load.axes)))
+
+    def key(self, t: Node) -> Key | None:
+        kind, attrs = enode_key(t)
+        if kind == "Load":
+            return kind, attrs, ()
+        kids = tuple(self.graph.lookup(c) for c in children(t))
+        return None if None in kids else (kind, attrs, kids)
+
+    # -- firings as edges
+
+    def edge(self, f: Firing, prov: Provenance) -> _Edge | None:
+        """The firing as an edge, or None if it rewrote nothing (its two sides are one e-node)
+        or if its right side is a variable other than a forwarded load's value."""
+        binding = Binding(self.dims,
+                          axes={v: x for v, x in f.values.items() if isinstance(x, str)},
+                          monoids={v: x for v, x in f.values.items() if isinstance(x, Monoid)},
+                          consts={v: x for v, x in f.values.items() if isinstance(x, float)})
+        stored = iter(prov.stored)
+        lhs = self.goal(prov.lhs, f, binding, stored)
+        if lhs is None or lhs.cls != f.root or lhs.key is None:
+            return None
+        match prov.lhs, prov.rhs:
+            case Stored(PVar(v)), PVar(w) if v == w:
+                value = self.carried(ENode(*lhs.key).build(()))
+                target = None if value is None else self.key(value)
+            case _, PVar():
+                target = None
+            case _:
+                rhs = self.goal(prov.rhs, f, binding, iter(()))
+                target = None if rhs is None or rhs.cls != f.root else rhs.key
+        if target is None or target == lhs.key:
+            return None
+        return _Edge(f, prov, lhs, target)
+
+    def goal(self, p: Pattern, f: Firing, binding: Binding, stored) -> _Goal | None:
+        """Pattern `p` under a firing's values, as a goal over the e-graph's classes."""
+        match p:
+            case PVar(v):
+                return _Goal(f.values[v])
+            case PConst() | CExpr() | AxisSize():
+                return self.node_goal("Const", (binding.constant(p),), ())
+            case Stored(v):
+                tensor, axes = next(stored)
+                value = self.goal(v, f, binding, stored)
+                if value is None:
+                    return None
+                axes_text = f.values[axes]
+                axes_of = tuple(axes_text.split(",")) if axes_text else ()
+                return self.node_goal("Load", (f.values[tensor], axes_of), (value,))
+        kids = []
+        for c in children(p):
+            g = self.goal(c, f, binding, stored)
+            if g is None:
+                return None
+            kids.append(g)
+        kind, attrs = enode_key(p)
+        attrs = tuple(a if pattern_var(a) is None else f.values[pattern_var(a)] for a in attrs)
+        return self.node_goal(kind, attrs, tuple(kids))
+
+    def node_goal(self, kind: str, attrs: tuple, kids: tuple[_Goal, ...]) -> _Goal | None:
+        key = (kind, attrs, () if kind == "Load" else tuple(k.cls for k in kids))
+        cls = self.graph.index.get(key)
+        return None if cls is None else _Goal(cls, key, kids)
+
+    # -- the search
+
+    def route(self, cls: int, start: Key, goal: Key) -> list[_Edge] | None:
+        """The fewest firings in class `cls` that lead from e-node `start` to `goal`."""
+        back: dict[Key, _Edge | None] = {start: None}
+        frontier = [start]
+        while frontier and goal not in back:
+            nxt = []
+            for k in frontier:
+                for e in self.edges.get((cls, k), ()):
+                    if e.target not in back:
+                        back[e.target] = e
+                        nxt.append(e.target)
+            frontier = nxt
+        if goal not in back:
+            return None
+        path: list[_Edge] = []
+        k = goal
+        while (e := back[k]) is not None:
+            path.append(e)
+            k = e.lhs.key
+        return path[::-1]
+
+    def derive(self, t: Node, goal: _Goal, depth: int = 0) -> tuple[Node, tuple[Step, ...]]:
+        """`t` rewritten until it meets `goal`, and the steps (paths relative to `t`)."""
+        if goal.key is None:
+            return t, ()
+        memo = self.memo.get((t, goal))
+        if memo is not None:
+            return memo
+        if depth > self.depth:
+            raise ExplainError(f"rewrites nest deeper than {self.depth} at {show_node(t)}")
+        start = t
+        steps: list[Step] = []
+        seen = set()
+        while (key := self.key(t)) != goal.key:
+            route = self.route(goal.cls, key, goal.key) if key is not None else None
+            if not route or key in seen:
+                raise ExplainError(f"no recorded rewrite turns {_short(show_node(t))} into "
+                                   f"the output's {goal.key[0]} node")
+            seen.add(key)
+            t, done = self.apply(t, route[0], depth)
+            steps += done
+        if goal.kids and goal.key[0] != "Load":
+            kids = []
+            for i, (c, g) in enumerate(zip(children(t), goal.kids)):
+                new, done = self.derive(c, g, depth + 1)
+                kids.append(new)
+                steps += [replace(s, path=(i, *s.path)) for s in done]
+            t = ENode(*goal.key).build(tuple(kids))
+        self.memo[(start, goal)] = result = (t, tuple(steps))
+        return result
+
+    def apply(self, t: Node, edge: _Edge, depth: int) -> tuple[Node, tuple[Step, ...]]:
+        """Reshape `t` into the edge's left side, then apply its rule there."""
+        t, steps = self.derive(t, edge.lhs, depth + 1)
+        prov = edge.provenance
+        after = apply_rule(prov.rule, prov.lhs, prov.rhs, t, self.dims, self.carried)
+        if after is None:
+            raise ExplainError(f"rule {prov.rule.name} does not apply to {show_node(t)}")
+        step = Step("", (), prov.rule.name, prov.lhs is not prov.rule.lhs,
+                    edge.firing.iteration, prov.rule.span, t, after)
+        return after, (*steps, step)
+
+    def chain(self, result: BlockProgram) -> list[Step]:
+        """The steps that turn each kernel of the input into the same kernel of `result`."""
+        source = {k.tensor: k.value for k in self.source.kernels}
+        out: list[Step] = []
+        for k in result.kernels:
+            root = self.graph.named[k.tensor]
+            target = self.target_goal(k.value, root)
+            got, steps = self.derive(source[k.tensor], target)
+            if got != k.value:
+                raise ExplainError(f"kernel {k.tensor}: the chain ends in {show_node(got)}")
+            out += [replace(s, kernel=k.tensor) for s in steps]
+        return out
+
+    def target_goal(self, n: Node, cls: int | None = None) -> _Goal:
+        """The goal of being exactly term `n`."""
+        kids = tuple(self.target_goal(c) for c in children(n)) if not isinstance(n, Load) else ()
+        key = self.key(n)
+        c = self.graph.lookup(n) if cls is None else cls
+        if key is None or c is None:
+            raise ExplainError(f"the output term {show_node(n)} is not in the e-graph")
+        return _Goal(c, key, kids)
+
+
+def apply_rule(rule: Rule, lhs: Pattern, rhs: Pattern, t: Node, dims: Mapping[str, Dim],
+               carried) -> Node | None:
+    """One direction of `rule` applied at the root of `t`: the built right side, or None when
+    the left side does not match or a guard fails.  `carried(load)` gives the value a load of
+    an intermediate reads, for `load(store(...))`."""
+    b = Binding(dims)
+    if not b.match(lhs, t, carried) or not all(b.holds(g) for g in rule.guards):
+        return None
+    return b.build(rhs)
+
+
+def explain(source: BlockProgram, result: BlockProgram, graph: ClassGraph,
+            compiled: CompiledPack, options: Options = Options()) -> list[Step]:
+    """The chain of rule applications from `source` to `result` (see the module docstring)."""
+    return Explainer(source, graph, compiled, options).chain(result)
+
+
+def replay(source: BlockProgram, steps: list[Step], rules: Mapping[str, Rule]
+           ) -> dict[str, Node]:
+    """Apply `steps` to `source`'s kernels, each at its path, checking that each rule matches
+    there, its guards hold and it builds the step's `after`; the kernels' values at the end.
+
+    Raises `ExplainError` at the first step that does not replay.
+    """
+    values = {k.tensor: k.value for k in source.kernels}
+    stored = stored_values(source)
+
+    def carried(load: Load) -> Node | None:
+        if load.tensor not in stored:
+            return None
+        axes, value = stored[load.tensor]
+        return rename_axes(value, dict(zip(axes, load.axes)))
+
+    for s in steps:
+        rule = rules[s.rule]
+        lhs, rhs = (rule.rhs, rule.lhs) if s.reverse else (rule.lhs, rule.rhs)
+        at = _subterm(values[s.kernel], s.path)
+        after = apply_rule(rule, lhs, rhs, at, source.dims, carried)
+        if after is None or after != s.after or at == after:
+            raise ExplainError(f"step {s.rule} in {s.kernel} at {s.path} does not replay")
+        values[s.kernel] = _replace_at(values[s.kernel], s.path, after)
+    return values
+
+
+def _subterm(t: Node, path: tuple[int, ...]) -> Node:
+    for i in path:
+        t = children(t)[i]
+    return t
+
+
+def _replace_at(t: Node, path: tuple[int, ...], new: Node) -> Node:
+    if not path:
+        return new
+    kids = list(children(t))
+    kids[path[0]] = _replace_at(kids[path[0]], path[1:], new)
+    return ENode(*enode_key(t), ()).build(tuple(kids))
