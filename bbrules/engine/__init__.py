@@ -12,9 +12,10 @@ from .checks import CheckFailure, run_checks
 from .compile import CompiledPack, Provenance, compile_pack, rule_of, size_facts
 from .graph import ClassGraph, Firing
 from .saturate import Progress, RuleStats, Saturator, StageStats
-from .terms import TERM_CONSTRUCTORS, ENode, TermWriter, enode_key, node_text
+from .terms import CONSTRUCTORS, TERM_CONSTRUCTORS, ENode, TermWriter, enode_key, node_text
 
 __all__ = ["Budget", "Options", "CheckFailure", "run_checks", "CompiledPack", "Provenance",
            "compile_pack", "rule_of", "size_facts", "ClassGraph", "Firing", "Progress",
-           "RuleStats", "Saturator", "StageStats", "TERM_CONSTRUCTORS", "ENode", "TermWriter",
+           "RuleStats", "Saturator", "StageStats", "CONSTRUCTORS", "TERM_CONSTRUCTORS", "ENode",
+           "TermWriter",
            "enode_key", "node_text"]

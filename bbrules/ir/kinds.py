@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 from enum import Enum
+from functools import cached_property
+from operator import attrgetter
 from typing import Any, Callable, Iterator, Mapping
 
 
@@ -78,16 +80,37 @@ class Kind:
     elementwise: bool
     ops: Mapping[str, Any] | None
 
-    @property
+    # Derived once per kind: the generic operations below run on every node of every pass.
+
+    @cached_property
     def attr_fields(self) -> tuple[str, ...]:
         return tuple(f for f, s in self.fields if not s.is_child)
 
-    @property
+    @cached_property
     def child_fields(self) -> tuple[tuple[str, Sort], ...]:
         return tuple((f, s) for f, s in self.fields if s.is_child)
 
+    @cached_property
+    def variadic(self) -> bool:
+        """Whether the children are one tuple field (a `Tuple`)."""
+        return any(s is Sort.CHILDREN for _, s in self.fields)
+
+    @cached_property
+    def child_getter(self) -> Callable[[Any], tuple[Any, ...]]:
+        """A node's children as a tuple, read as directly as the declaration allows."""
+        names = [f for f, _ in self.child_fields]
+        if self.variadic:
+            return attrgetter(names[0])
+        if len(names) == 1:
+            return lambda n, f=names[0]: (n.__dict__[f],)
+        return attrgetter(*names) if names else lambda n: ()
+
+    @cached_property
+    def sorts(self) -> dict[str, Sort]:
+        return dict(self.fields)
+
     def sort_of(self, name: str) -> Sort:
-        return dict(self.fields)[name]
+        return self.sorts[name]
 
     @property
     def params(self) -> tuple[str, ...]:
@@ -132,6 +155,19 @@ def _dag_eq(self: object, other: object) -> bool:
     """
     if self is other:
         return True
+    if type(self) is not type(other) or hash(self) != hash(other):
+        return False
+    mine, theirs = self.__dict__, other.__dict__
+    for f in self.__dataclass_fields__:  # the usual case: children shared, so one level
+        x, y = mine[f], theirs[f]
+        if x is y:
+            continue
+        if is_node(x) or isinstance(x, tuple):
+            break
+        if x != y:
+            return False
+    else:
+        return True
     seen: set[tuple[int, int]] = set()
     stack = [(self, other)]
     while stack:
@@ -148,6 +184,8 @@ def _dag_eq(self: object, other: object) -> bool:
             else:
                 pairs = ((x, y),)
             for u, v in pairs:
+                if u is v:
+                    continue
                 if is_node(u) and is_node(v):
                     stack.append((u, v))
                 elif u != v:
@@ -165,6 +203,9 @@ def node(*, call: str | None = None, egg: str | None = None, loop: bool = False,
         cls.__eq__ = _dag_eq  # type: ignore[method-assign]
         cls = dataclass(frozen=True, eq=False)(cls)
         declared = tuple((f.name, f.metadata["sort"]) for f in fields(cls))
+        sorts = [s.is_child for _, s in declared]
+        if sorts != sorted(sorts):
+            raise TypeError(f"{cls.__name__}: declare attributes before children")
         table = next((f.metadata.get("ops") for f in fields(cls)
                       if f.metadata["sort"] is Sort.OP), ops)
         cls.kind = Kind(cls, cls.__name__, declared, call, egg, loop, elementwise, table)
@@ -198,16 +239,13 @@ def children(n: object) -> tuple[Any, ...]:
     kind = getattr(type(n), "kind", None)
     if kind is None:
         return ()
-    out: tuple[Any, ...] = ()
-    for f, s in kind.child_fields:
-        v = n.__dict__[f]
-        out += v if s is Sort.CHILDREN else (v,)
-    return out
+    return kind.child_getter(n)
 
 
 def attrs(n: object) -> tuple[Any, ...]:
     """The attribute values of a node, in field order."""
-    return tuple(n.__dict__[f] for f in kind_of(n).attr_fields)
+    d = n.__dict__
+    return tuple(d[f] for f in kind_of(n).attr_fields)
 
 
 def rebuild(n: Any, kids: tuple[Any, ...]) -> Any:
@@ -219,14 +257,9 @@ def rebuild(n: Any, kids: tuple[Any, ...]) -> Any:
 
 def build(kind: Kind, attr_values: tuple[Any, ...], kids: tuple[Any, ...]) -> Any:
     """A node of `kind` from its attribute values and its children, each in field order."""
-    values: dict[str, Any] = dict(zip(kind.attr_fields, attr_values))
-    rest = list(kids)
-    for f, s in kind.child_fields:
-        if s is Sort.CHILDREN:
-            values[f], rest = tuple(rest), []
-        else:
-            values[f] = rest.pop(0)
-    return kind.cls(**values)
+    if kind.variadic:
+        return kind.cls(*attr_values, tuple(kids))
+    return kind.cls(*attr_values, *kids[:len(kind.child_fields)])
 
 
 def map_attrs(n: Any, sort: Sort, f: Callable[[Any], Any], kids: tuple[Any, ...]) -> Any:

@@ -14,7 +14,7 @@ from .nodes import Binary, Const, Node, Var
 from .types import SCALAR, TileType, union
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Monoid:
     """A fold over blocks.
 
@@ -33,6 +33,21 @@ class Monoid:
 
     def __repr__(self) -> str:
         return f"Monoid({self.name!r})"
+
+    def _key(self) -> tuple:
+        return (self.name, self.state, self.identity, self.combine, self.finalize)
+
+    def __eq__(self, other: object) -> bool:
+        # Every reduction holds its monoid, so node comparisons compare monoids all the time:
+        # the same object (the usual case) answers at once.
+        return self is other or (isinstance(other, Monoid) and self._key() == other._key())
+
+    def __hash__(self) -> int:
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash(self._key())
+            object.__setattr__(self, "_hash", h)
+        return h
 
     @property
     def arity(self) -> int:
