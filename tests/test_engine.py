@@ -43,7 +43,7 @@ def test_rule_rewrites_and_keeps_both_forms():
 
 
 def test_firings_are_recorded_with_their_class_bindings_and_iteration():
-    hoist = Reduce("k", "sum", Binary("mul", BlockReduce("sum", "k", A), B))
+    hoist = Reduce("k", SUM, Binary("mul", BlockReduce("sum", "k", A), B))
     sat, _, _ = saturate(
         "rule hoist: reduce(?a, sum, ?x * ?s) => reduce(?a, sum, ?x) * ?s "
         "when ?a not in deps(?s)\n"

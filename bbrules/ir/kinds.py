@@ -25,6 +25,8 @@ from functools import cached_property
 from operator import attrgetter
 from typing import Any, Callable, Iterator, Mapping
 
+from .types import IRError
+
 
 class Sort(Enum):
     """What a field of a node holds."""
@@ -329,7 +331,6 @@ class KindTable:
     def __call__(self, n: Any, *args: Any, **kwargs: Any) -> Any:
         fn = self.impl.get(type(n))
         if fn is None:
-            from .types import IRError
             raise IRError(f"{self.name}: no implementation for {type(n).__name__} nodes")
         return fn(n, *args, **kwargs)
 
