@@ -31,10 +31,10 @@ from .fuse import FuseResult, fuse
 from .inputs import random_inputs
 from .ir import BlockProgram, Dim, show_program
 from .lower import lower
-from .packs import discover_packs, load_each, load_packs, merge_all, pack_directories
+from .packs import discover_packs, load_each, merge_all, pack_directories
 from .program import Program
 from .rule import RulePack
-from .soundness import check_soundness
+from .soundness import check_soundness, require_sound
 from .targets import get_target
 
 Setup = Callable[[argparse.ArgumentParser], None]
@@ -274,8 +274,12 @@ def _pack_args(p: argparse.ArgumentParser) -> None:
                    help="use only the --rules packs, not the standard and installed ones")
 
 
-def _load_packs(args: argparse.Namespace):
-    return load_packs([Path(d) for d in args.rules], include_installed=not args.no_installed)
+def _load_packs(args: argparse.Namespace) -> RulePack:
+    """The packs to fuse with, refused if any rule is unsound (`soundness.require_sound`)."""
+    directories = pack_directories([Path(d) for d in args.rules], not args.no_installed)
+    packs = load_each(directories)
+    require_sound(list(directories), packs)
+    return merge_all(packs)
 
 
 def _fuse_args(p: argparse.ArgumentParser) -> None:
