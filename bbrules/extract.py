@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from itertools import product
 from typing import Iterable, Iterator, Mapping, TypeAlias
 
-from .cost import ProgramCost, cost_kernel, cost_program
+from .cost import ProgramCost, cost_kernel
 from .engine import ClassGraph, ENode
 from .ir import (BlockProgram, IRError, Load, Node, Store, TensorDecl,
                  TileType, postorder, sched_deps, show_program, type_of, validate)
@@ -551,10 +551,12 @@ def extract(graph: ClassGraph, source: BlockProgram, target: Target, objective: 
     if not found:
         raise NoCandidate(f"no program with at most {max_kernels} kernels was found")
     key = min(f[0] for f in found)
-    if key[0] and cost_program(source, target).legal:
-        raise NoCandidate(f"no legal program with at most {max_kernels} kernels was found")
     # Equal keys: the smallest program text, so the result never depends on search order.
     program = min((f[1].program for f in found if f[0] == key), key=show_program)
+    if key[0]:
+        bound = f" with at most {max_kernels} kernels" if max_kernels is not None else ""
+        raise NoCandidate(f"no legal program{bound} was found; the best one found is illegal: "
+                          f"{ex.cost(program).why_illegal()}")
     validate(program)
     stats = ExtractStats(method, ex.priced, ex.rejected, time.perf_counter() - start)
     return program, ex.cost(program), stats
