@@ -239,8 +239,9 @@ def _report_checksums(args: argparse.Namespace, program: BlockProgram,
 
 
 def _progress(args: argparse.Namespace) -> Callable[[str], None] | None:
-    """Progress lines on stderr, only when a person is watching a terminal."""
-    if getattr(args, "json", False) or not sys.stderr.isatty():
+    """Progress lines on stderr when a person is watching a terminal, or on any stderr with
+    --progress; never with --json, whose output a program reads."""
+    if getattr(args, "json", False) or not (args.progress or sys.stderr.isatty()):
         return None
     return lambda line: print(f"  .. {line}", file=sys.stderr, flush=True)
 
@@ -272,6 +273,13 @@ def _fuse_args(p: argparse.ArgumentParser) -> None:
                    help="iteration budget per stage")
     p.add_argument("--seconds", type=float, default=Budget.seconds,
                    help="time budget of saturation")
+    _progress_arg(p)
+
+
+def _progress_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--progress", action="store_true",
+                   help="report progress on stderr even when it is not a terminal (never with "
+                        "--json)")
 
 
 def _fuse(args: argparse.Namespace, program: BlockProgram) -> FuseResult:
@@ -414,6 +422,7 @@ def _check_args(p: argparse.ArgumentParser) -> None:
                    help="random instantiations per rule in the soundness check")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print the results as JSON")
+    _progress_arg(p)
 
 
 @command("check", "run the rule packs' check cases and test every rule's soundness on random "

@@ -41,7 +41,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from itertools import product
-from typing import Iterable, Iterator, Mapping, TypeAlias
+from typing import Callable, Iterable, Iterator, Mapping, TypeAlias
 
 from .cost import ProgramCost, cost_kernel
 from .engine import ClassGraph, ENode
@@ -57,6 +57,7 @@ RELEASE_WAYS = 3  # options per user a release move combines
 RELEASE_MOVES = 4  # release moves per shared class
 FOLLOWUP_SLACK = 2.0  # a move is combined with follow-ups only if at most this much costlier
 _COMMUTATIVE = {"add", "mul", "max", "min"}
+PROGRESS_EVERY = 0.5  # seconds between two progress reports of one extraction
 
 Slot: TypeAlias = int | str  # an e-class's use choice, or a stored tensor's definition choice
 Move: TypeAlias = tuple[tuple[Slot, int], ...]  # new option indices for some slots
@@ -118,7 +119,8 @@ class Extractor:
     """Builds and prices candidates from one saturated e-graph."""
 
     def __init__(self, graph: ClassGraph, source: BlockProgram, target: Target,
-                 objective: str = "time", max_kernels: int | None = None):
+                 objective: str = "time", max_kernels: int | None = None,
+                 progress: Callable[[str], None] | None = None):
         self.graph = graph
         self.source = source
         self.target = target
@@ -144,6 +146,8 @@ class Extractor:
         self.kernel_checks: dict[Store, bool] = {}
         self.shortlist: dict[int, list[int]] = {}
         self.tree: dict[int, tuple[int, float]] | None = None
+        self.progress = progress
+        self.reported = time.perf_counter()
 
     def is_stored_load(self, n: ENode) -> bool:
         return n.kind == "Load" and n.attrs[0] in self.stored
@@ -237,6 +241,9 @@ class Extractor:
     def evaluate(self, choice: Choice) -> tuple[tuple, Built] | None:
         """The key and program of a candidate, or None if it is invalid or rejected."""
         self.built += 1
+        if self.progress and time.perf_counter() - self.reported >= PROGRESS_EVERY:
+            self.reported = time.perf_counter()
+            self.progress(f"extraction: {self.built} candidates built, {self.priced} priced")
         try:
             built = self.build(choice)
         except _Invalid:
@@ -528,10 +535,12 @@ class Extractor:
 
 
 def extract(graph: ClassGraph, source: BlockProgram, target: Target, objective: str = "time",
-            max_kernels: int | None = None) -> tuple[BlockProgram, ProgramCost, ExtractStats]:
-    """The cheapest valid program in `graph` equivalent to `source` (never costlier)."""
+            max_kernels: int | None = None, progress: Callable[[str], None] | None = None
+            ) -> tuple[BlockProgram, ProgramCost, ExtractStats]:
+    """The cheapest valid program in `graph` equivalent to `source` (never costlier);
+    `progress`, if given, hears how far the search is every `PROGRESS_EVERY` seconds."""
     start = time.perf_counter()
-    ex = Extractor(graph, source, target, objective, max_kernels)
+    ex = Extractor(graph, source, target, objective, max_kernels, progress)
     candidates = list(ex.space(EXHAUSTIVE_LIMIT))
     found: list[tuple[tuple, Built]] = []
     if len(candidates) <= EXHAUSTIVE_LIMIT:

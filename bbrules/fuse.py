@@ -110,7 +110,7 @@ def fuse(p: BlockProgram, pack: RulePack, target: Target, objective: str = "time
     stats = sat.run(budget, progress)
     if progress:
         progress("extracting")
-    program, after, xstats = extract(sat.freeze(), p, target, objective, max_kernels)
+    program, after, xstats = extract(sat.freeze(), p, target, objective, max_kernels, progress)
     chain = _chain(p, program, pack.rules, sat.fired)
     return FuseResult(program, before, after, stats, xstats, chain, objective)
 

@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 
+from bbrules import extract
 from bbrules.blockfile import load_block_program
 from bbrules.cli import main
 from bbrules.cost import fmt_bytes
@@ -119,3 +120,19 @@ def test_apply_refuses_when_no_legal_program_exists(extra, tmp_path, capsys):
     target = get_target(extra[1] if extra[:1] == ["--target"] else "h100")
     assert f"{target.name} has {fmt_bytes(target.local_capacity)}" in captured.err
     assert "inf" not in captured.err and "nan" not in captured.err
+
+
+def test_apply_reports_progress_when_asked_and_never_with_json(monkeypatch, capsys):
+    monkeypatch.setattr(extract, "PROGRESS_EVERY", 0.0)  # report at every candidate
+    assert main(["apply", ATTENTION, *SMALL]) == 0
+    assert capsys.readouterr().err == ""  # stderr is not a terminal here
+    assert main(["apply", ATTENTION, *SMALL, "--progress"]) == 0
+    captured = capsys.readouterr()
+    lines = captured.err.splitlines()
+    assert "  .. stage fuse: iteration 1" in lines and "  .. extracting" in lines
+    built = [int(line.split()[2]) for line in lines if line.startswith("  .. extraction: ")]
+    assert built and built == sorted(built) and len(set(built)) == len(built)
+    assert "extraction:" in captured.out and "  .. " not in captured.out
+    assert main(["apply", ATTENTION, *SMALL, "--progress", "--json"]) == 0
+    captured = capsys.readouterr()
+    assert captured.err == "" and json.loads(captured.out)["extraction"]
