@@ -34,7 +34,8 @@ What the plan decides, in order:
 - *Threads and scratch*: the launch width (`threads`) is enough threads for the largest
   iteration space, in whole warps, at most `MAX_THREADS`.  A contraction with fewer outputs
   than threads splits its reduced axis over the spare threads, whose partial results need
-  scratch (as many elements as there are threads).
+  scratch (as many elements as there are threads); one with enough outputs gives each thread
+  a register micro-tile of up to 4 x 4 outputs (`micro_tile`).
 - *Placement*: offsets by liveness, first fit in definition order, every buffer taking a whole
   number of `ALIGN`-byte units.  `footprint` is the top of that placement: at least the bytes
   live at any one point, more where a freed gap is too small for the next buffer.
