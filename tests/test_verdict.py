@@ -110,3 +110,10 @@ def test_a_perturbed_block_program_fails_and_names_the_worst_entry(tmp_path, cap
     assert main(["run", str(wrong), "--backend", "numpy"]) == 1
     out = capsys.readouterr().out
     assert "Y: norm-wise error" in out and "worst Y[" in out and "FAILED" in out
+
+
+def test_run_help_states_the_tolerance_rule(capsys):
+    assert main(["run", "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "||got - ref|| / ||ref|| is at most 16 * (eps(dtype) + eps(f32) * sqrt(K))" in text
+    assert "2^-23 for f32, 2^-10 for f16 and 2^-7 for bf16" in text
