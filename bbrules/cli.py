@@ -31,11 +31,14 @@ from .fuse import FuseResult, fuse
 from .inputs import random_inputs
 from .ir import BlockProgram, Dim, show_program
 from .lower import lower
-from .packs import discover_packs, load_each, load_packs, merge_all, pack_directories
+from .packs import discover_packs, load_each, merge_all, pack_directories
 from .program import Program
 from .rule import RulePack
-from .soundness import check_soundness
+from .soundness import check_soundness, require_sound
 from .targets import get_target
+from .verdict import HELP as TOLERANCE_HELP
+from .verdict import RULE as TOLERANCE_RULE
+from .verdict import Comparison, reduction_length
 
 Setup = Callable[[argparse.ArgumentParser], None]
 Command = Callable[[argparse.Namespace], int]
@@ -46,15 +49,18 @@ class Subcommand:
     help: str
     setup: Setup
     run: Command
+    epilog: str | None = None
 
 
 COMMANDS: dict[str, Subcommand] = {}
 
 
-def command(name: str, help: str, setup: Setup) -> Callable[[Command], Command]:
-    """Register `cmd_<name>` as the subcommand `name`, its arguments declared by `setup`."""
+def command(name: str, help: str, setup: Setup,
+            epilog: str | None = None) -> Callable[[Command], Command]:
+    """Register `cmd_<name>` as the subcommand `name`, its arguments declared by `setup`;
+    `epilog` ends its --help."""
     def register(fn: Command) -> Command:
-        COMMANDS[name] = Subcommand(help, setup, fn)
+        COMMANDS[name] = Subcommand(help, setup, fn, epilog)
         return fn
     return register
 
@@ -167,42 +173,14 @@ BACKENDS: dict[str, Callable[[BlockProgram, dict[str, np.ndarray]], dict[str, np
     "cuda": _run_cuda,
 }
 
-# (rtol, atol) per output dtype: f16/bf16 outputs are checked at their own precision.
-TOLERANCE = {"f32": (1e-3, 1e-4), "f16": (1e-2, 1e-3), "bf16": (5e-2, 1e-2)}
-
-
-@dataclass(frozen=True)
-class Comparison:
-    """One output against its dense reference; relative error is |err| / max(|ref|, atol)."""
-
-    max_abs: float
-    max_rel: float
-    ok: bool
-    rtol: float
-    atol: float
-
-    @staticmethod
-    def of(got: np.ndarray, want: np.ndarray, dtype: str) -> Comparison:
-        rtol, atol = TOLERANCE[dtype]
-        got64, want64 = got.astype(np.float64), want.astype(np.float64)
-        err = np.abs(got64 - want64)
-        ok = bool(np.all(err <= atol + rtol * np.abs(want64)))
-        rel = err / np.maximum(np.abs(want64), atol)
-        return Comparison(float(np.max(err)), float(np.max(rel)), ok, rtol, atol)
-
-    def line(self, name: str) -> str:
-        verdict = "ok" if self.ok else f"FAILED (tolerance rtol {self.rtol:g}, atol {self.atol:g})"
-        return (f"{name}: max abs error {self.max_abs:.3g}, "
-                f"max rel error {self.max_rel:.3g}: {verdict}")
-
-
 def _finite(x: float) -> float | None:
     """JSON has no NaN/inf: report them as null."""
     return x if np.isfinite(x) else None
 
 
 @command("run", "run a program on random inputs with the reference interpreter and compare "
-                "with the dense evaluation", _run_args)
+                "with the dense evaluation", _run_args,
+         epilog=TOLERANCE_HELP)
 def cmd_run(args: argparse.Namespace) -> int:
     ast, program = _program_to_run(args)
     inputs = random_inputs(program, seed=args.seed)
@@ -212,21 +190,21 @@ def cmd_run(args: argparse.Namespace) -> int:
     elapsed = time.perf_counter() - start
     if ast is None:
         return _report_checksums(args, program, outputs, elapsed)
-    reference = dense.evaluate(ast, inputs)
+    reference = dense.evaluate(ast, inputs, dtype=np.float64)
     for name in program.outputs:
         if name not in reference or reference[name].shape != outputs[name].shape:
             raise UsageError(f"{args.program}: output {name} is not defined with the same shape "
                              f"by the source program {ast.path}")
-    results = {name: Comparison.of(outputs[name], reference[name], program.tensors[name].dtype)
+    results = {name: Comparison.of(outputs[name], reference[name], program.tensors[name].dtype,
+                                   reduction_length(ast, name))
                for name in program.outputs}
     ok = all(r.ok for r in results.values())
     if args.json:
         print(json.dumps({
             "program": args.program, "backend": args.backend, "seed": args.seed,
-            "time_s": elapsed, "compared": True,
+            "time_s": elapsed, "compared": True, "rule": TOLERANCE_RULE,
             "ok": ok,
-            "outputs": {n: {"max_abs_err": _finite(r.max_abs), "max_rel_err": _finite(r.max_rel),
-                            "ok": r.ok} for n, r in results.items()},
+            "outputs": {n: r.to_json() for n, r in results.items()},
         }, indent=2))
     else:
         for name, r in results.items():
@@ -261,8 +239,9 @@ def _report_checksums(args: argparse.Namespace, program: BlockProgram,
 
 
 def _progress(args: argparse.Namespace) -> Callable[[str], None] | None:
-    """Progress lines on stderr, only when a person is watching a terminal."""
-    if getattr(args, "json", False) or not sys.stderr.isatty():
+    """Progress lines on stderr when a person is watching a terminal, or on any stderr with
+    --progress; never with --json, whose output a program reads."""
+    if getattr(args, "json", False) or not (args.progress or sys.stderr.isatty()):
         return None
     return lambda line: print(f"  .. {line}", file=sys.stderr, flush=True)
 
@@ -274,8 +253,12 @@ def _pack_args(p: argparse.ArgumentParser) -> None:
                    help="use only the --rules packs, not the standard and installed ones")
 
 
-def _load_packs(args: argparse.Namespace):
-    return load_packs([Path(d) for d in args.rules], include_installed=not args.no_installed)
+def _load_packs(args: argparse.Namespace) -> RulePack:
+    """The packs to fuse with, refused if any rule is unsound (`soundness.require_sound`)."""
+    directories = pack_directories([Path(d) for d in args.rules], not args.no_installed)
+    packs = load_each(directories)
+    require_sound(list(directories), packs)
+    return merge_all(packs)
 
 
 def _fuse_args(p: argparse.ArgumentParser) -> None:
@@ -290,6 +273,13 @@ def _fuse_args(p: argparse.ArgumentParser) -> None:
                    help="iteration budget per stage")
     p.add_argument("--seconds", type=float, default=Budget.seconds,
                    help="time budget of saturation")
+    _progress_arg(p)
+
+
+def _progress_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--progress", action="store_true",
+                   help="report progress on stderr even when it is not a terminal (never with "
+                        "--json)")
 
 
 def _fuse(args: argparse.Namespace, program: BlockProgram) -> FuseResult:
@@ -447,6 +437,7 @@ def _check_args(p: argparse.ArgumentParser) -> None:
                    help="random instantiations per rule in the soundness check")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print the results as JSON")
+    _progress_arg(p)
 
 
 @command("check", "run the rule packs' check cases and test every rule's soundness on random "
@@ -495,7 +486,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"bbrules {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, c in COMMANDS.items():
-        p = sub.add_parser(name, help=c.help, description=c.help)
+        p = sub.add_parser(name, help=c.help, description=c.help, epilog=c.epilog)
         c.setup(p)
         p.set_defaults(run=c.run)
     return parser

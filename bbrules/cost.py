@@ -108,6 +108,13 @@ class ProgramCost:
     def n_kernels(self) -> int:
         return len(self.kernels)
 
+    def why_illegal(self) -> str:
+        """Each kernel whose local footprint exceeds the target's capacity, with both sizes."""
+        capacity = fmt_bytes(self.target.local_capacity)
+        return "; ".join(f"kernel {k.tensor} needs {fmt_bytes(k.footprint)} of local memory "
+                         f"(its tiles at these block sizes), {self.target.name} has {capacity}"
+                         for k in self.kernels if not k.legal)
+
     @property
     def footprint(self) -> int:
         return max((k.footprint for k in self.kernels), default=0)

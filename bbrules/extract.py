@@ -41,9 +41,9 @@ import math
 import time
 from dataclasses import dataclass, field
 from itertools import product
-from typing import Iterable, Iterator, Mapping, TypeAlias
+from typing import Callable, Iterable, Iterator, Mapping, TypeAlias
 
-from .cost import ProgramCost, cost_kernel, cost_program
+from .cost import ProgramCost, cost_kernel
 from .engine import ClassGraph, ENode
 from .ir import (BlockProgram, IRError, Load, Node, Store, TensorDecl,
                  TileType, postorder, sched_deps, show_program, type_of, validate)
@@ -51,6 +51,7 @@ from .options import Options
 from .targets import Target
 
 _COMMUTATIVE = {"add", "mul", "max", "min"}
+PROGRESS_EVERY = 0.5  # seconds between two progress reports of one extraction
 
 Slot: TypeAlias = int | str  # an e-class's use choice, or a stored tensor's definition choice
 Move: TypeAlias = tuple[tuple[Slot, int], ...]  # new option indices for some slots
@@ -113,7 +114,7 @@ class Extractor:
 
     def __init__(self, graph: ClassGraph, source: BlockProgram, target: Target,
                  objective: str = "time", max_kernels: int | None = None,
-                 knobs: Options = Options()):
+                 knobs: Options = Options(), progress: Callable[[str], None] | None = None):
         self.graph = graph
         self.knobs = knobs
         self.source = source
@@ -140,6 +141,8 @@ class Extractor:
         self.kernel_checks: dict[Store, bool] = {}
         self.shortlist: dict[int, list[int]] = {}
         self.tree: dict[int, tuple[int, float]] | None = None
+        self.progress = progress
+        self.reported = time.perf_counter()
 
     def is_stored_load(self, n: ENode) -> bool:
         return n.kind == "Load" and n.attrs[0] in self.stored
@@ -233,6 +236,9 @@ class Extractor:
     def evaluate(self, choice: Choice) -> tuple[tuple, Built] | None:
         """The key and program of a candidate, or None if it is invalid or rejected."""
         self.built += 1
+        if self.progress and time.perf_counter() - self.reported >= PROGRESS_EVERY:
+            self.reported = time.perf_counter()
+            self.progress(f"extraction: {self.built} candidates built, {self.priced} priced")
         try:
             built = self.build(choice)
         except _Invalid:
@@ -525,11 +531,13 @@ class Extractor:
 
 
 def extract(graph: ClassGraph, source: BlockProgram, target: Target, objective: str = "time",
-            max_kernels: int | None = None, options: Options = Options()
+            max_kernels: int | None = None, options: Options = Options(),
+            progress: Callable[[str], None] | None = None
             ) -> tuple[BlockProgram, ProgramCost, ExtractStats]:
-    """The cheapest valid program in `graph` equivalent to `source` (never costlier)."""
+    """The cheapest valid program in `graph` equivalent to `source` (never costlier);
+    `progress`, if given, hears how far the search is every `PROGRESS_EVERY` seconds."""
     start = time.perf_counter()
-    ex = Extractor(graph, source, target, objective, max_kernels, options)
+    ex = Extractor(graph, source, target, objective, max_kernels, options, progress)
     limit = options.exhaustive_limit
     candidates = list(ex.space(limit))
     found: list[tuple[tuple, Built]] = []
@@ -551,10 +559,12 @@ def extract(graph: ClassGraph, source: BlockProgram, target: Target, objective: 
     if not found:
         raise NoCandidate(f"no program with at most {max_kernels} kernels was found")
     key = min(f[0] for f in found)
-    if key[0] and cost_program(source, target).legal:
-        raise NoCandidate(f"no legal program with at most {max_kernels} kernels was found")
     # Equal keys: the smallest program text, so the result never depends on search order.
     program = min((f[1].program for f in found if f[0] == key), key=show_program)
+    if key[0]:
+        bound = f" with at most {max_kernels} kernels" if max_kernels is not None else ""
+        raise NoCandidate(f"no legal program{bound} was found; the best one found is illegal: "
+                          f"{ex.cost(program).why_illegal()}")
     validate(program)
     stats = ExtractStats(method, ex.priced, ex.rejected, time.perf_counter() - start)
     return program, ex.cost(program), stats

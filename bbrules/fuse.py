@@ -99,6 +99,7 @@ def fuse(p: BlockProgram, pack: RulePack, target: Target, objective: str = "time
     if progress:
         progress("extracting")
     graph = sat.freeze(provenance=True)
-    program, after, xstats = extract(graph, p, target, objective, max_kernels, options)
+    program, after, xstats = extract(graph, p, target, objective, max_kernels, options,
+                                     progress)
     return FuseResult(program, before, after, stats, xstats, sat.rule_stats(graph), p, graph,
                       compiled, objective, options)

@@ -98,15 +98,18 @@ class _Sampler:
     """Random bindings for one rule's variables.
 
     A monoid variable is bound to any of `monoids` (the builtins and the rule's pack's); the
-    type check then keeps the ones whose arity fits.
+    type check then keeps the ones whose arity fits.  A value variable is a tuple at random,
+    or exactly when it is in `tuples` if that is given (so a caller can cover every layout).
     """
 
     BLOCKS = (1, 2, 3, 4)      # block sizes
     TRIPS = (1, 1, 2, 3)       # blocks per axis: a single block is a case of its own
     CONSTANTS = (0.0, 1.0, -1.0, 2.0, 0.5, -0.25)
 
-    def __init__(self, rule: Rule, rng: random.Random, monoids: Mapping[str, Monoid]):
+    def __init__(self, rule: Rule, rng: random.Random, monoids: Mapping[str, Monoid],
+                 tuples: frozenset[str] | None = None):
         self.rng = rng
+        self.tuples = tuples
         self.monoids = [monoids[name] for name in sorted(monoids)]
         self.kinds = variables(rule.lhs)
         self.fixed = {g.var: g.value for g in rule.guards
@@ -136,7 +139,9 @@ class _Sampler:
         return Dim(name, block * self.rng.choice(self.TRIPS), block)
 
     def value(self, stem: str, pool: list[str], inst: Instance) -> Node:
-        if self.rng.random() < 0.15:
+        as_tuple = self.rng.random() < 0.15 if self.tuples is None else \
+            f"?{stem}" in self.tuples
+        if as_tuple:
             n = self.rng.randint(2, 3)
             return Tuple(tuple(self.tile(f"{stem}_{i}", pool, inst) for i in range(n)))
         return self.tile(stem, pool, inst)
@@ -154,11 +159,18 @@ class _Sampler:
         return node
 
 
+def value_variables(rule: Rule) -> list[str]:
+    """The value variables `?x` of the rule's left side, sorted."""
+    return sorted(v for v, kind in variables(rule.lhs).items() if kind == "value")
+
+
 def instances(rule: Rule, rng: random.Random, tries: int,
-              monoids: Mapping[str, Monoid] = BUILTIN_MONOIDS) -> Iterator[Instance]:
+              monoids: Mapping[str, Monoid] = BUILTIN_MONOIDS,
+              tuples: frozenset[str] | None = None) -> Iterator[Instance]:
     """Random bindings (out of `tries` attempts) under which the guards hold and the left side
-    is well formed; monoid variables range over `monoids`."""
-    sampler = _Sampler(rule, rng, monoids)
+    is well formed; monoid variables range over `monoids`; the value variables in `tuples`
+    (if given) are tuples and the others single tiles."""
+    sampler = _Sampler(rule, rng, monoids, tuples)
     for _ in range(tries):
         inst = sampler.sample()
         try:

@@ -34,7 +34,8 @@ What the plan decides, in order:
 - *Threads and scratch*: the launch width (`threads`) is enough threads for the largest
   iteration space, in whole warps, at most `MAX_THREADS`.  A contraction with fewer outputs
   than threads splits its reduced axis over the spare threads, whose partial results need
-  scratch (as many elements as there are threads).
+  scratch (as many elements as there are threads); one with enough outputs gives each thread
+  a register micro-tile of up to 4 x 4 outputs (`micro_tile`).
 - *Placement*: offsets by liveness, first fit in definition order, every buffer taking a whole
   number of `ALIGN`-byte units.  `footprint` is the top of that placement: at least the bytes
   live at any one point, more where a freed gap is too small for the next buffer.
@@ -130,6 +131,7 @@ class Value:
     acc: Accumulation | None = None  # result / get: the reduction whose state it finalizes
     into: tuple[Accumulation, int] | None = None  # accumulate: the component it adds into
     scratch: Buffer | None = None  # breduce / dot: partial results of a split reduced axis
+    micro: MicroTile | None = None  # dot without scratch: outputs per thread, in registers
 
     @property
     def is_step(self) -> bool:
@@ -179,6 +181,41 @@ class LoopPlan:
 
 
 Op = Value | LoopPlan
+
+
+@dataclass(frozen=True)
+class MicroTile:
+    """The outputs one thread of a contraction accumulates in registers: `ri` along axis `i`
+    (None for a tile of one axis) times `rj` along `j`, the tile's last axis."""
+
+    i: str | None
+    j: str
+    ri: int
+    rj: int
+
+
+def micro_tile(order: tuple[str, ...], blocks: Mapping[str, int],
+               threads: int) -> MicroTile | None:
+    """The register micro-tile of a contraction whose output tile has axes `order`, or None.
+
+    A thread computing ri x rj outputs loads ri + rj operand elements per step of the
+    contraction instead of 2 x ri x rj.  `j` is the last axis, so neighbouring threads still
+    read neighbouring elements; `i` is the other axis with the largest block (the first on a
+    tie), so a leading axis of block 1 -- the head axis of every multi-head program -- does not
+    shrink the micro-tile to 1 x rj.  The largest micro-tile (wider along `j` on a tie) that
+    divides the tile and still gives every thread of the launch one is chosen.
+    """
+    if not order:
+        return None
+    j = order[-1]
+    i = max(order[:-1], key=lambda a: blocks[a], default=None)
+    first, last = (blocks[i] if i is not None else 1), blocks[j]
+    n_out = math.prod(blocks[a] for a in order)
+    options = [(ri, rj) for ri in (4, 2, 1) for rj in (4, 2, 1)
+               if first % ri == 0 and last % rj == 0 and ri * rj > 1
+               and n_out // (ri * rj) >= threads]
+    best = max(options, key=lambda r: (r[0] * r[1], r[1]), default=None)
+    return None if best is None else MicroTile(i, j, *best)
 
 
 @dataclass(eq=False)
@@ -589,6 +626,8 @@ class _Planner:
                     x.scratch = Buffer("scratch", (), (), (), min(threads, space), LOCAL_DTYPE,
                                        x.seq, x.path, last=x.seq)
                     self.buffers.append(x.scratch)
+            if x.kind == "dot" and x.scratch is None:
+                x.micro = micro_tile(x.order, {a: self.dims[a].block for a in x.order}, threads)
         for op in self.loops:
             for acc in op.accs:
                 for g, site in zip(acc.groups, acc.sites):

@@ -25,7 +25,7 @@ from lark import Token
 from .errors import SourceError, Span
 from .exprsyntax import (Call, Expr, ExprTransformer, Indexed, MonoidDecl, Name, Num, PatVar,
                          Resolver, Scope, Size, article, parse, resolve_monoid)
-from .instantiate import flipped, instances
+from .instantiate import Instance, flipped, instances, value_variables
 from .ir import (BUILTIN_MONOIDS, IRError, Load, Monoid, Node, Store, TileType, Type,
                  postorder, show_node, type_of)
 from .patterns import NotInstantiable, checked_type
@@ -468,25 +468,40 @@ class _PackBuilder:
 
 
 def _type_mismatch(rule: Rule, monoids: Mapping[str, Monoid], tries: int = 150,
-                   samples: int = 4) -> str | None:
+                   samples: int = 4, tuple_tries: int = 5) -> str | None:
     """Why the sides of `rule` differ in shape or deps, if some instantiation shows it.
 
-    The left side is instantiated on fresh tiles (deterministically, seeded by the rule's
-    name); a rule whose left side no random choice makes well formed is not judged here.
+    The left side is instantiated on fresh tiles under every layout that matters: no value
+    variable a tuple (`samples` instances out of `tries`), then each one alone a tuple (one
+    instance out of `tuple_tries`: most left sides reject a tuple at once, and
+    `?x => ?x * 1.0` is ill-formed exactly when `?x` is one).  The random choices are seeded
+    by the layout, never by the rule's name, so a rule's verdict does not depend on what it is
+    called.  A rule whose left side no random choice makes well formed is not judged here.
     """
-    for inst in islice(instances(rule, random.Random(rule.name), tries, monoids), samples):
-        stored: dict[Node, Store] = {}
-        lhs, rhs = inst.build(rule.lhs, stored), inst.build(rule.rhs, stored)
-        try:
-            right = checked_type(rhs)
-        except NotInstantiable as e:
-            return (f"the right-hand side is ill-formed where the left is not "
-                    f"({inst.describe()}): {e}")
-        left = type_of(lhs)
-        if left != right:
-            return (f"the two sides differ in shape or dependencies: with {inst.describe()}, "
-                    f"{show_node(lhs)} has {_show_type(left)} but {show_node(rhs)} has "
-                    f"{_show_type(right)}")
+    layouts = [(frozenset(), tries, samples)]
+    layouts += [(frozenset({v}), tuple_tries, 1) for v in value_variables(rule)]
+    for layout, attempts, wanted in layouts:
+        rng = random.Random(",".join(sorted(layout)))
+        for inst in islice(instances(rule, rng, attempts, monoids, layout), wanted):
+            problem = _instance_mismatch(rule, inst)
+            if problem:
+                return problem
+    return None
+
+
+def _instance_mismatch(rule: Rule, inst: Instance) -> str | None:
+    stored: dict[Node, Store] = {}
+    lhs, rhs = inst.build(rule.lhs, stored), inst.build(rule.rhs, stored)
+    try:
+        right = checked_type(rhs)
+    except NotInstantiable as e:
+        return (f"the right-hand side is ill-formed where the left is not "
+                f"({inst.describe()}): {e}")
+    left = type_of(lhs)
+    if left != right:
+        return (f"the two sides differ in shape or dependencies: with {inst.describe()}, "
+                f"{show_node(lhs)} has {_show_type(left)} but {show_node(rhs)} has "
+                f"{_show_type(right)}")
     return None
 
 

@@ -50,8 +50,8 @@ from bbrules.ir import (ELEMENTWISE_KINDS, Binary, BlockProgram, BlockReduce, Co
                         IRError, KindTable, Load, Node, Reduce, Tuple, Unary, Var, children,
                         operator, validate)
 from bbrules.ops import BINARY, TILE_REDUCE
-from bbrules.plan import (MAX_THREADS, Accumulation, BlockIndex, Buffer, KernelPlan, LoopPlan, Op,
-                          Value, plan_for)
+from bbrules.plan import (MAX_THREADS, Accumulation, BlockIndex, Buffer, KernelPlan, LoopPlan,
+                          MicroTile, Op, Value, plan_for)
 from bbrules.targets import Target, get_target
 
 __all__ = ["MAX_THREADS", "CompileError", "CudaModule", "KernelInfo", "compile_check",
@@ -575,9 +575,8 @@ class _KernelGen:
 
         self._before_write(w)
         scratch = x.scratch
-        micro = self._micro_tile(x) if x.kind == "dot" and scratch is None else None
-        if micro is not None:
-            self._dot_tiled(w, x, out, micro)
+        if x.micro is not None:  # the plan's register micro-tile (`plan.micro_tile`)
+            self._dot_tiled(w, x, out, x.micro)
             self._barrier(w)
             return
         if scratch is None:
@@ -608,31 +607,15 @@ class _KernelGen:
                     write(self._decode(w, x.order, "bb_o"))
         self._barrier(w)
 
-    def _micro_tile(self, x: Value) -> tuple[int, int] | None:
-        """Outputs per thread along the first and last axes of a dot's tile, or None.
-
-        A thread computing ri x rj outputs loads ri + rj operand elements per step of the
-        contraction instead of 2 x ri x rj.  The largest micro-tile that divides the tile and
-        still gives every thread of the launch one is chosen.
-        """
-        order = x.order
-        first, last = (self.p.block(order[0]), self.p.block(order[-1])) if len(order) > 1 \
-            else (1, self.p.block(order[0]) if order else 1)
-        n_out = math.prod(self.p.block(a) for a in order)
-        options = [(ri, rj) for ri in (4, 2, 1) for rj in (4, 2, 1)
-                   if first % ri == 0 and last % rj == 0 and ri * rj > 1
-                   and n_out // (ri * rj) >= self.plan.threads]
-        return max(options, key=lambda r: (r[0] * r[1], r[1]), default=None)
-
-    def _dot_tiled(self, w: _Writer, x: Value, out: Buffer, micro: tuple[int, int]) -> None:
+    def _dot_tiled(self, w: _Writer, x: Value, out: Buffer, micro: MicroTile) -> None:
         """A dot in which every thread accumulates a ri x rj micro-tile in registers.
 
         A thread's outputs are interleaved (i + r * blocks/ri), so neighbouring threads still
         read neighbouring elements.
         """
-        ri, rj = micro
+        ri, rj = micro.ri, micro.rj
         order, axis = x.order, x.node.axis
-        i_ax, j_ax = (order[0], order[-1]) if len(order) > 1 else (None, order[0])
+        i_ax, j_ax = micro.i, micro.j
         steps = {a: self.p.block(a) // (ri if a == i_ax else rj if a == j_ax else 1)
                  for a in order}
         n_tiles = math.prod(steps.values())

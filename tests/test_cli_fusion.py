@@ -5,8 +5,11 @@ from pathlib import Path
 
 import pytest
 
+from bbrules import extract
 from bbrules.blockfile import load_block_program
 from bbrules.cli import main
+from bbrules.cost import fmt_bytes
+from bbrules.targets import get_target
 
 ROOT = Path(__file__).resolve().parent.parent
 ATTENTION = str(ROOT / "examples" / "attention.bbp")
@@ -100,3 +103,36 @@ def test_check_passes_on_the_standard_pack(capsys):
     report = json.loads(capsys.readouterr().out)
     assert report["rules"] > 20 and report["checks"] >= report["rules"]
     assert report["check_failures"] == [] and report["unsound"] == []
+
+
+@pytest.mark.parametrize("extra", [[], ["--json"], ["--target", "cpu"]])
+def test_apply_refuses_when_no_legal_program_exists(extra, tmp_path, capsys):
+    """A row of 2^20 floats in one block fits no target's local memory, fused or not: apply
+    says so, naming the kernel, its footprint and the capacity, and writes nothing."""
+    out = tmp_path / "x.bbk"
+    argv = ["apply", str(ROOT / "examples" / "softmax.bbp"), "--dim", "r=64/16",
+            "--dim", "c=1048576/1048576", "-o", str(out), *extra]
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and not out.exists()
+    assert "no legal program was found" in captured.err
+    assert "needs 128.00 MiB of local memory" in captured.err
+    target = get_target(extra[1] if extra[:1] == ["--target"] else "h100")
+    assert f"{target.name} has {fmt_bytes(target.local_capacity)}" in captured.err
+    assert "inf" not in captured.err and "nan" not in captured.err
+
+
+def test_apply_reports_progress_when_asked_and_never_with_json(monkeypatch, capsys):
+    monkeypatch.setattr(extract, "PROGRESS_EVERY", 0.0)  # report at every candidate
+    assert main(["apply", ATTENTION, *SMALL]) == 0
+    assert capsys.readouterr().err == ""  # stderr is not a terminal here
+    assert main(["apply", ATTENTION, *SMALL, "--progress"]) == 0
+    captured = capsys.readouterr()
+    lines = captured.err.splitlines()
+    assert "  .. stage fuse: iteration 1" in lines and "  .. extracting" in lines
+    built = [int(line.split()[2]) for line in lines if line.startswith("  .. extraction: ")]
+    assert built and built == sorted(built) and len(set(built)) == len(built)
+    assert "extraction:" in captured.out and "  .. " not in captured.out
+    assert main(["apply", ATTENTION, *SMALL, "--progress", "--json"]) == 0
+    captured = capsys.readouterr()
+    assert captured.err == "" and json.loads(captured.out)["extraction"]

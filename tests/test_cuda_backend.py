@@ -30,6 +30,7 @@ from bbrules.inputs import random_inputs
 from bbrules.ir import BlockProgram, Const, Get, Load, Store, Unary, postorder
 from bbrules.lower import lower
 from bbrules.packs import load_packs
+from bbrules.plan import MicroTile, micro_tile, plan_for
 from bbrules.targets import get_target
 
 from cuda_emu import emulate, fake_cupy, race_check
@@ -342,3 +343,66 @@ def test_kernels_on_the_gpu_match_the_interpreter(name):
     inputs = random_inputs(p, seed=1)
     got = {t: a.get() for t, a in module.runner()(**inputs).items()}
     assert_matches(got, interp.run(p, inputs))
+
+
+# --------------------------------------------------------------------------------------------
+# Register micro-tiles
+
+MULTI_HEAD = """\
+dim h = 2 / 1
+dim q = 128 / 64
+dim k = 128 / 64
+dim d = 64
+
+input Q[h, q, d], K[h, k, d], V[h, k, d] : f32
+
+S[h, q, k] = sum[d] Q[h, q, d] * K[h, k, d] * 0.125
+M[h, q]    = max[k] S[h, q, k]
+E[h, q, k] = exp(S[h, q, k] - M[h, q])
+L[h, q]    = sum[k] E[h, q, k]
+O[h, q, d] = sum[k] E[h, q, k] * V[h, k, d] / L[h, q]
+
+output O
+"""
+
+
+def test_micro_tile_skips_a_leading_axis_of_block_1():
+    blocks = {"h": 1, "q": 64, "k": 64}
+    assert micro_tile(("h", "q", "k"), blocks, 256) == MicroTile("q", "k", 4, 4)
+    assert micro_tile(("q", "k"), blocks, 256) == MicroTile("q", "k", 4, 4)
+    assert micro_tile(("h", "k"), blocks, 16) == MicroTile("h", "k", 1, 4)  # no other choice
+    assert micro_tile(("k",), blocks, 32) == MicroTile(None, "k", 1, 2)  # 64 / 2 >= 32 threads
+    # Too few outputs for 16 per thread: 8, wider along the last axis.
+    assert micro_tile(("h", "q", "k"), blocks, 4096 // 16 + 1) == MicroTile("q", "k", 2, 4)
+    assert micro_tile((), blocks, 32) is None
+
+
+def _dots(p: BlockProgram):
+    for k in p.kernels:
+        for x in plan_for(p, k, get_target("h100").local_capacity).values:
+            if x.kind == "dot":
+                yield x
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
+def test_multi_head_contractions_get_a_4x4_micro_tile(fused):
+    p = lower(parse_program(MULTI_HEAD, "<multi-head>"))
+    if fused:
+        p = fuse(p, load_packs([]), get_target("h100")).program
+    dots = list(_dots(p))
+    assert dots and all(x.order[0] == "h" for x in dots)
+    assert all(x.micro is not None and x.micro.ri * x.micro.rj == 16 and x.micro.i != "h"
+               for x in dots)
+    source = generate(p).source
+    assert "bb_acc_3_3" in source
+
+
+@needs_cxx
+@pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
+def test_multi_head_attention_with_4x4_micro_tiles_runs_like_the_interpreter(fused):
+    p = lower(parse_program(MULTI_HEAD, "<multi-head>"))
+    if fused:
+        p = fuse(p, load_packs([]), get_target("h100")).program
+    module = check_emulated(p, threads=(None, 64))
+    if shutil.which("nvcc"):
+        assert set(compile_check(module.source)) == {k.name for k in module.kernels}

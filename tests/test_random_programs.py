@@ -1,15 +1,25 @@
 """Random programs: the lowered block program, run by the reference interpreter, computes what
-the dense evaluator computes from the source, for every tensor."""
+the dense evaluator computes from the source, for every tensor; fused by the standard pack, it
+still does, through the interpreter and the numpy backend."""
 
 from __future__ import annotations
+
+from functools import cache
 
 import numpy as np
 from hypothesis import HealthCheck, given, settings
 
 from bbrules import dense, interp
+from bbrules.codegen import numpy_gen
 from bbrules.frontend import parse_program
+from bbrules.fuse import fuse
 from bbrules.inputs import random_inputs
+from bbrules.ir import show_program
 from bbrules.lower import lower
+from bbrules.packs import load_packs
+from bbrules.rule import RulePack
+from bbrules.targets import get_target
+from bbrules.verdict import Comparison, reduction_length
 
 from strategies import programs
 
@@ -30,3 +40,32 @@ def test_lowering_agrees_with_the_dense_evaluator(source):
         np.testing.assert_allclose(got[name], ref, rtol=1e-4, atol=1e-4 * scale,
                                    err_msg=f"tensor {name} of\n{source}")
 
+
+
+@cache
+def standard_pack() -> RulePack:
+    return load_packs([])
+
+
+def check_fused_agrees(source: str) -> None:
+    """Fuse the program with the standard pack; the fused program, through the interpreter and
+    through the numpy backend, computes every output as `bbrules run` judges it: within the
+    norm-wise tolerance of the float64 dense evaluation."""
+    program = parse_program(source, "<random>")
+    fused = fuse(lower(program), standard_pack(), get_target("h100")).program
+    inputs = random_inputs(program, seed=0)
+    want = dense.evaluate(program, inputs, dtype=np.float64)
+    for backend, run in (("interp", interp.run), ("numpy", numpy_gen.run)):
+        got = run(fused, inputs)
+        for name in program.outputs:
+            c = Comparison.of(got[name], want[name], program.tensors[name].dtype,
+                              reduction_length(program, name))
+            assert c.ok, f"{backend}: {c.line(name)}\nof\n{source}\nfused:\n" \
+                         f"{show_program(fused)}"
+
+
+# About 0.3 s an example; benchmarks/fuse_property.py runs many more.
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(programs())
+def test_fused_programs_agree_with_the_dense_evaluator(source):
+    check_fused_agrees(source)
