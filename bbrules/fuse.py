@@ -59,11 +59,20 @@ class FuseResult:
         return "saturated"
 
     def budgets(self) -> dict[str, str]:
-        """Which budget stopped which phase: per stage its stop, and extraction's ("complete"
-        when its search ran to the end)."""
+        """Which budget stopped which phase: per stage its stop, then the reading of the
+        firings and extraction ("complete" when they ran to the end)."""
         out = {f"saturation {s.stage}": s.stop for s in self.stats}
+        out["read-back of firings"] = self.graph.stop
         out["extraction"] = self.extraction.stop
         return out
+
+    def _chain_json(self) -> list[dict] | str:
+        try:
+            return [s.to_json() for s in self.chain]
+        except ExplainError as e:
+            if self.graph.stop == "complete":
+                raise
+            return f"no replayable chain: the {self.graph.stop} cut the firings short ({e})"
 
     def explain(self) -> list[str]:
         """The chain, one entry per rule application in replay order: the rule's file:line,
@@ -84,7 +93,7 @@ class FuseResult:
             "budgets": self.budgets(),
             "extraction": self.extraction.to_json(),
             "rules": [r.to_json() for r in self.rules],
-            "explain": [s.to_json() for s in self.chain],
+            "explain": self._chain_json(),
         }
 
 
@@ -109,7 +118,7 @@ def fuse(p: BlockProgram, pack: RulePack, target: Target, objective: str = "time
     stats = sat.run(budget, progress, meter=meter)
     if progress:
         progress("extracting")
-    graph = sat.freeze(provenance=True)
+    graph = sat.freeze(provenance=True, meter=meter)
     program, after, xstats = extract(graph, p, target, objective, max_kernels, options, meter)
     return FuseResult(program, before, after, stats, xstats, sat.rule_stats(graph), p, graph,
                       compiled, objective, options)

@@ -16,8 +16,9 @@ Within an iteration.  egglog applies an iteration's matches at once, before Pyth
 number.  The recording run before each iteration (below) finds the same matches, so their
 number per rule is known first: when every rule's matches times the e-nodes its right side
 can add fit in the stage's share, the iteration runs as one egglog run; otherwise its rules
-run one at a time, fewest matches first, and a rule whose matches could overflow what is left
-waits and the stage stops with "node limit" (its recorded matches are then firings never
+run one at a time, fewest matches first, each recorded again just before it runs (the rules
+before it may have given it new matches), and a rule whose matches could overflow what is
+left waits and the stage stops with "node limit" (its recorded matches are then firings never
 applied, which explanations skip since their right side is not in the graph).  The node
 budget then holds unless egglog's apply finds more matches than the recording did.
 
@@ -42,7 +43,7 @@ from ..ir import Node, postorder
 from ..options import Budget, Meter, Options
 from ..rule import PVar, Stage
 from .compile import ANALYSIS, ITERATION, STAMP, CompiledPack, rule_of, size_facts
-from .graph import ClassGraph, read_back
+from .graph import ClassGraph, graph_size, read_back
 from .terms import TERM_CONSTRUCTORS, TermWriter
 
 
@@ -255,6 +256,9 @@ class Saturator:
             return self._run_rules(active), False
         updated = held = False
         for rs in sorted(active, key=lambda r: (growth[r], r)):
+            if updated:  # the rules applied before it may have given it new matches
+                fresh = self._record([rs], self.iteration + 1).get(rs, 0)
+                growth[rs] = max(growth[rs], fresh * self.compiled_growth(rs))
             if growth[rs] > room or share.meter.over(share.until) is not None:
                 held = True
                 continue
@@ -288,14 +292,14 @@ class Saturator:
 
     def _stage_stats(self, stage: Stage, iterations: int, seconds: float, stop: str,
                      matches: dict[str, int]) -> StageStats:
-        graph = self.freeze()
-        return StageStats(stage.name, iterations, graph.n_nodes, len(graph.classes), seconds,
-                          stop, matches)
+        enodes, eclasses = graph_size(self.egraph)
+        return StageStats(stage.name, iterations, enodes, eclasses, seconds, stop, matches)
 
-    def freeze(self, provenance: bool = False) -> ClassGraph:
+    def freeze(self, provenance: bool = False, meter: Meter | None = None) -> ClassGraph:
         """The current e-graph as e-classes of e-nodes, with the class of every root, and with
-        `provenance` the recorded firings of every rule."""
-        return read_back(self.egraph, self.roots, self.compiled, provenance)
+        `provenance` the recorded firings of every rule (those read before `meter`'s budget
+        ran out, if given: see `graph.read_back`)."""
+        return read_back(self.egraph, self.roots, self.compiled, provenance, meter)
 
     def rule_stats(self, graph: ClassGraph) -> list[RuleStats]:
         """Per-rule statistics, applications counted in `graph` (frozen with provenance)."""
