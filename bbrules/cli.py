@@ -370,6 +370,9 @@ def fusion_report(r: FuseResult) -> str:
         lines.append(f"  {s.stage:12} {s.iterations:3} iterations {s.enodes:7} e-nodes "
                      f"{s.eclasses:6} e-classes {s.seconds:6.2f} s  {s.stop}")
     x = r.extraction
+    if r.graph.stop != "complete":
+        lines.append(f"read-back: the {r.graph.stop} cut the recorded firings short "
+                     f"(explanations and rule applications may be incomplete)")
     stopped = "" if x.stop == "complete" else f", stopped by the {x.stop}"
     lines.append(f"extraction: {x.method}, {x.candidates} candidates costed, {x.rejected} "
                  f"rejected, {x.seconds:.2f} s{stopped}")
