@@ -54,7 +54,9 @@ class FuseResult:
     def stop(self) -> str:
         """What ended saturation: the first budget hit, or "saturated"."""
         for s in self.stats:
-            if s.stop not in ("saturated", "skipped"):
+            if s.stop.startswith("skipped ("):
+                return s.stop[len("skipped ("):-1]
+            if s.stop != "saturated":
                 return s.stop
         return "saturated"
 
