@@ -272,7 +272,10 @@ def _fuse_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--iterations", type=int, default=Budget.iterations,
                    help="iteration budget per stage")
     p.add_argument("--seconds", type=float, default=Budget.seconds,
-                   help="time budget of saturation")
+                   help="time budget of fusion: saturation, read-back and extraction together "
+                        "(the best program found in time is the result)")
+    p.add_argument("--memory", type=int, default=Budget.memory, metavar="MIB",
+                   help="resident memory budget of fusion in MiB")
     _progress_arg(p)
 
 
@@ -285,7 +288,8 @@ def _progress_arg(p: argparse.ArgumentParser) -> None:
 def _fuse(args: argparse.Namespace, program: BlockProgram) -> FuseResult:
     if args.max_kernels is not None and args.max_kernels < 1:
         raise UsageError("--max-kernels must be at least 1")
-    budget = Budget(nodes=args.nodes, iterations=args.iterations, seconds=args.seconds)
+    budget = Budget(nodes=args.nodes, iterations=args.iterations, seconds=args.seconds,
+                    memory=args.memory)
     try:
         return fuse(program, _load_packs(args), get_target(args.target), args.objective,
                     args.max_kernels, budget, _progress(args))
@@ -356,8 +360,12 @@ def fusion_report(r: FuseResult) -> str:
         lines.append(f"  {s.stage:12} {s.iterations:3} iterations {s.enodes:7} e-nodes "
                      f"{s.eclasses:6} e-classes {s.seconds:6.2f} s  {s.stop}")
     x = r.extraction
+    if r.graph.stop != "complete":
+        lines.append(f"read-back: the {r.graph.stop} cut the recorded firings short "
+                     f"(explanations and rule applications may be incomplete)")
+    stopped = "" if x.stop == "complete" else f", stopped by the {x.stop}"
     lines.append(f"extraction: {x.method}, {x.candidates} candidates costed, {x.rejected} "
-                 f"rejected, {x.seconds:.2f} s")
+                 f"rejected, {x.seconds:.2f} s{stopped}")
     return "\n".join(lines)
 
 

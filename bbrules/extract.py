@@ -28,7 +28,9 @@ intermediate tensor forwarded, or every one materialised, at once (a tensor read
 renamed references has a load class per reference); and the users of a shared value switching
 away from it at once (the RMSNorm sum of squares leaves its own pass only when both the gate
 and the up projection sink it into their loop).  The search is bounded by a count of built
-candidates, not by a clock, so the result does not depend on the machine's speed.
+candidates, not by a clock, so the result does not depend on the machine's speed, unless the
+fusion's time or memory budget (`options.Meter`) runs out first: every search is anytime, and
+stops with the best candidate found so far (`ExtractStats.stop` says which budget stopped it).
 
 Ties break on the cost key (objective, flops, kernels), then on the program text, so the result
 never depends on hash order.  The input program is always a candidate: the result is never
@@ -47,7 +49,7 @@ from .cost import ProgramCost, cost_kernel
 from .engine import ClassGraph, ENode
 from .ir import (BlockProgram, IRError, Load, Node, Store, TensorDecl,
                  TileType, postorder, sched_deps, show_program, type_of, validate)
-from .options import Options
+from .options import Meter, Options
 from .targets import Target
 
 _COMMUTATIVE = {"add", "mul", "max", "min"}
@@ -65,10 +67,11 @@ class ExtractStats:
     candidates: int
     rejected: int  # ill-formed or over the kernel limit
     seconds: float
+    stop: str = "complete"  # or the budget that ended the search: "time limit", "memory limit"
 
     def to_json(self) -> dict:
         return {"method": self.method, "candidates": self.candidates, "rejected": self.rejected,
-                "seconds": self.seconds}
+                "seconds": self.seconds, "stop": self.stop}
 
 
 class NoCandidate(Exception):
@@ -114,8 +117,11 @@ class Extractor:
 
     def __init__(self, graph: ClassGraph, source: BlockProgram, target: Target,
                  objective: str = "time", max_kernels: int | None = None,
-                 knobs: Options = Options(), progress: Callable[[str], None] | None = None):
+                 knobs: Options = Options(), meter: Meter | None = None,
+                 progress: Callable[[str], None] | None = None):
         self.graph = graph
+        self.meter = meter
+        self.stop = "complete"
         self.knobs = knobs
         self.source = source
         self.target = target
@@ -233,6 +239,12 @@ class Extractor:
         return ProgramCost(tuple(cost_kernel(program, k, self.target) for k in program.kernels),
                            self.target, self.compulsory)
 
+    def spent(self) -> bool:
+        """Has the fusion's time or memory budget run out (noted in `stop`)?"""
+        if self.stop == "complete" and self.meter is not None:
+            self.stop = self.meter.over() or "complete"
+        return self.stop != "complete"
+
     def evaluate(self, choice: Choice) -> tuple[tuple, Built] | None:
         """The key and program of a candidate, or None if it is invalid or rejected."""
         self.built += 1
@@ -279,7 +291,7 @@ class Extractor:
         cost infinity, so classes that can be forwarded are."""
         best: dict[int, tuple[int, float]] = {}
         changed = True
-        while changed:
+        while changed and not self.spent():
             changed = False
             for c, nodes in self.options.items():
                 for i, n in enumerate(nodes):
@@ -313,7 +325,7 @@ class Extractor:
             Choice(), tuple(self.source.outputs), frozenset())
         stack = [start]
         count = 0
-        while stack:
+        while stack and not self.spent():
             choice, todo, seen = stack.pop()
             while todo and todo[0] in seen:
                 todo = todo[1:]
@@ -367,7 +379,7 @@ class Extractor:
         choice = start
         resume = 0
         deep = False
-        while self.built < budget:
+        while self.built < budget and not self.spent():
             moves = self.moves(choice, current[1])
             step = self.scan(choice, moves, resume, current, budget, deep)
             if step is None:
@@ -387,7 +399,7 @@ class Extractor:
         count."""
         key, built = current
         for n in range(resume, resume + len(moves)):
-            if self.built >= budget:
+            if self.built >= budget or self.spent():
                 return None
             move = moves[n % len(moves)]
             moved = choice.changed(move)
@@ -396,7 +408,7 @@ class Extractor:
                 return n, found, moved
             if deep and (found is None or _near(found[0], key, self.knobs.followup_slack)):
                 for extra in self.followups(moved, None if found is None else found[1], built):
-                    if self.built >= budget:
+                    if self.built >= budget or self.spent():
                         return None
                     further = moved.changed(extra)
                     found = self.evaluate(further)
@@ -532,22 +544,29 @@ class Extractor:
 
 def extract(graph: ClassGraph, source: BlockProgram, target: Target, objective: str = "time",
             max_kernels: int | None = None, options: Options = Options(),
-            progress: Callable[[str], None] | None = None
+            meter: Meter | None = None, progress: Callable[[str], None] | None = None
             ) -> tuple[BlockProgram, ProgramCost, ExtractStats]:
-    """The cheapest valid program in `graph` equivalent to `source` (never costlier);
-    `progress`, if given, hears how far the search is every `PROGRESS_EVERY` seconds."""
+    """The cheapest valid program in `graph` equivalent to `source` (never costlier), the best
+    found before `meter`'s time or memory budget ran out if it did; `progress`, if given,
+    hears how far the search is every `PROGRESS_EVERY` seconds."""
     start = time.perf_counter()
-    ex = Extractor(graph, source, target, objective, max_kernels, options, progress)
+    ex = Extractor(graph, source, target, objective, max_kernels, options, meter, progress)
     limit = options.exhaustive_limit
     candidates = list(ex.space(limit))
     found: list[tuple[tuple, Built]] = []
-    if len(candidates) <= limit:
+    if len(candidates) <= limit and not ex.spent():
         method = "exhaustive"
-        found = [r for r in map(ex.evaluate, candidates) if r is not None]
+        for candidate in candidates:
+            if ex.spent():
+                break
+            if (r := ex.evaluate(candidate)) is not None:
+                found.append(r)
     else:
         method = "local search"
-        seeds = (ex.seed_from(source), ex.default_choice())
+        seeds = (ex.seed_from(source), ex.default_choice()) if not ex.spent() else ()
         for n, seed in enumerate(seeds):
+            if ex.spent():
+                break
             # Each seed may build an equal share of what the earlier ones left.
             r = ex.local_search(seed, ex.built + (options.max_evaluations - ex.built)
                                // (len(seeds) - n))
@@ -566,7 +585,7 @@ def extract(graph: ClassGraph, source: BlockProgram, target: Target, objective: 
         raise NoCandidate(f"no legal program{bound} was found; the best one found is illegal: "
                           f"{ex.cost(program).why_illegal()}")
     validate(program)
-    stats = ExtractStats(method, ex.priced, ex.rejected, time.perf_counter() - start)
+    stats = ExtractStats(method, ex.priced, ex.rejected, time.perf_counter() - start, ex.stop)
     return program, ex.cost(program), stats
 
 

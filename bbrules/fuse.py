@@ -4,7 +4,7 @@ The pipeline: every kernel's stored value goes into one e-graph (loads of interm
 the value they read, so forwarding is a rule), the pack's stages saturate it within a budget,
 and extraction picks the cheapest program by the exact cost model.  The result records what
 happened: costs before and after, saturation statistics per stage (and which budget stopped
-it) and per rule, extraction statistics, and the e-graph's provenance, from which the chain of
+it) and per rule, extraction statistics (and which budget stopped it), and the e-graph's provenance, from which the chain of
 rule applications that built the output is found when asked for (`bbrules.explain`).
 """
 
@@ -18,7 +18,7 @@ from .engine import (Budget, ClassGraph, CompiledPack, Progress, RuleStats, Satu
 from .explain import ExplainError, Step, explain
 from .extract import ExtractStats, extract
 from .ir import BlockProgram, validate
-from .options import Options
+from .options import Meter, Options
 from .rule import RulePack
 from .targets import Target
 
@@ -54,9 +54,27 @@ class FuseResult:
     def stop(self) -> str:
         """What ended saturation: the first budget hit, or "saturated"."""
         for s in self.stats:
-            if s.stop not in ("saturated", "skipped"):
+            if s.stop.startswith("skipped ("):
+                return s.stop[len("skipped ("):-1]
+            if s.stop != "saturated":
                 return s.stop
         return "saturated"
+
+    def budgets(self) -> dict[str, str]:
+        """Which budget stopped which phase: per stage its stop, then the reading of the
+        firings and extraction ("complete" when they ran to the end)."""
+        out = {f"saturation {s.stage}": s.stop for s in self.stats}
+        out["read-back of firings"] = self.graph.stop
+        out["extraction"] = self.extraction.stop
+        return out
+
+    def _chain_json(self) -> list[dict] | str:
+        try:
+            return [s.to_json() for s in self.chain]
+        except ExplainError as e:
+            if self.graph.stop == "complete":
+                raise
+            return f"no replayable chain: the {self.graph.stop} cut the firings short ({e})"
 
     def explain(self) -> list[str]:
         """The chain, one entry per rule application in replay order: the rule's file:line,
@@ -74,9 +92,10 @@ class FuseResult:
             "after": self.after.to_json(),
             "saturation": [s.to_json() for s in self.stats],
             "stop": self.stop,
+            "budgets": self.budgets(),
             "extraction": self.extraction.to_json(),
             "rules": [r.to_json() for r in self.rules],
-            "explain": [s.to_json() for s in self.chain],
+            "explain": self._chain_json(),
         }
 
 
@@ -84,22 +103,25 @@ def fuse(p: BlockProgram, pack: RulePack, target: Target, objective: str = "time
          max_kernels: int | None = None, budget: Budget = Budget(),
          progress: Progress | None = None, options: Options = Options()) -> FuseResult:
     """Fuse `p` with the rules of `pack`, minimising `objective` ("time" or "traffic") on
-    `target`, with at most `max_kernels` kernels if given.
+    `target`, with at most `max_kernels` kernels if given, within `budget` (its time and
+    memory bound saturation, read-back and extraction together; the best program found in
+    time is the result, `p` itself at worst).
 
     Raises `extract.NoCandidate` when no legal program satisfies `max_kernels`.
     """
     validate(p)
     before = cost_program(p, target)
     before.key(objective)  # rejects an unknown objective before any work
+    meter = Meter(budget)
     compiled = compile_pack(pack)
     sat = Saturator(compiled, {n: (d.extent, d.block) for n, d in p.dims.items()}, options)
     sat.add_terms({k.tensor: k.value for k in p.kernels},
                   {k.tensor: (k.axes, k.value) for k in p.kernels})
-    stats = sat.run(budget, progress)
+    stats = sat.run(budget, progress, meter=meter)
     if progress:
         progress("extracting")
-    graph = sat.freeze(provenance=True)
-    program, after, xstats = extract(graph, p, target, objective, max_kernels, options,
+    graph = sat.freeze(provenance=True, meter=meter)
+    program, after, xstats = extract(graph, p, target, objective, max_kernels, options, meter,
                                      progress)
     return FuseResult(program, before, after, stats, xstats, sat.rule_stats(graph), p, graph,
                       compiled, objective, options)

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Callable, Iterable, Mapping, NoReturn
 
 from ..errors import SourceError, Span
@@ -62,7 +63,7 @@ class Provenance:
     columns: tuple[tuple[str, str], ...]
     stored: tuple[tuple[str, str], ...]
 
-    @property
+    @cached_property
     def monoid_vars(self) -> tuple[str, ...]:
         """The left side's monoid variables (recorded as names, read back as monoids)."""
         return tuple(v for v, kind in variables(self.lhs).items() if kind == "monoid")
@@ -105,6 +106,7 @@ def _provenance_text(provenance: Iterable[Provenance], queries: Iterable[str],
     for prov, query in zip(provenance, queries):
         lines.append(f"(ruleset {prov.recorder})")
         lines.append(f"(rule ({query}) ((fired {prov.row(widths)})) :ruleset {prov.recorder})")
+
     return "\n".join(lines)
 
 

@@ -8,6 +8,7 @@ from typing import Mapping
 from egglog.bindings import EGraph
 
 from ..ir import Node, children
+from ..options import Meter
 from .compile import CompiledPack
 from .terms import TERM_CONSTRUCTORS, ENode, decode, enode_key
 
@@ -32,6 +33,7 @@ class ClassGraph:
     classes: dict[int, tuple[ENode, ...]]
     named: dict[str, int]  # e-class of every term added by name (roots, check terms)
     firings: tuple[Firing, ...] = ()  # read back only when asked for
+    stop: str = "complete"  # or the budget that cut the reading of the firings short
     index: dict[tuple, int] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -70,11 +72,25 @@ class ClassGraph:
 
 
 
+def graph_size(egraph: EGraph) -> tuple[int, int]:
+    """(e-nodes, e-classes) of the Term constructors, counted without decoding the rows (a
+    read-back after every stage would cost more than the stage itself on a large graph)."""
+    functions = egraph.freeze().functions  # each access to the attribute converts them all
+    rows = [row for name in TERM_CONSTRUCTORS if (fn := functions.get(name)) is not None
+            for row in fn.rows if not row.subsumed]
+    return len(rows), len({row.output for row in rows})
+
+
 def read_back(egraph: EGraph, roots: Mapping[str, str], compiled: CompiledPack,
-              provenance: bool = False) -> ClassGraph:
+              provenance: bool = False, meter: Meter | None = None) -> ClassGraph:
     """The e-graph's e-classes and roots (monoid names read as `compiled`'s monoids), and with
-    `provenance` the firings its rules recorded."""
-    frozen = egraph.freeze()
+    `provenance` the firings its rules recorded.
+
+    The classes are read whole (extraction needs them all; the node budget bounds them).  The
+    firings, only explanations and rule statistics need, and an explosive pack records many
+    times more of them than there are e-nodes: they are read until `meter`'s time or memory
+    budget runs out, and `stop` says which did."""
+    functions = egraph.freeze().functions  # each access to the attribute converts them all
     ids: dict[object, int] = {}
 
     def cid(v: object) -> int:
@@ -82,7 +98,7 @@ def read_back(egraph: EGraph, roots: Mapping[str, str], compiled: CompiledPack,
 
     classes: dict[int, list[ENode]] = {}
     for name in TERM_CONSTRUCTORS:
-        fn = frozen.functions.get(name)
+        fn = functions.get(name)
         if fn is None:
             continue
         for row in fn.rows:
@@ -92,17 +108,21 @@ def read_back(egraph: EGraph, roots: Mapping[str, str], compiled: CompiledPack,
             classes.setdefault(cid(row.output), []).append(node)
     named = {}
     for key, g in roots.items():
-        fn = frozen.functions[g]
+        fn = functions[g]
         named[key] = cid(fn.rows[0].output)
     firings = []
+    stop = "complete"
     if provenance:
         by_index = list(compiled.provenance.values())
         read = {"Term": cid, "String": egraph.value_to_string, "f64": egraph.value_to_f64}
-        for row in frozen.functions["when"].rows:
+        for n, row in enumerate(functions["when"].rows):
+            if meter is not None and n % 1024 == 0 and (spent := meter.over()) is not None:
+                stop = spent
+                break
             prov = by_index[egraph.value_to_i64(row.inputs[0])]
             values = prov.values(row.inputs, read, compiled.widths)
             values.update((v, compiled.monoids[values[v]]) for v in prov.monoid_vars)
             firings.append(Firing(prov.ruleset, cid(row.inputs[1]), values,
                                   egraph.value_to_i64(row.output)))
     return ClassGraph({c: tuple(dict.fromkeys(ns)) for c, ns in classes.items()}, named,
-                      tuple(firings))
+                      tuple(firings), stop)
