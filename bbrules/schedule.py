@@ -19,10 +19,9 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
-from functools import cache
 from typing import Iterator, Mapping, Union
 
-from .ir import Node, Reduce, Store, children, postorder, sched_deps
+from .ir import Node, Reduce, Store, children, loops_under, sched_deps
 
 
 @dataclass(frozen=True)
@@ -57,11 +56,6 @@ class KernelSchedule:
 
 Path = tuple[Reduce, ...]  # the reductions whose loops enclose a point, outermost first
 LoopPath = tuple[tuple[str, int], ...]  # the same point after merging: (axis, level) per loop
-
-
-@cache
-def _reduces_under(n: Node) -> frozenset[Reduce]:
-    return frozenset(r for r in postorder(n) if isinstance(r, Reduce))
 
 
 class _Scheduler:
@@ -117,7 +111,7 @@ def _share_loops(reduces: list[Reduce]) -> dict[Reduce, int]:
     loops: so no loop ever needs its own result, whatever the axes of the loops between.
     """
     members = set(reduces)
-    needs = {r: [s for s in _reduces_under(r.x) if s in members and s != r] for r in reduces}
+    needs = {r: [s for s in loops_under(r.x) if s in members and s != r] for r in reduces}
     depth: dict[Reduce, int] = {}
 
     def chain(r: Reduce) -> int:

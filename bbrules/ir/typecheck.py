@@ -76,3 +76,17 @@ def sched_deps(n: Any) -> AxisSet:
     of them can be computed, even if one result alone would depend on fewer axes.
     """
     return _cached("_sched_deps", n, _own_sched_deps)
+
+
+def _own_loops(n: Any, kids: tuple[frozenset[Any], ...]) -> frozenset[Any]:
+    out: frozenset[Any] = frozenset().union(*kids)
+    return out | {n} if kind_of(n).loop else out
+
+
+def loops_under(n: Any) -> frozenset[Any]:
+    """Every sequential reduction in the DAG under `n` (itself included).
+
+    Cached in each node like `sched_deps`, so scheduling many kernels that share subterms
+    visits each subterm once, not once per kernel.
+    """
+    return _cached("_loops", n, _own_loops)
