@@ -43,8 +43,10 @@ What the plan decides, in order:
 from __future__ import annotations
 
 import math
+from bisect import insort
 from dataclasses import dataclass, field
 from functools import lru_cache
+from operator import itemgetter
 from typing import Literal, Mapping
 
 from .ir import (Binary, BlockProgram, BlockReduce, Const, Dim, Dot, Get, IRError, Load, Monoid,
@@ -298,6 +300,7 @@ class _Planner:
         self.capacity = capacity
         self.trips = {a: d.blocks for a, d in dims.items()}
         self.dim_order = list(dims)
+        self.orders: dict[frozenset[str], tuple[str, ...]] = {}
         self.grid = frozenset(store.axes)
         self.seq = 0
         self.values: list[Value] = []
@@ -329,7 +332,10 @@ class _Planner:
         return self.seq
 
     def _order(self, axes: frozenset[str]) -> tuple[str, ...]:
-        return tuple(a for a in self.dim_order if a in axes)
+        order = self.orders.get(axes)
+        if order is None:
+            order = self.orders[axes] = tuple(a for a in self.dim_order if a in axes)
+        return order
 
     def _build(self, steps: tuple[Step, ...], scope: _Scope, path: tuple[int, ...]) -> list[Op]:
         ops: list[Op] = []
@@ -633,21 +639,23 @@ def _assign_offsets(bufs: list[Buffer]) -> int:
         b.last = max(b.last, b.first)
         events.setdefault(b.first, ([], []))[0].append(b)
         events.setdefault(b.last, ([], []))[1].append(b)
-    live: list[Buffer] = []
+    live: list[tuple[int, int, Buffer]] = []  # (offset, end, buffer), kept sorted by offset
     peak = 0
     for seq in sorted(events):
         born, dying = events[seq]
         for b in born:
+            size = b.aligned_bytes
             offset = 0
-            for other in sorted(live, key=lambda o: o.offset):
-                if offset + b.aligned_bytes <= other.offset:
+            for start, end, _ in live:
+                if offset + size <= start:
                     break
-                offset = max(offset, other.offset + other.aligned_bytes)
+                if end > offset:
+                    offset = end
             b.offset = offset
-            live.append(b)
-            peak = max(peak, offset + b.aligned_bytes)
+            insort(live, (offset, offset + size, b), key=itemgetter(0))
+            peak = max(peak, offset + size)
         for b in dying:
-            live.remove(b)
+            live.pop(next(i for i, (_, _, o) in enumerate(live) if o is b))
     return peak
 
 
