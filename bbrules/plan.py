@@ -243,6 +243,8 @@ def clear_cache() -> None:
     _var_names.cache_clear()
     _phases.cache_clear()
     _in_place_folds.cache_clear()
+    _combine_reads.cache_clear()
+    _layout.cache_clear()
 
 
 # --------------------------------------------------------------------------------------------
@@ -275,6 +277,18 @@ def same_op(combine: Node, c: str) -> str | None:
             and {combine.x, combine.y} == {Var(f"a.{c}"), Var(f"b.{c}")}):
         return combine.op
     return None
+
+
+@lru_cache(maxsize=1 << 10)
+def _combine_reads(m: Monoid) -> tuple[tuple[tuple[str, str, int], ...], ...]:
+    """Per component: the variables its combine reads, by name, as (name, side, component)."""
+    return tuple(tuple((v, *_side_component(m, v)) for v in sorted(_var_names(e)))
+                 for e in m.combine)
+
+
+def _side_component(m: Monoid, v: str) -> tuple[str, int]:
+    side, comp = v.split(".", 1)
+    return side, m.state.index(comp)
 
 
 @lru_cache(maxsize=1 << 10)
@@ -418,11 +432,10 @@ class _Planner:
         groups, via_tmp = _phases(m, shapes)
         body_path = op.path + (op.id,)
         sites = tuple(Site(op.end, body_path, shapes[g[0]]) for g in groups)
+        reads = _combine_reads(m)
         for g, site in zip(groups, sites):
             for c in g:
-                for v in sorted(_var_names(m.combine[c])):
-                    side, comp = v.split(".", 1)
-                    j = m.state.index(comp)
+                for v, side, j in reads[c]:
                     if not shapes[j] <= shapes[c]:
                         raise IRError(f"monoid {m.name}: the combine of '{m.state[c]}' reads "
                                       f"'{v}', whose tile is larger")
@@ -462,12 +475,8 @@ class _Planner:
                 sizes: tuple[int, ...] | None = None) -> Buffer:
         order = self._order(sh) if order is None else order
         sizes = tuple(self.dims[a].block for a in order) if sizes is None else sizes
-        strides = [1] * len(order)
-        for j in range(len(order) - 2, -1, -1):
-            row = strides[j + 1] * sizes[j + 1]
-            strides[j] = row + 1 if j == len(order) - 2 and row % 32 == 0 else row
-        elements = strides[0] * sizes[0] if order else 1
-        buf = Buffer(role, order, sizes, tuple(strides), elements, dtype, first, path)
+        strides, elements = _layout(sizes)
+        buf = Buffer(role, order, sizes, strides, elements, dtype, first, path)
         self.buffers.append(buf)
         return buf
 
@@ -598,15 +607,25 @@ class _Planner:
         for op in self.loops:
             for acc in op.accs:
                 for g, site in zip(acc.groups, acc.sites):
-                    comps = [c for c in g if c not in acc.in_place]
-                    state = acc.monoid.state
-                    reads = [b for c in comps for v in _var_names(acc.monoid.combine[c])
-                             if v.startswith("b.")
-                             for b in self._underlying(acc.contribs[state.index(v[2:])])]
+                    combine_reads = _combine_reads(acc.monoid)
+                    reads = [b for c in g if c not in acc.in_place
+                             for _, side, j in combine_reads[c] if side == "b"
+                             for b in self._underlying(acc.contribs[j])]
                     self._touch(reads + list(acc.states), site.seq, site.path)
                 for t in acc.tmps:
                     t.last = t.first
         self._touch(self._underlying(result), store_site.seq, ())
+
+
+@lru_cache(maxsize=1 << 12)
+def _layout(sizes: tuple[int, ...]) -> tuple[tuple[int, ...], int]:
+    """The strides of a buffer with these extents, outermost first (rows whose length is a
+    multiple of 32 padded by one), and its elements."""
+    strides = [1] * len(sizes)
+    for j in range(len(sizes) - 2, -1, -1):
+        row = strides[j + 1] * sizes[j + 1]
+        strides[j] = row + 1 if j == len(sizes) - 2 and row % 32 == 0 else row
+    return tuple(strides), strides[0] * sizes[0] if sizes else 1
 
 
 @lru_cache(maxsize=1 << 12)
