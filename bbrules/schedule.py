@@ -75,9 +75,10 @@ class _Scheduler:
 
     def walk(self, n: Node, ctx: Path) -> None:
         p = self.place(n, ctx)
-        if (p, n) in self.seen:
+        seen = len(self.seen)
+        self.seen.add((p, n))  # one hash of the pair: it was new if the set grew
+        if len(self.seen) == seen:
             return
-        self.seen.add((p, n))
         self.placed[p].append(n)
         if isinstance(n, Reduce):
             self.walk(n.x, p + (n,))
