@@ -223,6 +223,16 @@ def _plan(store: Store, dims: tuple[Dim, ...], decls: tuple[TensorDecl, ...],
                     capacity).plan()
 
 
+def plan_once(store: Store, dims: Mapping[str, Dim], tensors: Mapping[str, TensorDecl],
+              capacity: int) -> KernelPlan:
+    """`plan_kernel`, not cached: for a caller that keeps only what it derives from the plan.
+
+    The cost model caches its kernel costs and prices thousands of candidate kernels; keeping
+    their plans (tens of objects each) as well made every full garbage collection walk them.
+    """
+    return _Planner(store, dict(dims), dict(tensors), capacity).plan()
+
+
 def kernel_uses(store: Store) -> tuple[frozenset[str], frozenset[str]]:
     """Every axis and every tensor a kernel mentions: the dims and tensors its plan depends
     on."""
