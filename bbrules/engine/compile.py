@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Callable, Iterable, Mapping, NoReturn
 
 from ..errors import SourceError, Span
@@ -62,9 +63,10 @@ class Provenance:
     columns: tuple[tuple[str, str], ...]
     stored: tuple[tuple[str, str], ...]
 
-    @property
+    @cached_property
     def monoid_vars(self) -> tuple[str, ...]:
-        """The left side's monoid variables (recorded as names, read back as monoids)."""
+        """The left side's monoid variables (recorded as names, read back as monoids): read
+        for every recorded firing, so worked out once."""
         return tuple(v for v, kind in variables(self.lhs).items() if kind == "monoid")
 
     @property
