@@ -1,7 +1,7 @@
 """The exact cost of a block program on a target: traffic, flops, local footprint, time.
 
 Fusion is judged by this model, so it prices exactly what the code generators emit: it walks
-the kernel's plan (`plan.plan_kernel`: loops, buffers, residency), never a structure of its
+the kernel's plan (`plan.plan_once`: loops, buffers, residency), never a structure of its
 own.  Per kernel:
 
 Executions.  A kernel's grid is its store axes; `grid_points` is the product of their block
@@ -46,7 +46,7 @@ from typing import Mapping
 from .ir import (ELEMENTWISE_KINDS, BlockProgram, BlockReduce, Const, Dim, Dot, Get, KindTable,
                  Load, Monoid, Node, Reduce, Store, TensorDecl, Tuple, Var, is_elementwise,
                  operator, postorder)
-from .plan import LoopPlan, Op, Value, kernel_uses, plan_kernel
+from .plan import LoopPlan, Op, Value, kernel_uses, plan_once
 from .plan import clear_cache as _clear_plans
 from .targets import Target
 
@@ -324,7 +324,7 @@ class _KernelCoster:
         self.dims = dims
         self.tensors = tensors
         self.target = target
-        self.plan = plan_kernel(store, dims, tensors, target.local_capacity)
+        self.plan = plan_once(store, dims, tensors, target.local_capacity)
         self.grid = frozenset(store.axes)
         self.grid_points = math.prod(dims[a].blocks for a in store.axes)
         self.sizes: dict[frozenset[str], int] = {}

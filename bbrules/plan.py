@@ -44,8 +44,10 @@ What the plan decides, in order:
 from __future__ import annotations
 
 import math
+from bisect import insort
 from dataclasses import dataclass, field
 from functools import lru_cache
+from operator import itemgetter
 from typing import Literal, Mapping
 
 from .ir import (Binary, BlockProgram, BlockReduce, Const, Dim, Dot, Get, IRError, Load, Monoid,
@@ -258,6 +260,16 @@ def _plan(store: Store, dims: tuple[Dim, ...], decls: tuple[TensorDecl, ...],
                     capacity).plan()
 
 
+def plan_once(store: Store, dims: Mapping[str, Dim], tensors: Mapping[str, TensorDecl],
+              capacity: int) -> KernelPlan:
+    """`plan_kernel`, not cached: for a caller that keeps only what it derives from the plan.
+
+    The cost model caches its kernel costs and prices thousands of candidate kernels; keeping
+    their plans (tens of objects each) as well made every full garbage collection walk them.
+    """
+    return _Planner(store, dict(dims), dict(tensors), capacity).plan()
+
+
 def kernel_uses(store: Store) -> tuple[frozenset[str], frozenset[str]]:
     """Every axis and every tensor a kernel mentions: the dims and tensors its plan depends
     on."""
@@ -278,6 +290,8 @@ def clear_cache() -> None:
     _var_names.cache_clear()
     _phases.cache_clear()
     _in_place_folds.cache_clear()
+    _combine_reads.cache_clear()
+    _layout.cache_clear()
 
 
 # --------------------------------------------------------------------------------------------
@@ -313,6 +327,18 @@ def same_op(combine: Node, c: str) -> str | None:
 
 
 @lru_cache(maxsize=1 << 10)
+def _combine_reads(m: Monoid) -> tuple[tuple[tuple[str, str, int], ...], ...]:
+    """Per component: the variables its combine reads, by name, as (name, side, component)."""
+    return tuple(tuple((v, *_side_component(m, v)) for v in sorted(_var_names(e)))
+                 for e in m.combine)
+
+
+def _side_component(m: Monoid, v: str) -> tuple[str, int]:
+    side, comp = v.split(".", 1)
+    return side, m.state.index(comp)
+
+
+@lru_cache(maxsize=1 << 10)
 def _in_place_folds(m: Monoid) -> tuple[str | None, ...]:
     """Per component: the operator of a combine `a.c (op) b.c` whose old state no other
     component's combine reads (so a contribution may fold into it in place), else None."""
@@ -335,6 +361,7 @@ class _Planner:
         self.capacity = capacity
         self.trips = {a: d.blocks for a, d in dims.items()}
         self.dim_order = list(dims)
+        self.orders: dict[frozenset[str], tuple[str, ...]] = {}
         self.grid = frozenset(store.axes)
         self.seq = 0
         self.values: list[Value] = []
@@ -366,7 +393,10 @@ class _Planner:
         return self.seq
 
     def _order(self, axes: frozenset[str]) -> tuple[str, ...]:
-        return tuple(a for a in self.dim_order if a in axes)
+        order = self.orders.get(axes)
+        if order is None:
+            order = self.orders[axes] = tuple(a for a in self.dim_order if a in axes)
+        return order
 
     def _build(self, steps: tuple[Step, ...], scope: _Scope, path: tuple[int, ...]) -> list[Op]:
         ops: list[Op] = []
@@ -449,11 +479,10 @@ class _Planner:
         groups, via_tmp = _phases(m, shapes)
         body_path = op.path + (op.id,)
         sites = tuple(Site(op.end, body_path, shapes[g[0]]) for g in groups)
+        reads = _combine_reads(m)
         for g, site in zip(groups, sites):
             for c in g:
-                for v in sorted(_var_names(m.combine[c])):
-                    side, comp = v.split(".", 1)
-                    j = m.state.index(comp)
+                for v, side, j in reads[c]:
                     if not shapes[j] <= shapes[c]:
                         raise IRError(f"monoid {m.name}: the combine of '{m.state[c]}' reads "
                                       f"'{v}', whose tile is larger")
@@ -493,12 +522,8 @@ class _Planner:
                 sizes: tuple[int, ...] | None = None) -> Buffer:
         order = self._order(sh) if order is None else order
         sizes = tuple(self.dims[a].block for a in order) if sizes is None else sizes
-        strides = [1] * len(order)
-        for j in range(len(order) - 2, -1, -1):
-            row = strides[j + 1] * sizes[j + 1]
-            strides[j] = row + 1 if j == len(order) - 2 and row % 32 == 0 else row
-        elements = strides[0] * sizes[0] if order else 1
-        buf = Buffer(role, order, sizes, tuple(strides), elements, dtype, first, path)
+        strides, elements = _layout(sizes)
+        buf = Buffer(role, order, sizes, strides, elements, dtype, first, path)
         self.buffers.append(buf)
         return buf
 
@@ -631,15 +656,25 @@ class _Planner:
         for op in self.loops:
             for acc in op.accs:
                 for g, site in zip(acc.groups, acc.sites):
-                    comps = [c for c in g if c not in acc.in_place]
-                    state = acc.monoid.state
-                    reads = [b for c in comps for v in _var_names(acc.monoid.combine[c])
-                             if v.startswith("b.")
-                             for b in self._underlying(acc.contribs[state.index(v[2:])])]
+                    combine_reads = _combine_reads(acc.monoid)
+                    reads = [b for c in g if c not in acc.in_place
+                             for _, side, j in combine_reads[c] if side == "b"
+                             for b in self._underlying(acc.contribs[j])]
                     self._touch(reads + list(acc.states), site.seq, site.path)
                 for t in acc.tmps:
                     t.last = t.first
         self._touch(self._underlying(result), store_site.seq, ())
+
+
+@lru_cache(maxsize=1 << 12)
+def _layout(sizes: tuple[int, ...]) -> tuple[tuple[int, ...], int]:
+    """The strides of a buffer with these extents, outermost first (rows whose length is a
+    multiple of 32 padded by one), and its elements."""
+    strides = [1] * len(sizes)
+    for j in range(len(sizes) - 2, -1, -1):
+        row = strides[j + 1] * sizes[j + 1]
+        strides[j] = row + 1 if j == len(sizes) - 2 and row % 32 == 0 else row
+    return tuple(strides), strides[0] * sizes[0] if sizes else 1
 
 
 @lru_cache(maxsize=1 << 12)
@@ -672,21 +707,23 @@ def _assign_offsets(bufs: list[Buffer]) -> int:
         b.last = max(b.last, b.first)
         events.setdefault(b.first, ([], []))[0].append(b)
         events.setdefault(b.last, ([], []))[1].append(b)
-    live: list[Buffer] = []
+    live: list[tuple[int, int, Buffer]] = []  # (offset, end, buffer), kept sorted by offset
     peak = 0
     for seq in sorted(events):
         born, dying = events[seq]
         for b in born:
+            size = b.aligned_bytes
             offset = 0
-            for other in sorted(live, key=lambda o: o.offset):
-                if offset + b.aligned_bytes <= other.offset:
+            for start, end, _ in live:
+                if offset + size <= start:
                     break
-                offset = max(offset, other.offset + other.aligned_bytes)
+                if end > offset:
+                    offset = end
             b.offset = offset
-            live.append(b)
-            peak = max(peak, offset + b.aligned_bytes)
+            insort(live, (offset, offset + size, b), key=itemgetter(0))
+            peak = max(peak, offset + size)
         for b in dying:
-            live.remove(b)
+            live.pop(next(i for i, (_, _, o) in enumerate(live) if o is b))
     return peak
 
 

@@ -19,10 +19,9 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
-from functools import cache
 from typing import Iterator, Mapping, Union
 
-from .ir import Node, Reduce, Store, children, postorder, sched_deps
+from .ir import Node, Reduce, Store, children, loops_under, sched_deps
 
 
 @dataclass(frozen=True)
@@ -59,11 +58,6 @@ Path = tuple[Reduce, ...]  # the reductions whose loops enclose a point, outermo
 LoopPath = tuple[tuple[str, int], ...]  # the same point after merging: (axis, level) per loop
 
 
-@cache
-def _reduces_under(n: Node) -> frozenset[Reduce]:
-    return frozenset(r for r in postorder(n) if isinstance(r, Reduce))
-
-
 class _Scheduler:
     def __init__(self, trips: Mapping[str, int]):
         self.trips = trips
@@ -81,9 +75,10 @@ class _Scheduler:
 
     def walk(self, n: Node, ctx: Path) -> None:
         p = self.place(n, ctx)
-        if (p, n) in self.seen:
+        seen = len(self.seen)
+        self.seen.add((p, n))  # one hash of the pair: it was new if the set grew
+        if len(self.seen) == seen:
             return
-        self.seen.add((p, n))
         self.placed[p].append(n)
         if isinstance(n, Reduce):
             self.walk(n.x, p + (n,))
@@ -117,7 +112,7 @@ def _share_loops(reduces: list[Reduce]) -> dict[Reduce, int]:
     loops: so no loop ever needs its own result, whatever the axes of the loops between.
     """
     members = set(reduces)
-    needs = {r: [s for s in _reduces_under(r.x) if s in members and s != r] for r in reduces}
+    needs = {r: [s for s in loops_under(r.x) if s in members and s != r] for r in reduces}
     depth: dict[Reduce, int] = {}
 
     def chain(r: Reduce) -> int:

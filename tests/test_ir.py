@@ -4,7 +4,7 @@ import pytest
 
 from bbrules.ir import (SUM, MAX, Binary, BlockProgram, BlockReduce, Const, Dim, Dot, Get, IRError, Load,
                         Monoid, Node, Reduce, Store, TensorDecl, Tuple, Unary, Var, deps,
-                        sched_deps, shape, show_kernel, show_node, type_of,
+                        loops_under, postorder, sched_deps, shape, show_kernel, show_node, type_of,
                         validate)
 
 Q = Load("Q", ("q", "d"))
@@ -40,6 +40,14 @@ def test_reduce_removes_its_axis_from_dependencies():
     assert deps(S) == {"q", "k"} and shape(S) == {"q", "k"}
     m = Reduce("k", MAX, BlockReduce("max", "k", S))
     assert shape(m) == {"q"} and deps(m) == {"q"}
+
+
+def test_loops_under_are_the_reductions_a_walk_of_the_dag_finds():
+    inner = Reduce("k", SUM, BlockReduce("sum", "k", Binary("mul", S, V)))
+    outer = Binary("add", inner, Reduce("k", MAX, BlockReduce("max", "k", S)))
+    for n in (Q, S, inner, outer):
+        assert loops_under(n) == {r for r in postorder(n) if isinstance(r, Reduce)}
+    assert len(loops_under(outer)) == 3
 
 
 def test_binary_broadcasts_by_axis_name():

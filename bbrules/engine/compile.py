@@ -65,7 +65,8 @@ class Provenance:
 
     @cached_property
     def monoid_vars(self) -> tuple[str, ...]:
-        """The left side's monoid variables (recorded as names, read back as monoids)."""
+        """The left side's monoid variables (recorded as names, read back as monoids): read
+        for every recorded firing, so worked out once."""
         return tuple(v for v, kind in variables(self.lhs).items() if kind == "monoid")
 
     @property

@@ -38,6 +38,7 @@ from __future__ import annotations
 import re
 import time
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Callable, Iterable, Mapping
 
 from egglog.bindings import EGraph
@@ -109,6 +110,12 @@ class _BackOff:
     banned_until: int = -1
 
 
+@lru_cache(maxsize=16)
+def _installed(text: str) -> tuple:
+    """A compiled pack's program, parsed once: every e-graph made for the pack runs it."""
+    return tuple(EGraph().parse_program(text))
+
+
 class Saturator:
     """An egglog e-graph holding one compiled pack and the terms added to it."""
 
@@ -129,7 +136,7 @@ class Saturator:
         ground = TermWriter(prefix="g")
         for load in compiled.ground_loads:
             ground.name(load)
-        self._exec(compiled.text)
+        self.egraph.run_program(*_installed(compiled.text))
         self._exec("\n".join(size_facts(dims) + ground.lines))
 
     def _exec(self, text: str) -> list:

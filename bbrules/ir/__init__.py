@@ -2,7 +2,7 @@
 
 - `kinds`: how a node kind is declared, and the generic operations derived from declarations;
 - `nodes`: the value-node kinds, each declared once with its type rule;
-- `types`: tile types (shape, dependencies);  `typecheck`: `type_of`, `sched_deps`;
+- `types`: tile types (shape, dependencies);  `typecheck`: `type_of`, `sched_deps`, `loops_under`;
 - `monoid`: monoids as data, held by the reductions that use them;
 - `program`: dims, tensors, stores (kernels), block programs and `validate`;
 - `axes`: renaming axes in terms;  `show`: the block syntax printer.
@@ -17,7 +17,7 @@ from .nodes import (ELEMENTWISE_KINDS, Binary, BlockReduce, Const, Dot, Get, Loa
 from .program import (DTYPE_BYTES, BlockProgram, Dim, DimError, Store, TensorDecl, checked_dim,
                       validate)
 from .show import fmt_number, show_kernel, show_monoid, show_node, show_program
-from .typecheck import deps, sched_deps, shape, tile_type, type_of
+from .typecheck import deps, loops_under, sched_deps, shape, tile_type, type_of
 from .types import SCALAR, Axis, AxisSet, IRError, TileType, Type, union
 
 

@@ -8,6 +8,7 @@ one process, and what a name means is decided where it is read (a pack, a block 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from .kinds import postorder
 from .nodes import Binary, Const, Node, Var
@@ -78,7 +79,14 @@ class Monoid:
     def result_types(self, contributions: tuple[TileType, ...]) -> tuple[TileType, ...]:
         """Types of the reduction's results, given its contributions' types (loop axis
         already removed from their dependencies)."""
-        return self.finalize_types(self.coupled_state_types(contributions))
+        return _result_types(self, contributions)
+
+
+@lru_cache(maxsize=1 << 12)
+def _result_types(m: Monoid, contributions: tuple[TileType, ...]) -> tuple[TileType, ...]:
+    # Typing a candidate program types each new reduction: few distinct monoids and
+    # contribution types occur, so each pair is worked out once.
+    return m.finalize_types(m.coupled_state_types(contributions))
 
 
 def var_names(e: Node) -> set[str]:

@@ -37,6 +37,9 @@ def type_of(n: Any) -> Type:
 
     Load types need no program context: a load's tile spans and depends on its axes.
     """
+    hit = getattr(n, "__dict__", {}).get("_type")  # cached: n is a node already typed
+    if hit is not None:
+        return hit
     if not is_node(n) or not hasattr(type(n), "kind"):
         raise IRError(f"not an IR node: {n!r}")
     return _cached("_type", n, lambda m, kids: m.infer(kids))
@@ -75,4 +78,19 @@ def sched_deps(n: Any) -> AxisSet:
     This is what scheduling uses: a reduction that carries several accumulators runs where all
     of them can be computed, even if one result alone would depend on fewer axes.
     """
-    return _cached("_sched_deps", n, _own_sched_deps)
+    hit = n.__dict__.get("_sched_deps")  # the usual case, answered without a further call
+    return hit if hit is not None else _cached("_sched_deps", n, _own_sched_deps)
+
+
+def _own_loops(n: Any, kids: tuple[frozenset[Any], ...]) -> frozenset[Any]:
+    out: frozenset[Any] = frozenset().union(*kids)
+    return out | {n} if kind_of(n).loop else out
+
+
+def loops_under(n: Any) -> frozenset[Any]:
+    """Every sequential reduction in the DAG under `n` (itself included).
+
+    Cached in each node like `sched_deps`, so scheduling many kernels that share subterms
+    visits each subterm once, not once per kernel.
+    """
+    return _cached("_loops", n, _own_loops)
