@@ -85,12 +85,15 @@ class _Goal:
 
 @dataclass(frozen=True)
 class _Edge:
-    """A firing as a rewrite of its class's e-node `source` into `target`."""
+    """A firing as a rewrite of its class's e-node `source` into `target`.  A rule whose right
+    side is one of its left side's variables (`?x * 1.0 => ?x`) has no target e-node of its
+    own (`target` None): it turns the term into that variable's subterm, which then goes on
+    from whatever e-node that subterm is."""
 
     firing: Firing
     provenance: Provenance
     lhs: _Goal
-    target: Key
+    target: Key | None
 
 
 def stored_values(p: BlockProgram) -> dict[str, tuple[tuple[str, ...], Node]]:
@@ -110,11 +113,13 @@ class Explainer:
         self.stored = stored_values(source)
         self.depth = options.explain_depth
         self.edges: dict[tuple[int, Key], list[_Edge]] = {}
+        self.collapses: dict[tuple[int, Key], list[_Edge]] = {}
         self.memo: dict[tuple[Node, _Goal], tuple[Node, tuple[Step, ...]]] = {}
         for f in sorted(graph.firings, key=lambda f: (f.iteration, f.ruleset)):
             edge = self.edge(f, compiled.provenance[f.ruleset])
             if edge is not None:
-                self.edges.setdefault((f.root, edge.lhs.key), []).append(edge)
+                table = self.edges if edge.target is not None else self.collapses
+                table.setdefault((f.root, edge.lhs.key), []).append(edge)
 
     def carried(self, load: Load) -> Node | None:
         """The value a load of an intermediate carries (renamed to the load's axes)."""
@@ -133,8 +138,7 @@ class Explainer:
     # -- firings as edges
 
     def edge(self, f: Firing, prov: Provenance) -> _Edge | None:
-        """The firing as an edge, or None if it rewrote nothing (its two sides are one e-node)
-        or if its right side is a variable other than a forwarded load's value."""
+        """The firing as an edge, or None if it rewrote nothing (its two sides are one e-node)."""
         binding = Binding(self.dims,
                           axes={v: x for v, x in f.values.items() if isinstance(x, str)},
                           monoids={v: x for v, x in f.values.items() if isinstance(x, Monoid)},
@@ -147,8 +151,8 @@ class Explainer:
             case Stored(PVar(v)), PVar(w) if v == w:
                 value = self.carried(ENode(*lhs.key).build(()))
                 target = None if value is None else self.key(value)
-            case _, PVar():
-                target = None
+            case _, PVar(w):
+                return _Edge(f, prov, lhs, None) if f.values.get(w) == f.root else None
             case _:
                 rhs = self.goal(prov.rhs, f, binding, iter(()))
                 target = None if rhs is None or rhs.cls != f.root else rhs.key
@@ -188,13 +192,19 @@ class Explainer:
 
     # -- the search
 
-    def route(self, cls: int, start: Key, goal: Key) -> list[_Edge] | None:
-        """The fewest firings in class `cls` that lead from e-node `start` to `goal`."""
+    def route(self, cls: int, start: Key, goal: Key, collapse: bool = False
+              ) -> list[_Edge] | None:
+        """The fewest firings in class `cls` that lead from e-node `start` to `goal`.  With
+        `collapse`, a firing that turns a term into one of its variables' subterms counts as
+        reaching the goal: what that subterm is shows only when it is applied, and the search
+        goes on from there."""
         back: dict[Key, _Edge | None] = {start: None}
         frontier = [start]
         while frontier and goal not in back:
             nxt = []
             for k in frontier:
+                for e in self.collapses.get((cls, k), ())[:1] if collapse else ():
+                    back.setdefault(goal, replace(e, target=goal))
                 for e in self.edges.get((cls, k), ()):
                     if e.target not in back:
                         back[e.target] = e
@@ -222,7 +232,8 @@ class Explainer:
         steps: list[Step] = []
         seen = set()
         while (key := self.key(t)) != goal.key:
-            route = self.route(goal.cls, key, goal.key) if key is not None else None
+            route = None if key is None else (self.route(goal.cls, key, goal.key)
+                                              or self.route(goal.cls, key, goal.key, True))
             if not route or key in seen:
                 raise ExplainError(f"no recorded rewrite turns {_short(show_node(t))} into "
                                    f"the output's {goal.key[0]} node")

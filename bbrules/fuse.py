@@ -73,7 +73,7 @@ class FuseResult:
             return [s.to_json() for s in self.chain]
         except ExplainError as e:
             if self.graph.stop == "complete":
-                raise
+                return f"no replayable chain was found: {e}"
             return f"no replayable chain: the {self.graph.stop} cut the firings short ({e})"
 
     def explain(self) -> list[str]:

@@ -12,7 +12,7 @@ from bbrules.cli import main
 from bbrules.explain import ExplainError, replay
 from bbrules.frontend import load_program
 from bbrules.fuse import fuse
-from bbrules.ir import show_node
+from bbrules.ir import postorder, show_node
 from bbrules.lower import lower
 from bbrules.packs import load_packs
 from bbrules.targets import get_target
@@ -100,3 +100,18 @@ def test_apply_json_and_stats_report_rules_and_the_chain(capsys):
     softmax_merge = next(line for line in table if line.startswith("softmax_merge"))
     assert softmax_merge.split()[1:3] == ["1", "1"]
     assert "linearity.bbr:" in out and "dot_div in O" in out
+
+
+def test_a_chain_through_rules_whose_result_is_one_of_their_variables(pack):
+    """`2 * sum[e] X * 0.5` fuses to `sum[e] X`: the chain folds 0.5 * 2.0 to 1.0 and then
+    applies `?x * 1.0 => ?x`, whose result is a subterm of its match, not an e-node of its
+    own."""
+    program = lower(load_program(Path(__file__).parent.parent / "benchmarks" / "programs" /
+                                 "zero_ss.bbp", {"m": (128, 64), "e": (128, 64)}))
+    r = fuse(program, pack, get_target("h100"))
+    rules = {rule.name: rule for rule in pack.rules}
+    values = replay(r.source, r.chain, rules)
+    assert [values[k.tensor] for k in r.program.kernels] == [k.value for k in r.program.kernels]
+    assert "mul_one" in [s.rule for s in r.chain]
+    assert "Binary" not in {type(n).__name__ for k in r.program.kernels
+                            for n in postorder(k.value)}
