@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from .errors import SourceError, Span
+from .errors import SourceError, Span, read_source
 from .exprsyntax import (Expr, ExprTransformer, MonoidDecl, Name, Resolver, Scope, Size, parse,
                          resolve_monoid)
 from .ir import (BUILTIN_MONOIDS, DTYPE_BYTES, BlockProgram, Dim, IRError, Monoid, Store,
@@ -192,4 +192,4 @@ def parse_block_program(text: str, path: str = "<string>") -> BlockFile:
 
 def load_block_program(path: str | Path) -> BlockFile:
     """Read a `.bbk` file (see `parse_block_program`)."""
-    return parse_block_program(Path(path).read_text(), str(path))
+    return parse_block_program(read_source(path), str(path))

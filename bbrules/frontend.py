@@ -23,7 +23,7 @@ from lark import Lark, Token, Transformer, v_args
 from lark.tree import Meta
 from lark.exceptions import UnexpectedInput, VisitError
 
-from .errors import SourceError, Span, UsageError, syntax_error
+from .errors import SourceError, Span, UsageError, read_source, syntax_error
 from .ir import DTYPE_BYTES, AxisSet, Dim, DimError, TensorDecl, checked_dim
 from .ops import UNARY
 from .program import Apply, Expr, Number, Program, Reduction, Ref, Statement, free_axes
@@ -393,11 +393,7 @@ def parse_program(text: str, path: str = "<string>",
 
 def load_program(path: str | Path, dims: DimOverrides | None = None) -> Program:
     """Read and check a `.bbp` file."""
-    try:
-        text = Path(path).read_text()
-    except OSError as err:
-        raise UsageError(f"cannot read {path}: {err.strerror}") from None
-    return parse_program(text, str(path), dims)
+    return parse_program(read_source(path), str(path), dims)
 
 
 _OVERRIDE = re.compile(r"\s*([A-Za-z_][A-Za-z0-9_]*)\s*=\s*(\d+)\s*(?:/\s*(\d+)\s*)?")

@@ -22,7 +22,7 @@ from typing import Mapping
 
 from lark import Token
 
-from .errors import SourceError, Span
+from .errors import SourceError, Span, read_source
 from .exprsyntax import (Call, Expr, ExprTransformer, Indexed, MonoidDecl, Name, Num, PatVar,
                          Resolver, Scope, Size, article, parse, resolve_monoid)
 from .instantiate import NotInstantiable, checked_type, flipped, instances
@@ -510,5 +510,5 @@ def load_pack(directory: str | Path, base: RulePack | None = None,
     """All `*.bbr` files of `directory`, in sorted order, as one pack (named after the
     directory unless `name` is given)."""
     directory = Path(directory)
-    files = [_read(p.read_text(), str(p)) for p in sorted(directory.glob("*.bbr"))]
+    files = [_read(read_source(p, "rule file"), str(p)) for p in sorted(directory.glob("*.bbr"))]
     return _PackBuilder(name or directory.name, base or RulePack("base")).build(files)

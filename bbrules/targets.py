@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from .errors import SourceError, Span, UsageError
+from .errors import SourceError, Span, UsageError, read_source
 
 KIB = 1024
 
@@ -86,10 +86,7 @@ def get_target(name_or_path: str) -> Target:
 
 def load_target(path: Path) -> Target:
     """Read a TOML target file; every mistake in it is a `SourceError` at its position."""
-    try:
-        text = path.read_text()
-    except OSError as e:
-        raise UsageError(f"cannot read target file '{path}': {e.strerror}") from None
+    text = read_source(path, "target file")
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:

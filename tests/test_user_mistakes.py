@@ -1,0 +1,70 @@
+"""Hostile input: every user mistake is `file:line:col: error: ...` or a usage error, exit 2.
+
+One test per family of mistakes found by mutating the examples, rule files, block files and
+targets (issue 8); each ran into a Python traceback before it was handled.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from bbrules.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+SOFTMAX = """\
+dim r = 8 / 4
+dim c = 16 / 8
+input X[r, c] : f32
+M[r]    = max[c] X[r, c]
+E[r, c] = exp(X[r, c] - M[r])
+L[r]    = sum[c] E[r, c]
+Y[r, c] = E[r, c] / L[r]
+output Y
+"""
+
+
+def run_cli(capsys: pytest.CaptureFixture[str], *argv: object) -> tuple[int, str, str]:
+    status = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def assert_positioned(capsys, path: Path, line: int, fragment: str, *argv: object) -> str:
+    """The command fails with exit 2 and `path:line:col: error:` naming `fragment`."""
+    status, _, err = run_cli(capsys, *argv)
+    assert status == 2, err
+    assert re.search(rf"{re.escape(str(path))}:{line}:\d+: error: .*{re.escape(fragment)}", err), err
+    return err
+
+
+def write(path: Path, text: str | bytes) -> Path:
+    if isinstance(text, bytes):
+        path.write_bytes(text)
+    else:
+        path.write_text(text)
+    return path
+
+
+# Bytes that are not UTF-8 ----------------------------------------------------------------------
+
+
+def test_non_utf8_bytes_are_a_positioned_error_in_every_kind_of_file(tmp_path, capsys):
+    prog = write(tmp_path / "p.bbp", SOFTMAX.replace("max[c]", "max[c] \xff").encode("latin-1"))
+    assert_positioned(capsys, prog, 4, "byte 0xff is not UTF-8", "show", prog)
+    bbk = tmp_path / "p.bbk"
+    assert main(["apply", str(write(tmp_path / "q.bbp", SOFTMAX)), "-o", str(bbk)]) == 0
+    write(bbk, bbk.read_bytes() + b"\n\x80junk\n")
+    capsys.readouterr()
+    line = bbk.read_bytes().count(b"\n")
+    assert_positioned(capsys, bbk, line, "byte 0x80", "cost", bbk)
+    pack = tmp_path / "pack"
+    pack.mkdir()
+    rules = write(pack / "r.bbr", b"rule r: ?x * 1.0 => ?x # \xfe\n")
+    assert_positioned(capsys, rules, 1, "byte 0xfe", "check", pack, "--trials", 1)
+    target = write(tmp_path / "t.toml", (ROOT / "targets/a100.toml").read_bytes() + b"#\xc3\n")
+    line = target.read_bytes().count(b"\n")
+    assert_positioned(capsys, target, line, "byte 0xc3", "cost", prog.with_name("q.bbp"),
+                      "--target", target)
