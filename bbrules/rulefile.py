@@ -30,6 +30,8 @@ from .ir import (BUILTIN_MONOIDS, IRError, Load, Monoid, Node, Store, TileType, 
                  postorder, show_node, type_of)
 from .rule import AxisEq, AxisIn, Check, ConstCmp, Guard, PConst, Rule, RulePack, Stage, TripsEq
 
+MAX_ITERATIONS = 10 ** 6  # a stage's iteration cap: far beyond any saturation, finite
+
 # Declarations as parsed, before resolution ---------------------------------------------------
 
 
@@ -306,8 +308,8 @@ class _PackBuilder:
         iterations = None
         if d.iterations is not None:
             v = d.iterations.value
-            if v != int(v) or v < 1:
-                raise _error(f, d.iterations.span, "iterations must be a positive integer")
+            if not 1 <= v <= MAX_ITERATIONS or v != int(v):
+                raise _error(f, d.iterations.span, f"iterations must be an integer from 1 to {MAX_ITERATIONS}")
             iterations = int(v)
         self.pack.stages.append(Stage(d.name.name, tuple(r.name for r in d.rulesets),
                                       iterations))

@@ -68,3 +68,52 @@ def test_non_utf8_bytes_are_a_positioned_error_in_every_kind_of_file(tmp_path, c
     line = target.read_bytes().count(b"\n")
     assert_positioned(capsys, target, line, "byte 0xc3", "cost", prog.with_name("q.bbp"),
                       "--target", target)
+
+
+# Numbers that overflow or are not finite -------------------------------------------------------
+
+
+@pytest.mark.parametrize("line, replacement", [
+    (1, "dim r = 1e999 / 1"),
+    (1, "dim r = 8 / 1e999"),
+    (2, "dim c = 1e300"),
+])
+def test_sizes_that_overflow_in_a_block_file(tmp_path, capsys, line, replacement):
+    bbk = tmp_path / "p.bbk"
+    assert main(["apply", str(write(tmp_path / "p.bbp", SOFTMAX)), "-o", str(bbk)]) == 0
+    lines = bbk.read_text().splitlines()
+    at = [i for i, s in enumerate(lines) if s.startswith("dim ")][line - 1]
+    lines[at] = replacement
+    write(bbk, "\n".join(lines) + "\n")
+    capsys.readouterr()
+    assert_positioned(capsys, bbk, at + 1, "must be at most 2**53", "show", bbk)
+
+
+@pytest.mark.parametrize("text, fragment", [
+    ("rule r: ?x * 1.0 => ?x\ncheck r: load(X[i]) * 1.0 => load(X[i]) with i = 1e999 / 1", "2**53"),
+    ("ruleset s\nrule r: ?x * 1.0 => ?x\nstage st: s iterations 1e999", "iterations must be"),
+])
+def test_numbers_that_overflow_in_a_rule_file(tmp_path, capsys, text, fragment):
+    pack = tmp_path / "pack"
+    pack.mkdir()
+    rules = write(pack / "r.bbr", text + "\n")
+    assert_positioned(capsys, rules, text.count("\n") + 1, fragment, "check", pack,
+                      "--trials", 1)
+
+
+@pytest.mark.parametrize("key, value", [
+    ("local_capacity", "1" + "0" * 400),
+    ("global_bandwidth", "inf"),
+    ("peak_flops", "nan"),
+    ("launch_cost", "1e-320"),
+    ("launch_cost", "inf"),
+    ("peak_flops_f16", "1e308"),
+])
+def test_target_numbers_must_be_finite_and_in_range(tmp_path, capsys, key, value):
+    text = (ROOT / "targets/a100.toml").read_text()
+    text = re.sub(rf"^{key} = .*$", f"{key} = {value}", text, flags=re.M)
+    line = next(i for i, s in enumerate(text.splitlines(), 1) if s.startswith(key))
+    target = write(tmp_path / "t.toml", text)
+    prog = write(tmp_path / "p.bbp", SOFTMAX)
+    assert_positioned(capsys, target, line, f"'{key}' must be", "apply", prog,
+                      "--target", target)
