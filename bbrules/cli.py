@@ -21,15 +21,15 @@ import numpy as np
 
 from . import __version__, dense, interp
 from .codegen import cuda_gen, numpy_gen
-from .blockfile import load_block_program
+from .blockfile import BlockFile, load_block_program
 from .cost import cost_program, fmt_bytes, fmt_flops, fmt_time
 from .engine import Budget, run_checks
-from .errors import SourceError, UsageError
+from .errors import SourceError, Span, UsageError, read_source
 from .extract import NoCandidate
-from .frontend import DimOverrides, load_program, parse_dim_override
+from .frontend import DimOverrides, load_program, parse_dim_override, parse_program
 from .fuse import FuseResult, fuse
 from .inputs import random_inputs
-from .ir import BlockProgram, Dim, show_program
+from .ir import BlockProgram, show_program
 from .lower import lower
 from .packs import discover_packs, load_each, load_packs, merge_all, pack_directories
 from .program import Program
@@ -67,8 +67,10 @@ def load_any(path: str, dims: DimOverrides) -> tuple[Program | None, BlockProgra
     """A program file as (AST, block program).
 
     `.bbp`: the parsed program (with `dims` overrides) and its unfused lowering.  `.bbk`: the
-    block program as written, with the AST of the `.bbp` it records as its source (resolved
-    relative to the `.bbk` file, at the block program's dimensions), or None if it records none.
+    block program as written, with the AST of the `.bbp` it records as its source (its text
+    embedded in the file, or for a file without it the path relative to the `.bbk`), at the
+    block program's dimensions; None if it records none or the recorded path is gone (a
+    warning says that nothing will be compared).
     """
     file = Path(path)
     if not file.is_file():
@@ -83,20 +85,56 @@ def load_any(path: str, dims: DimOverrides) -> tuple[Program | None, BlockProgra
         block_file = load_block_program(path)
         if block_file.source is None:
             return None, block_file.program
-        return _source_program(file, block_file.source, block_file.program.dims), \
-            block_file.program
+        return _source_program(file, block_file), block_file.program
     raise UsageError(f"{path}: expected a .bbp program or a .bbk block program")
 
 
-def _source_program(bbk: Path, source: str, dims: dict[str, Dim]) -> Program:
-    """The recorded source program, re-dimensioned to match the block program fused from it."""
-    path = bbk.parent / source
-    if not path.is_file():
-        raise UsageError(f"{bbk}: its source program {path} does not exist")
-    ast = load_program(str(path))
+def _source_program(bbk: Path, block_file: BlockFile) -> Program | None:
+    """The recorded source program, re-dimensioned to match the block program fused from it,
+    and checked to declare the block program's inputs and outputs."""
+    if block_file.source_text is not None:
+        ast = _embedded_source(bbk, block_file, {})
+    else:
+        path = bbk.parent / block_file.source
+        if not path.is_file():
+            print(f"{block_file.source_span}: warning: the source program {path} does not "
+                  f"exist and this file does not embed its text: nothing will be compared",
+                  file=sys.stderr)
+            return None
+        ast = load_program(str(path))
+    dims = block_file.program.dims
     override = {n: (d.extent, d.block) for n, d in dims.items()
                 if n in ast.dims and ast.dims[n] != d}
-    return load_program(str(path), override) if override else ast
+    if override:
+        ast = _embedded_source(bbk, block_file, override) if block_file.source_text is not None \
+            else load_program(str(bbk.parent / block_file.source), override)
+    _check_source(block_file, ast)
+    return ast
+
+
+def _embedded_source(bbk: Path, block_file: BlockFile, dims: DimOverrides) -> Program:
+    """The source text embedded in a block file; a mistake in it is placed in the .bbk."""
+    try:
+        return parse_program(block_file.source_text, str(bbk), dims)
+    except SourceError as err:
+        at = Span(str(bbk), err.span.line + block_file.source_span.line, err.span.column + 2)
+        raise SourceError(at, f"in the embedded source program: {err.message}") from None
+
+
+def _check_source(block_file: BlockFile, ast: Program) -> None:
+    """The source program must read the block program's inputs and define its outputs, with
+    the same axes and dimensions: otherwise they cannot be compared."""
+    program = block_file.program
+    for name in (*(t.name for t in program.tensors.values() if t.role == "input"),
+                 *program.outputs):
+        mine, theirs = program.tensors[name], ast.tensors.get(name)
+        role = "an input" if mine.role == "input" else "an output"
+        same = theirs is not None and (theirs.role == "input") == (mine.role == "input") and \
+            theirs.axes == mine.axes and all(ast.dims[a] == program.dims[a] for a in mine.axes)
+        if not same:
+            raise SourceError(block_file.source_span, f"the source program does not match: "
+                              f"{role} {name} is not defined with the same shape by the "
+                              f"source program")
 
 
 def _dims(overrides: list[str]) -> DimOverrides:
@@ -320,10 +358,11 @@ def cmd_apply(args: argparse.Namespace) -> int:
     result = _fuse(args, program)
     if args.output:
         out = Path(args.output)
-        source = args.program if args.program.endswith(".bbp") else None
-        if source is not None:
-            source = os.path.relpath(Path(source).resolve(), out.resolve().parent)
-        out.write_text(show_program(result.program, source=source))
+        source = text = None
+        if args.program.endswith(".bbp"):
+            source = os.path.relpath(Path(args.program).resolve(), out.resolve().parent)
+            text = read_source(args.program)
+        out.write_text(show_program(result.program, source=source, source_text=text))
     if args.json:
         print(json.dumps(result.to_json(), indent=2, default=_finite))
         return 0

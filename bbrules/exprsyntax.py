@@ -17,7 +17,8 @@ from importlib.resources import files
 from typing import Mapping, Union
 
 from lark import Lark, Token, Transformer, Tree, UnexpectedInput, v_args
-from lark.visitors import merge_transformers
+from lark.exceptions import VisitError
+from lark.visitors import Transformer_NonRecursive, merge_transformers
 
 from .errors import SourceError, Span, syntax_error
 from .ir import (BUILTIN_MONOIDS, KINDS, Binary, Const, Dim, DimError, Kind, Load, Monoid, Node,
@@ -124,8 +125,12 @@ class MonoidDecl:
 # Parse trees -> syntax trees
 
 
-class ExprTransformer(Transformer):
-    """One method per rule of expr.lark.  File transformers subclass it (see `make_transformer`)."""
+class ExprTransformer(Transformer_NonRecursive):
+    """One method per rule of expr.lark.  File transformers subclass it (see `make_transformer`).
+
+    Non-recursive: an expression thousands of terms long is a parse tree as deep, and lark's
+    plain `Transformer` recurses once per level.  A method raising `SourceError` reports a
+    mistake; `parse` unwraps it from lark's `VisitError`."""
 
     def __init__(self, path: str):
         super().__init__()
@@ -248,7 +253,12 @@ def parse(grammar_name: str, text: str, path: str, transformer: ExprTransformer)
         tree = parser.parse(text)
     except UnexpectedInput as e:
         raise syntax_error(e, parser, text, path, _TOKEN_WORDS) from None
-    return make_transformer(transformer).transform(tree)
+    try:
+        return make_transformer(transformer).transform(tree)
+    except VisitError as e:
+        if isinstance(e.orig_exc, SourceError):
+            raise e.orig_exc from None
+        raise
 
 
 # --------------------------------------------------------------------------------------------

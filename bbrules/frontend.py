@@ -19,9 +19,10 @@ from importlib.resources import files
 from pathlib import Path
 from typing import Union
 
-from lark import Lark, Token, Transformer, v_args
+from lark import Lark, Token, v_args
 from lark.tree import Meta
 from lark.exceptions import UnexpectedInput, VisitError
+from lark.visitors import Transformer_NonRecursive
 
 from .errors import SourceError, Span, UsageError, read_source, syntax_error
 from .ir import DTYPE_BYTES, AxisSet, Dim, DimError, TensorDecl, checked_dim
@@ -83,7 +84,7 @@ _Item = Union[_DimDecl, _InputDecl, _OutputDecl, Statement]
 
 
 @v_args(meta=True)
-class _ToAst(Transformer):
+class _ToAst(Transformer_NonRecursive):
     """One method per grammar rule: parse tree -> declarations and program expressions."""
 
     def __init__(self, path: str, text: str):

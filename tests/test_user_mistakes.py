@@ -117,3 +117,72 @@ def test_target_numbers_must_be_finite_and_in_range(tmp_path, capsys, key, value
     prog = write(tmp_path / "p.bbp", SOFTMAX)
     assert_positioned(capsys, target, line, f"'{key}' must be", "apply", prog,
                       "--target", target)
+
+
+# Block files: their source, and empty ones ---------------------------------------------------
+
+
+def applied(tmp_path: Path, text: str = SOFTMAX, name: str = "p") -> Path:
+    """`apply -o` of `text`: a fused block file recording its source."""
+    bbk = tmp_path / f"{name}.bbk"
+    assert main(["apply", str(write(tmp_path / f"{name}.bbp", text)), "-o", str(bbk)]) == 0
+    return bbk
+
+
+def test_a_bad_escape_in_the_source_string(tmp_path, capsys):
+    bbk = applied(tmp_path)
+    write(bbk, bbk.read_text().replace('source "', 'source "\\q'))
+    capsys.readouterr()
+    assert_positioned(capsys, bbk, 2, "bad string: Invalid \\escape", "show", bbk)
+
+
+def test_a_block_file_copied_away_from_its_source_still_compares(tmp_path, capsys):
+    bbk = applied(tmp_path)
+    moved = tmp_path / "elsewhere"
+    moved.mkdir()
+    copy = write(moved / "p.bbk", bbk.read_text())
+    (tmp_path / "p.bbp").unlink()
+    capsys.readouterr()
+    status, out, err = run_cli(capsys, "run", copy)
+    assert status == 0, err
+    assert "Y: max abs error" in out and "ok" in out
+
+
+def test_a_block_file_whose_source_is_another_program(tmp_path, capsys):
+    bbk = applied(tmp_path)
+    lines = [s for s in bbk.read_text().splitlines() if not s.startswith("|")]
+    other = write(tmp_path / "other.bbp", SOFTMAX.replace("X", "Z"))
+    lines[1] = f'source "{other.name}"'
+    write(bbk, "\n".join(lines) + "\n")
+    capsys.readouterr()
+    assert_positioned(capsys, bbk, 2, "input X is not defined with the same shape by the "
+                                      "source program", "run", bbk)
+
+
+def test_a_mistake_in_the_embedded_source_is_placed_in_the_block_file(tmp_path, capsys):
+    bbk = applied(tmp_path)
+    lines = bbk.read_text().splitlines()
+    at = next(i for i, s in enumerate(lines) if s.startswith("| E[r, c]"))
+    lines[at] = lines[at].replace("M[r]", "N[r]")
+    write(bbk, "\n".join(lines) + "\n")
+    capsys.readouterr()
+    err = assert_positioned(capsys, bbk, at + 1, "embedded source program: unknown tensor 'N'",
+                            "run", bbk)
+    assert f"{bbk}:{at + 1}:{lines[at].index('N[r]') + 1}:" in err
+
+
+def test_a_block_file_whose_source_path_moved_says_nothing_is_compared(tmp_path, capsys):
+    bbk = applied(tmp_path)
+    write(bbk, "\n".join(s for s in bbk.read_text().splitlines() if not s.startswith("|")))
+    (tmp_path / "p.bbp").unlink()
+    capsys.readouterr()
+    status, out, err = run_cli(capsys, "run", bbk)
+    assert status == 0
+    assert f"{bbk}:2:8: warning: the source program" in err and "nothing was compared" in out
+
+
+@pytest.mark.parametrize("command", ["show", "cost", "apply", "run"])
+@pytest.mark.parametrize("text", ["", "# nothing\n", "dim r = 8 / 4\ninput X[r] : f32\n"])
+def test_an_empty_block_file(tmp_path, capsys, command, text):
+    bbk = write(tmp_path / "e.bbk", text)
+    assert_positioned(capsys, bbk, max(text.count("\n"), 1), "declares no outputs", command, bbk)
