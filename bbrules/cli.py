@@ -145,6 +145,45 @@ def _dims(overrides: list[str]) -> DimOverrides:
     return dims
 
 
+def _integer(least: int) -> Callable[[str], int]:
+    """An argparse type: an integer at least `least` (a mistake is a usage error, exit 2)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got '{text}'") from None
+        if value < least:
+            raise argparse.ArgumentTypeError(f"must be at least {least}, got {value}")
+        return value
+    return parse
+
+
+def _seconds(text: str) -> float:
+    """An argparse type: a finite positive number of seconds (nan or inf would lift the
+    limit)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got '{text}'") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite positive number, got '{text}'")
+    return value
+
+
+def _check_output(output: str | None, program: str) -> None:
+    """`-o` must name a file in an existing directory, not the program read: checked before
+    any work, so a mistake does not cost a fusion."""
+    if output is None:
+        return
+    out = Path(output)
+    if out.is_dir():
+        raise UsageError(f"-o {output}: is a directory; name the file to write")
+    if not out.parent.is_dir():
+        raise UsageError(f"-o {output}: directory {out.parent} does not exist")
+    if out.exists() and out.resolve() == Path(program).resolve():
+        raise UsageError(f"-o {output}: is the program being read; write elsewhere")
+
+
 def _program_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("program", help="a .bbp program or a .bbk block program")
     p.add_argument("--dim", action="append", default=[], metavar="NAME=EXTENT[/BLOCK]",
@@ -182,7 +221,7 @@ def _run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", choices=tuple(BACKENDS), default="interp",
                    help="the reference interpreter (default), generated numpy, or CUDA via CuPy")
     p.add_argument("--no-fuse", action="store_true", help="run the unfused program")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
+    p.add_argument("--seed", type=_integer(0), default=0, help="seed of the random inputs")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
 
 
@@ -321,18 +360,16 @@ def _fuse_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default="h100", help="a built-in target name or a .toml file")
     p.add_argument("--objective", choices=("time", "traffic"), default="time",
                    help="minimise modeled time (default) or global traffic")
-    p.add_argument("--max-kernels", type=int, metavar="N",
+    p.add_argument("--max-kernels", type=_integer(1), metavar="N",
                    help="the cheapest program with at most N kernels")
-    p.add_argument("--nodes", type=int, default=Budget.nodes, help="e-node budget")
-    p.add_argument("--iterations", type=int, default=Budget.iterations,
+    p.add_argument("--nodes", type=_integer(1), default=Budget.nodes, help="e-node budget")
+    p.add_argument("--iterations", type=_integer(1), default=Budget.iterations,
                    help="iteration budget per stage")
-    p.add_argument("--seconds", type=float, default=Budget.seconds,
+    p.add_argument("--seconds", type=_seconds, default=Budget.seconds,
                    help="time budget of saturation")
 
 
 def _fuse(args: argparse.Namespace, program: BlockProgram) -> FuseResult:
-    if args.max_kernels is not None and args.max_kernels < 1:
-        raise UsageError("--max-kernels must be at least 1")
     budget = Budget(nodes=args.nodes, iterations=args.iterations, seconds=args.seconds)
     try:
         return fuse(program, _load_packs(args), get_target(args.target), args.objective,
@@ -354,6 +391,7 @@ def _apply_args(p: argparse.ArgumentParser) -> None:
 @command("apply", "fuse a program: rewrite it with the rule packs and extract the cheapest "
                   "equivalent block program", _apply_args)
 def cmd_apply(args: argparse.Namespace) -> int:
+    _check_output(args.output, args.program)
     _, program = load_any(args.program, _dims(args.dim))
     result = _fuse(args, program)
     if args.output:
@@ -425,6 +463,7 @@ def _program_to_run(args: argparse.Namespace) -> tuple[Program | None, BlockProg
 
 @command("codegen", "generate numpy (CPU) or CUDA C (GPU) code for a program", _codegen_args)
 def cmd_codegen(args: argparse.Namespace) -> int:
+    _check_output(args.output, args.program)
     _, program = _program_to_run(args)
     if args.backend == "numpy":
         files = {args.output: numpy_gen.generate(program)}
@@ -467,9 +506,9 @@ def _check_args(p: argparse.ArgumentParser) -> None:
                         "installed packs (default: check the standard and installed packs)")
     p.add_argument("--no-installed", action="store_true",
                    help="load the PACKs alone, not on top of the standard and installed packs")
-    p.add_argument("--trials", type=int, default=20,
+    p.add_argument("--trials", type=_integer(1), default=20,
                    help="random instantiations per rule in the soundness check")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=_integer(0), default=0)
     p.add_argument("--json", action="store_true", help="print the results as JSON")
 
 

@@ -186,3 +186,42 @@ def test_a_block_file_whose_source_path_moved_says_nothing_is_compared(tmp_path,
 def test_an_empty_block_file(tmp_path, capsys, command, text):
     bbk = write(tmp_path / "e.bbk", text)
     assert_positioned(capsys, bbk, max(text.count("\n"), 1), "declares no outputs", command, bbk)
+
+
+# Command-line values ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["run", "{p}", "--seed", "-1"], "argument --seed: must be at least 0, got -1"),
+    (["check", "--trials", "0"], "argument --trials: must be at least 1, got 0"),
+    (["apply", "{p}", "--nodes", "-5"], "argument --nodes: must be at least 1"),
+    (["apply", "{p}", "--iterations", "-1"], "argument --iterations: must be at least 1"),
+    (["apply", "{p}", "--max-kernels", "0"], "argument --max-kernels: must be at least 1"),
+    (["apply", "{p}", "--seconds", "-1"], "argument --seconds: must be a finite positive"),
+    (["apply", "{p}", "--seconds", "nan"], "argument --seconds: must be a finite positive"),
+    (["run", "{p}", "--seconds", "inf"], "argument --seconds: must be a finite positive"),
+    (["apply", "{p}", "--seconds", "soon"], "argument --seconds: expected a number"),
+    (["apply", "{p}", "--nodes", "1e5"], "argument --nodes: expected an integer"),
+])
+def test_command_line_values_out_of_range_are_usage_errors(tmp_path, capsys, argv, message):
+    prog = write(tmp_path / "p.bbp", SOFTMAX)
+    status, out, err = run_cli(capsys, *(a.format(p=prog) for a in argv))
+    assert status == 2 and message in err and not out
+
+
+# Output paths ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", ["apply", "codegen"])
+@pytest.mark.parametrize("output, message", [
+    ("{tmp}/missing/x.bbk", "directory {tmp}/missing does not exist"),
+    ("{tmp}", "is a directory"),
+    ("{tmp}/p.bbp", "is the program being read"),
+])
+def test_output_paths_are_checked_before_any_work(tmp_path, capsys, monkeypatch, command,
+                                                  output, message):
+    prog = write(tmp_path / "p.bbp", SOFTMAX)
+    monkeypatch.setattr("bbrules.cli.fuse", lambda *a, **k: pytest.fail("fused first"))
+    status, _, err = run_cli(capsys, command, prog, "-o", output.format(tmp=tmp_path))
+    assert status == 2 and message.format(tmp=tmp_path) in err
+    assert prog.read_text() == SOFTMAX
