@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from bbrules.blockfile import parse_block_program
 from bbrules.cli import main
+from bbrules.ir import Binary, BlockProgram, Const, Dim, Load, Store, TensorDecl, show_program
 
 ROOT = Path(__file__).resolve().parent.parent
 SOFTMAX = """\
@@ -225,3 +227,27 @@ def test_output_paths_are_checked_before_any_work(tmp_path, capsys, monkeypatch,
     status, _, err = run_cli(capsys, command, prog, "-o", output.format(tmp=tmp_path))
     assert status == 2 and message.format(tmp=tmp_path) in err
     assert prog.read_text() == SOFTMAX
+
+
+# Printing NaN ----------------------------------------------------------------------------------
+
+
+def test_check_of_a_rule_folding_to_nan(tmp_path, capsys):
+    pack = tmp_path / "pack"
+    pack.mkdir()
+    write(pack / "r.bbr", "rule r: rsqrt(const(?c)) => const(rsqrt(?c))\n")
+    status, out, err = run_cli(capsys, "check", pack, "--no-installed", "--trials", 20)
+    assert status == 0, out + err
+    assert "1 rules, 0 checks: 0 checks failed, 0 rules unsound" in out
+
+
+def test_a_nan_constant_prints_and_reads_back():
+    program = BlockProgram({"r": Dim("r", 8, 4)},
+                           {"X": TensorDecl("X", ("r",), "f32", "input"),
+                            "Y": TensorDecl("Y", ("r",), "f32", "output")},
+                           (Store("Y", ("r",), Binary("add", Load("X", ("r",)),
+                                                     Const(float("nan")))),), ("Y",))
+    text = show_program(program)
+    assert "+ nan" in text
+    back = parse_block_program(text).program.kernels[0].value
+    assert isinstance(back.y, Const) and back.y.value != back.y.value

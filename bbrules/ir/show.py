@@ -16,6 +16,8 @@ INFIX = {"add": ("+", 1), "sub": ("-", 1), "mul": ("*", 2), "div": ("/", 2)}
 
 
 def fmt_number(v: float) -> str:
+    if v != v:
+        return "nan"  # a constant folded from a rule (rsqrt(-1.0)), in a counterexample
     if v == float("inf"):
         return "inf"
     if v == float("-inf"):
