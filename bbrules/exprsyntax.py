@@ -21,8 +21,8 @@ from lark.exceptions import VisitError
 from lark.visitors import Transformer_NonRecursive, merge_transformers
 
 from .errors import SourceError, Span, syntax_error
-from .ir import (BUILTIN_MONOIDS, KINDS, Binary, Const, Dim, DimError, Kind, Load, Monoid, Node,
-                 Sort, TensorDecl, Unary, Var, checked_dim)
+from .ir import (BUILTIN_MONOIDS, KINDS, MAX_COMPONENTS, Binary, Const, Dim, DimError, Kind,
+                 Load, Monoid, Node, Sort, TensorDecl, Unary, Var, checked_dim)
 from .ops import UNARY
 from .rule import AxisSize, CExpr, PAxis, Pattern, PConst, PMonoid, PVar, Stored
 
@@ -474,6 +474,11 @@ def article(kind: str) -> str:
 def resolve_monoid(decl: MonoidDecl, text: str, doc: str = "") -> Monoid:
     """A monoid declaration as an `ir.Monoid`, checking each part's arity and variables."""
     state = tuple(n.name for n in decl.state)
+    for part, names in (("state", decl.state), ("finalize", decl.finalize.items)):
+        if len(names) > MAX_COMPONENTS:
+            raise SourceError(names[MAX_COMPONENTS].span, f"a monoid's {part} has at most "
+                              f"{MAX_COMPONENTS} components (the e-graph's largest tuple), "
+                              f"this one {len(names)}", text)
     for i, n in enumerate(decl.state):
         if n.name in state[:i]:
             raise SourceError(n.span, f"state component '{n.name}' is declared twice", text)

@@ -251,3 +251,45 @@ def test_a_nan_constant_prints_and_reads_back():
     assert "+ nan" in text
     back = parse_block_program(text).program.kernels[0].value
     assert isinstance(back.y, Const) and back.y.value != back.y.value
+
+
+# Tuples larger than the e-graph's ----------------------------------------------------------------
+
+
+def wide_monoid(n: int) -> str:
+    state = [f"s{i}" for i in range(n)]
+    return (f"monoid wide({', '.join(state)})\n"
+            f"  identity = ({', '.join('0.0' for _ in state)})\n"
+            f"  combine  = ({', '.join(f'a.{s} + b.{s}' for s in state)})\n"
+            f"  finalize = ({' + '.join(state)})\n")
+
+
+@pytest.mark.parametrize("n", [9, 12])
+def test_a_monoid_with_more_components_than_the_engine_has(tmp_path, capsys, n):
+    pack = tmp_path / "pack"
+    pack.mkdir()
+    rules = write(pack / "m.bbr", wide_monoid(n) + "rule r: ?x * 1.0 => ?x\n")
+    err = assert_positioned(capsys, rules, 1, "a monoid's state has at most 8 components",
+                            "check", pack, "--trials", 1)
+    assert f"{rules}:1:{len('monoid wide(s0, s1, s2, s3, s4, s5, s6, s7, ') + 1}:" in err
+
+
+def test_eight_components_are_accepted(tmp_path, capsys):
+    pack = tmp_path / "pack"
+    pack.mkdir()
+    write(pack / "m.bbr", wide_monoid(8) + "rule r: ?x * 1.0 => ?x\n")
+    status, out, err = run_cli(capsys, "check", pack, "--trials", 1)
+    assert status == 0, out + err
+
+
+def test_a_block_file_tuple_with_more_components_than_the_engine_has(tmp_path, capsys):
+    bbk = applied(tmp_path)
+    text = bbk.read_text()
+    wide = "tuple(" + ", ".join(["load(X[r, c])"] * 9) + ")"
+    lines = text.splitlines()
+    at = next(i for i, s in enumerate(lines) if s.startswith("kernel"))
+    lines.insert(at + 1, f"  let w = get(0, {wide})")
+    lines[-1] += " + w"
+    write(bbk, "\n".join(lines) + "\n")
+    capsys.readouterr()
+    assert_positioned(capsys, bbk, at + 1, "a tuple has at most 8 components", "apply", bbk)
