@@ -23,6 +23,7 @@ Why it looks the way it does:
 
 from __future__ import annotations
 
+import builtins
 import keyword
 import linecache
 import types
@@ -42,7 +43,12 @@ from bbrules.schedule import Loop, Step
 from bbrules.targets import Target, get_target
 
 _INFIX = {"add": "+", "sub": "-", "mul": "*", "div": "/"}
-_RESERVED = {"np", "f32", "run", "inputs", "_input", "UNARY", "BINARY", "TILE_REDUCE"}
+# Names generated code uses besides its own locals: the module's globals, the operator aliases
+# (`_Functions.ref`) and Python's builtins (loops call `range`).  A tensor named like one of
+# them is renamed.
+_RESERVED = {"np", "f32", "run", "inputs", "_input", "UNARY", "BINARY", "TILE_REDUCE",
+             *(f"unary_{op}" for op in UNARY), *(f"binary_{op}" for op in BINARY),
+             *dir(builtins)}
 
 # A value in generated code: an expression (a name or a literal), or one per tuple component.
 Code = Union[str, tuple[str, ...]]

@@ -293,3 +293,22 @@ def test_a_block_file_tuple_with_more_components_than_the_engine_has(tmp_path, c
     write(bbk, "\n".join(lines) + "\n")
     capsys.readouterr()
     assert_positioned(capsys, bbk, at + 1, "a tuple has at most 8 components", "apply", bbk)
+
+
+# Names that generated code uses ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("names", [
+    ("range", "len", "np"), ("run", "inputs", "f32"), ("unary_rsqrt", "_input", "kernel_np"),
+    ("print", "abs", "exec"), ("exp", "float", "UNARY"),
+])
+def test_tensors_named_like_python_or_numpy_names_run_in_the_numpy_backend(tmp_path, capsys,
+                                                                           names):
+    a, b, c = names
+    text = (f"dim r = 8 / 4\ndim c = 16 / 4\ninput {a}[r, c], {b}[c] : f32\n"
+            f"{c}[r] = sum[c] rsqrt(1 + {a}[r, c] * {a}[r, c]) * {b}[c]\noutput {c}\n")
+    prog = write(tmp_path / "p.bbp", text)
+    for extra in ([], ["--no-fuse"]):
+        status, out, err = run_cli(capsys, "run", prog, "--backend", "numpy", *extra)
+        assert status == 0, out + err
+        assert f"{c}: max abs error" in out and ": ok" in out
