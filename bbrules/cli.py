@@ -31,6 +31,7 @@ from .fuse import FuseResult, fuse
 from .inputs import random_inputs
 from .ir import BlockProgram, show_program
 from .lower import lower
+from .memory import default_budget, run_bytes
 from .packs import discover_packs, load_each, load_packs, merge_all, pack_directories
 from .program import Program
 from .rule import RulePack
@@ -184,6 +185,22 @@ def _check_output(output: str | None, program: str) -> None:
         raise UsageError(f"-o {output}: is the program being read; write elsewhere")
 
 
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def _size(text: str) -> int:
+    """An argparse type: a number of bytes, optionally with a binary unit (512M, 16G)."""
+    number, unit = text.rstrip("KMGTkmgt"), text[len(text.rstrip("KMGTkmgt")):].upper()
+    try:
+        value = float(number) * _UNITS[unit]
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(f"expected a size like 512M or 16G, got '{text}'") \
+            from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive size, got '{text}'")
+    return int(value)
+
+
 def _program_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("program", help="a .bbp program or a .bbk block program")
     p.add_argument("--dim", action="append", default=[], metavar="NAME=EXTENT[/BLOCK]",
@@ -222,6 +239,9 @@ def _run_args(p: argparse.ArgumentParser) -> None:
                    help="the reference interpreter (default), generated numpy, or CUDA via CuPy")
     p.add_argument("--no-fuse", action="store_true", help="run the unfused program")
     p.add_argument("--seed", type=_integer(0), default=0, help="seed of the random inputs")
+    p.add_argument("--memory", type=_size, default=default_budget(), metavar="BYTES",
+                   help="refuse a program whose estimated peak memory exceeds this (e.g. 512M, "
+                        "16G; default: half the machine's memory)")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
 
 
@@ -282,6 +302,11 @@ def _finite(x: float) -> float | None:
                 "with the dense evaluation", _run_args)
 def cmd_run(args: argparse.Namespace) -> int:
     ast, program = _program_to_run(args)
+    need = run_bytes(program, ast)
+    if need > args.memory:
+        raise UsageError(f"{args.program}: running it needs about {fmt_bytes(need)} of memory, "
+                         f"more than the {fmt_bytes(args.memory)} allowed (--memory); choose "
+                         f"smaller dimensions (--dim) or a larger --memory")
     inputs = random_inputs(program, seed=args.seed)
     execute = BACKENDS[args.backend]
     start = time.perf_counter()

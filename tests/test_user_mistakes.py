@@ -7,13 +7,17 @@ targets (issue 8); each ran into a Python traceback before it was handled.
 from __future__ import annotations
 
 import re
+import tracemalloc
 from pathlib import Path
 
 import pytest
 
 from bbrules.blockfile import parse_block_program
 from bbrules.cli import main
+from bbrules.frontend import load_program
 from bbrules.ir import Binary, BlockProgram, Const, Dim, Load, Store, TensorDecl, show_program
+from bbrules.lower import lower
+from bbrules.memory import run_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
 SOFTMAX = """\
@@ -312,3 +316,39 @@ def test_tensors_named_like_python_or_numpy_names_run_in_the_numpy_backend(tmp_p
         status, out, err = run_cli(capsys, "run", prog, "--backend", "numpy", *extra)
         assert status == 0, out + err
         assert f"{c}: max abs error" in out and ": ok" in out
+
+
+# Memory ----------------------------------------------------------------------------------------
+
+
+def test_run_refuses_a_program_larger_than_its_memory_budget(tmp_path, capsys):
+    bbk = applied(tmp_path)
+    write(bbk, bbk.read_text().replace("dim r = 8 / 4", "dim r = 4294967296 / 4294967296"))
+    capsys.readouterr()
+    status, out, err = run_cli(capsys, "run", bbk)
+    assert status == 2 and not out
+    assert "needs about" in err and "GiB of memory, more than the" in err
+    status, _, err = run_cli(capsys, "run", tmp_path / "p.bbp", "--memory", "1K")
+    assert status == 2 and "more than the 1.00 KiB allowed (--memory)" in err
+    assert run_cli(capsys, "run", tmp_path / "p.bbp", "--memory", "0")[0] == 2
+
+
+SMALL = {"attention.bbp": ["q=64/16", "k=64/16"], "softmax.bbp": ["r=64/16", "c=256/64"],
+         "gated_mlp.bbp": ["m=32/16", "e=64/32", "f=64/32"]}
+
+
+@pytest.mark.parametrize("example", sorted(SMALL))
+@pytest.mark.parametrize("backend", ["interp", "numpy"])
+def test_the_memory_estimate_bounds_what_run_allocates(capsys, example, backend):
+    path = ROOT / "examples" / example
+    dims = [a for d in SMALL[example] for a in ("--dim", d)]
+    program = load_program(path, {n: (int(e), int(b)) for n, e, b in
+                                  (re.split("[=/]", d) for d in SMALL[example])})
+    fused = main(["run", str(path), *dims, "--backend", backend])
+    assert fused in (0, 1)
+    capsys.readouterr()
+    tracemalloc.start()
+    main(["run", str(path), *dims, "--backend", backend, "--no-fuse"])
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak <= run_bytes(lower(program), program)
