@@ -121,6 +121,34 @@ class MonoidDecl:
     span: Span = field(compare=False)
 
 
+# The deepest expression bbrules accepts.  Parsing, the frontend's checks, lowering, the dense
+# evaluator, hashing and printing walk expressions without recursion; the interpreter, the code
+# generators, the cost model's scheduler and the e-graph's read-back still recurse once per
+# level, so a deeper expression is refused where it is written instead of overflowing them.
+MAX_DEPTH = 200
+
+
+def syntax_depth(e: Expr) -> int:
+    """How deeply `e` nests (a name or number is 1), without recursion."""
+    deepest, stack = 0, [(e, 1)]
+    while stack:
+        x, d = stack.pop()
+        deepest = max(deepest, d)
+        match x:
+            case BinOp(_, a, b):
+                stack += [(a, d + 1), (b, d + 1)]
+            case Neg(a):
+                stack.append((a, d + 1))
+            case Call(_, args):
+                stack += [(a, d + 1) for a in args]
+    return deepest
+
+
+def too_deep(depth: int) -> str:
+    return (f"this expression nests {depth} levels deep; bbrules handles at most {MAX_DEPTH} "
+            f"(split it into statements or kernels)")
+
+
 # --------------------------------------------------------------------------------------------
 # Parse trees -> syntax trees
 

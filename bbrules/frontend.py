@@ -26,8 +26,9 @@ from lark.visitors import Transformer_NonRecursive
 
 from .errors import SourceError, Span, UsageError, read_source, syntax_error
 from .ir import DTYPE_BYTES, AxisSet, Dim, DimError, TensorDecl, checked_dim
+from .exprsyntax import MAX_DEPTH, too_deep
 from .ops import UNARY
-from .program import Apply, Expr, Number, Program, Reduction, Ref, Statement, free_axes
+from .program import Apply, Expr, Number, Program, Reduction, Ref, Statement, fold
 
 DimOverrides = dict[str, tuple[int, int | None]]
 
@@ -302,6 +303,9 @@ class _Checker:
             raise self.error(s.span, f"cannot assign to input '{s.target}'")
         self.new_tensor(target)
         self.axes(tuple(_Name(a, sp) for a, sp in zip(s.axes, s.axis_spans)))
+        depth = fold(s.expr, lambda e, parts: 1 + max(parts, default=0))
+        if depth > MAX_DEPTH:
+            raise self.error(s.expr.span, too_deep(depth))
         produced = self.expr(s.expr)
         extra = [a for a in _free_occurrences(s.expr) if a[0] not in s.axes]
         if extra:
@@ -319,22 +323,26 @@ class _Checker:
     # expressions ----------------------------------------------------------------------------
 
     def expr(self, e: Expr) -> AxisSet:
-        """Check an expression; return its free axes."""
+        """Check an expression, operands before the operator (the first mistake in source
+        order is reported); return its free axes."""
+        return fold(e, self.checked)
+
+    def checked(self, e: Expr, parts: list[AxisSet]) -> AxisSet:
         match e:
             case Ref():
                 self.ref(e)
-            case Apply(_, args):
-                for a in args:
-                    self.expr(a)
-            case Reduction(op, axis, body):
-                body_axes = self.expr(body)
+                return frozenset(e.axes)
+            case Apply():
+                return frozenset().union(*parts)
+            case Reduction(op, axis):
                 if axis not in self.dims:
                     raise self.error(e.axis_span, f"unknown axis '{axis}'")
-                if axis not in body_axes:
-                    have = ", ".join(sorted(body_axes)) or "none"
+                if axis not in parts[0]:
+                    have = ", ".join(sorted(parts[0])) or "none"
                     raise self.error(e.axis_span, f"{op}[{axis}] reduces over an axis its "
                                      f"operand does not have (its axes: {have})")
-        return free_axes(e)
+                return parts[0] - {axis}
+        return frozenset()
 
     def ref(self, r: Ref) -> None:
         declared_axes = self.axes_of.get(r.tensor)
@@ -356,16 +364,20 @@ class _Checker:
                                  f"extent and block must match")
 
 
-def _free_occurrences(e: Expr, bound: frozenset[str] = frozenset()) -> list[tuple[str, Span]]:
+def _free_occurrences(e: Expr) -> list[tuple[str, Span]]:
     """Every axis use in `e` that no enclosing reduction binds, in source order."""
-    match e:
-        case Ref(_, axes, _, spans):
-            return [(a, sp) for a, sp in zip(axes, spans) if a not in bound]
-        case Apply(_, args):
-            return [o for a in args for o in _free_occurrences(a, bound)]
-        case Reduction(_, axis, body):
-            return _free_occurrences(body, bound | {axis})
-    return []
+    out: list[tuple[str, Span]] = []
+    stack: list[tuple[Expr, frozenset[str]]] = [(e, frozenset())]
+    while stack:
+        x, bound = stack.pop()
+        match x:
+            case Ref(_, axes, _, spans):
+                out += [(a, sp) for a, sp in zip(axes, spans) if a not in bound]
+            case Apply(_, args):
+                stack += [(a, bound) for a in reversed(args)]
+            case Reduction(_, axis, body):
+                stack.append((body, bound | {axis}))
+    return out
 
 
 # --------------------------------------------------------------------------------------------

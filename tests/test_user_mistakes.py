@@ -352,3 +352,38 @@ def test_the_memory_estimate_bounds_what_run_allocates(capsys, example, backend)
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
     assert peak <= run_bytes(lower(program), program)
+
+
+# Long expressions ------------------------------------------------------------------------------
+
+
+def long_program(body: str) -> str:
+    return f"dim r = 8 / 4\ndim c = 8 / 4\ninput X[r, c], Z[r] : f32\nY[r] = {body}\noutput Y\n"
+
+
+@pytest.mark.parametrize("body", [
+    " + ".join(["Z[r]"] * 3000),
+    "exp(" * 3000 + "Z[r]" + ")" * 3000,
+    "sum[c] " + " * ".join(["X[r, c]"] * 3000),
+    "-" * 3000 + "Z[r]",
+])
+def test_a_program_thousands_of_terms_long_is_refused_at_its_position(tmp_path, capsys, body):
+    prog = write(tmp_path / "p.bbp", long_program(body))
+    assert_positioned(capsys, prog, 4, "nests", "show", prog)
+
+
+def test_a_block_file_expression_thousands_of_terms_long(tmp_path, capsys):
+    bbk = applied(tmp_path)
+    lines = bbk.read_text().splitlines()
+    lines[-1] += " + " + " + ".join(["load(X[r, c])"] * 3000)
+    write(bbk, "\n".join(lines) + "\n")
+    capsys.readouterr()
+    assert_positioned(capsys, bbk, len(lines), "bbrules handles at most 200", "cost", bbk)
+
+
+def test_expressions_up_to_the_depth_limit_run_everywhere(tmp_path, capsys):
+    prog = write(tmp_path / "p.bbp", long_program(" + ".join(["Z[r]"] * 199)))
+    for argv in (["show"], ["cost"], ["run", "--no-fuse"], ["run", "--no-fuse", "--backend",
+                                                             "numpy"]):
+        status, out, err = run_cli(capsys, argv[0], prog, *argv[1:])
+        assert status == 0, err
