@@ -3,8 +3,9 @@
 A fused program is worth keeping: `bbrules apply -o out.bbk` writes one, and `show`, `cost` and
 `run` read it back without fusing again.  The file is self-contained: its dims, tensors, the
 monoids its reductions use, and one `kernel` block per store.  An optional `source "x.bbp"` line
-records the program it was fused from (relative to the .bbk file), so the CLI can compare the
-two.  Everything read is validated; a mistake is a `SourceError` at its position.
+records the program it was fused from (relative to the .bbk file), followed by that program's
+text (`| ` lines), so the CLI can compare the two wherever the file is copied.  Everything read
+is validated; a mistake is a `SourceError` at its position.
 """
 
 from __future__ import annotations
@@ -13,19 +14,24 @@ import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from .errors import SourceError, Span
-from .exprsyntax import (Expr, ExprTransformer, MonoidDecl, Name, Resolver, Scope, Size, parse,
-                         resolve_monoid)
+from .errors import SourceError, Span, read_source
+from .exprsyntax import (MAX_DEPTH, Expr, ExprTransformer, MonoidDecl, Name, Resolver, Scope,
+                         Size, parse, resolve_monoid, syntax_depth, too_deep)
 from .ir import (BUILTIN_MONOIDS, DTYPE_BYTES, BlockProgram, Dim, IRError, Monoid, Store,
                  TensorDecl, validate)
 
 
 @dataclass(frozen=True)
 class BlockFile:
-    """A parsed block-program file: the program and the source path it records, if any."""
+    """A parsed block-program file: the program, and the source it records, if any: its path
+    (`source`), where the path is written (`source_span`), and its text as embedded
+    (`source_text`, None in files written without it; its first line is line
+    `source_span.line + 1` of the block file, each line shifted by the 2 columns of "| ")."""
 
     program: BlockProgram
     source: str | None
+    source_span: Span | None = None
+    source_text: str | None = None
 
 
 # Declarations as parsed, before resolution ---------------------------------------------------
@@ -35,6 +41,7 @@ class BlockFile:
 class _Source:
     path: str
     span: Span
+    text: str | None
 
 
 @dataclass(frozen=True)
@@ -69,7 +76,15 @@ class _BlockTransformer(ExprTransformer):
         return children
 
     def source(self, children: list) -> _Source:
-        return _Source(json.loads(children[0]), self.span(children[0]))
+        string, *lines = children
+        try:
+            path = json.loads(string)
+        except json.JSONDecodeError as e:
+            raise SourceError(Span(self.path, string.line, string.column + e.pos),
+                              f"bad string: {e.msg}") from None
+        text = "".join(f"{line[2:] if line.startswith('| ') else line[1:]}\n"
+                       for line in lines) if lines else None
+        return _Source(path, self.span(string), text)
 
     def dim(self, children: list) -> Size:
         return children[0]
@@ -95,8 +110,9 @@ class _BlockTransformer(ExprTransformer):
 class _Builder:
     """Turns the parsed declarations of one file into a validated `BlockProgram`."""
 
-    def __init__(self, text: str):
+    def __init__(self, text: str, path: str):
         self.text = text
+        self.path = path
         self.dims: dict[str, Dim] = {}
         self.tensors: dict[str, TensorDecl] = {}
         self.tensor_spans: dict[str, Span] = {}
@@ -118,10 +134,16 @@ class _Builder:
         kernels = [d for d in decls if isinstance(d, _Kernel)]
         stores = tuple(self.kernel(k) for k in kernels)
         outputs = tuple(t.name for t in self.tensors.values() if t.role == "output")
+        if not outputs:
+            lines = self.text.rstrip().split("\n")
+            raise self.error(Span(self.path, len(lines), len(lines[-1]) + 1),
+                             "the block program declares no outputs (`output Y[axes] : f32` "
+                             "and a kernel storing Y)")
         program = BlockProgram(self.dims, self.tensors, stores, outputs)
         self.validate(program, kernels)
-        source = decls[0].path if decls and isinstance(decls[0], _Source) else None
-        return BlockFile(program, source)
+        if decls and isinstance(decls[0], _Source):
+            return BlockFile(program, decls[0].path, decls[0].span, decls[0].text)
+        return BlockFile(program, None)
 
     def dim(self, d: Size) -> None:
         name = d.name.name
@@ -158,6 +180,10 @@ class _Builder:
         if (k.target.name, [a.name for a in k.target_axes]) != header:
             raise self.error(k.target.span, f"kernel {k.name.name}[{_axes(k.axes)}] must end "
                                             f"by storing {k.name.name}[{_axes(k.axes)}]")
+        for e in (*(let.value for let in k.lets), k.value):
+            depth = syntax_depth(e)
+            if depth > MAX_DEPTH:
+                raise self.error(e.span, too_deep(depth))
         scope = Scope(self.text, monoids={**BUILTIN_MONOIDS, **self.monoids},
                       dims=frozenset(self.dims), tensors=self.tensors)
         resolver = Resolver(scope)
@@ -187,9 +213,9 @@ def _axes(axes: tuple[Name, ...]) -> str:
 def parse_block_program(text: str, path: str = "<string>") -> BlockFile:
     """Parse and validate a block program written in the syntax of `ir.show_program`."""
     decls = parse("bbk.lark", text, path, _BlockTransformer(path))
-    return _Builder(text).build(decls)
+    return _Builder(text, path).build(decls)
 
 
 def load_block_program(path: str | Path) -> BlockFile:
     """Read a `.bbk` file (see `parse_block_program`)."""
-    return parse_block_program(Path(path).read_text(), str(path))
+    return parse_block_program(read_source(path), str(path))

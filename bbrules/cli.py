@@ -21,16 +21,17 @@ import numpy as np
 
 from . import __version__, dense, interp
 from .codegen import cuda_gen, numpy_gen
-from .blockfile import load_block_program
+from .blockfile import BlockFile, load_block_program
 from .cost import cost_program, fmt_bytes, fmt_flops, fmt_time
 from .engine import Budget, run_checks
-from .errors import SourceError, UsageError
+from .errors import SourceError, Span, UsageError, read_source
 from .extract import NoCandidate
-from .frontend import DimOverrides, load_program, parse_dim_override
+from .frontend import DimOverrides, load_program, parse_dim_override, parse_program
 from .fuse import FuseResult, fuse
 from .inputs import random_inputs
-from .ir import BlockProgram, Dim, show_program
+from .ir import BlockProgram, show_program
 from .lower import lower
+from .memory import default_budget, run_bytes
 from .packs import discover_packs, load_each, merge_all, pack_directories
 from .program import Program
 from .rule import RulePack
@@ -73,8 +74,10 @@ def load_any(path: str, dims: DimOverrides) -> tuple[Program | None, BlockProgra
     """A program file as (AST, block program).
 
     `.bbp`: the parsed program (with `dims` overrides) and its unfused lowering.  `.bbk`: the
-    block program as written, with the AST of the `.bbp` it records as its source (resolved
-    relative to the `.bbk` file, at the block program's dimensions), or None if it records none.
+    block program as written, with the AST of the `.bbp` it records as its source (its text
+    embedded in the file, or for a file without it the path relative to the `.bbk`), at the
+    block program's dimensions; None if it records none or the recorded path is gone (a
+    warning says that nothing will be compared).
     """
     file = Path(path)
     if not file.is_file():
@@ -89,20 +92,56 @@ def load_any(path: str, dims: DimOverrides) -> tuple[Program | None, BlockProgra
         block_file = load_block_program(path)
         if block_file.source is None:
             return None, block_file.program
-        return _source_program(file, block_file.source, block_file.program.dims), \
-            block_file.program
+        return _source_program(file, block_file), block_file.program
     raise UsageError(f"{path}: expected a .bbp program or a .bbk block program")
 
 
-def _source_program(bbk: Path, source: str, dims: dict[str, Dim]) -> Program:
-    """The recorded source program, re-dimensioned to match the block program fused from it."""
-    path = bbk.parent / source
-    if not path.is_file():
-        raise UsageError(f"{bbk}: its source program {path} does not exist")
-    ast = load_program(str(path))
+def _source_program(bbk: Path, block_file: BlockFile) -> Program | None:
+    """The recorded source program, re-dimensioned to match the block program fused from it,
+    and checked to declare the block program's inputs and outputs."""
+    if block_file.source_text is not None:
+        ast = _embedded_source(bbk, block_file, {})
+    else:
+        path = bbk.parent / block_file.source
+        if not path.is_file():
+            print(f"{block_file.source_span}: warning: the source program {path} does not "
+                  f"exist and this file does not embed its text: nothing will be compared",
+                  file=sys.stderr)
+            return None
+        ast = load_program(str(path))
+    dims = block_file.program.dims
     override = {n: (d.extent, d.block) for n, d in dims.items()
                 if n in ast.dims and ast.dims[n] != d}
-    return load_program(str(path), override) if override else ast
+    if override:
+        ast = _embedded_source(bbk, block_file, override) if block_file.source_text is not None \
+            else load_program(str(bbk.parent / block_file.source), override)
+    _check_source(block_file, ast)
+    return ast
+
+
+def _embedded_source(bbk: Path, block_file: BlockFile, dims: DimOverrides) -> Program:
+    """The source text embedded in a block file; a mistake in it is placed in the .bbk."""
+    try:
+        return parse_program(block_file.source_text, str(bbk), dims)
+    except SourceError as err:
+        at = Span(str(bbk), err.span.line + block_file.source_span.line, err.span.column + 2)
+        raise SourceError(at, f"in the embedded source program: {err.message}") from None
+
+
+def _check_source(block_file: BlockFile, ast: Program) -> None:
+    """The source program must read the block program's inputs and define its outputs, with
+    the same axes and dimensions: otherwise they cannot be compared."""
+    program = block_file.program
+    for name in (*(t.name for t in program.tensors.values() if t.role == "input"),
+                 *program.outputs):
+        mine, theirs = program.tensors[name], ast.tensors.get(name)
+        role = "an input" if mine.role == "input" else "an output"
+        same = theirs is not None and (theirs.role == "input") == (mine.role == "input") and \
+            theirs.axes == mine.axes and all(ast.dims[a] == program.dims[a] for a in mine.axes)
+        if not same:
+            raise SourceError(block_file.source_span, f"the source program does not match: "
+                              f"{role} {name} is not defined with the same shape by the "
+                              f"source program")
 
 
 def _dims(overrides: list[str]) -> DimOverrides:
@@ -111,6 +150,61 @@ def _dims(overrides: list[str]) -> DimOverrides:
         name, extent, block = parse_dim_override(text)
         dims[name] = (extent, block)
     return dims
+
+
+def _integer(least: int) -> Callable[[str], int]:
+    """An argparse type: an integer at least `least` (a mistake is a usage error, exit 2)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got '{text}'") from None
+        if value < least:
+            raise argparse.ArgumentTypeError(f"must be at least {least}, got {value}")
+        return value
+    return parse
+
+
+def _seconds(text: str) -> float:
+    """An argparse type: a finite positive number of seconds (nan or inf would lift the
+    limit)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got '{text}'") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite positive number, got '{text}'")
+    return value
+
+
+def _check_output(output: str | None, program: str) -> None:
+    """`-o` must name a file in an existing directory, not the program read: checked before
+    any work, so a mistake does not cost a fusion."""
+    if output is None:
+        return
+    out = Path(output)
+    if out.is_dir():
+        raise UsageError(f"-o {output}: is a directory; name the file to write")
+    if not out.parent.is_dir():
+        raise UsageError(f"-o {output}: directory {out.parent} does not exist")
+    if out.exists() and out.resolve() == Path(program).resolve():
+        raise UsageError(f"-o {output}: is the program being read; write elsewhere")
+
+
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def _size(text: str) -> int:
+    """An argparse type: a number of bytes, optionally with a binary unit (512M, 16G)."""
+    number, unit = text.rstrip("KMGTkmgt"), text[len(text.rstrip("KMGTkmgt")):].upper()
+    try:
+        value = float(number) * _UNITS[unit]
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(f"expected a size like 512M or 16G, got '{text}'") \
+            from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive size, got '{text}'")
+    return int(value)
 
 
 def _program_args(p: argparse.ArgumentParser) -> None:
@@ -150,7 +244,7 @@ def _run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", choices=tuple(BACKENDS), default="interp",
                    help="the reference interpreter (default), generated numpy, or CUDA via CuPy")
     p.add_argument("--no-fuse", action="store_true", help="run the unfused program")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
+    p.add_argument("--seed", type=_integer(0), default=0, help="seed of the random inputs")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
 
 
@@ -183,6 +277,11 @@ def _finite(x: float) -> float | None:
          epilog=TOLERANCE_HELP)
 def cmd_run(args: argparse.Namespace) -> int:
     ast, program = _program_to_run(args)
+    need = run_bytes(program, ast)
+    if need > args.memory:
+        raise UsageError(f"{args.program}: running it needs about {fmt_bytes(need)} of memory, "
+                         f"more than the {fmt_bytes(args.memory)} allowed (--memory); choose "
+                         f"smaller dimensions (--dim) or a larger --memory")
     inputs = random_inputs(program, seed=args.seed)
     execute = BACKENDS[args.backend]
     start = time.perf_counter()
@@ -266,16 +365,18 @@ def _fuse_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default="h100", help="a built-in target name or a .toml file")
     p.add_argument("--objective", choices=("time", "traffic"), default="time",
                    help="minimise modeled time (default) or global traffic")
-    p.add_argument("--max-kernels", type=int, metavar="N",
+    p.add_argument("--max-kernels", type=_integer(1), metavar="N",
                    help="the cheapest program with at most N kernels")
-    p.add_argument("--nodes", type=int, default=Budget.nodes, help="e-node budget")
-    p.add_argument("--iterations", type=int, default=Budget.iterations,
+    p.add_argument("--nodes", type=_integer(1), default=Budget.nodes, help="e-node budget")
+    p.add_argument("--iterations", type=_integer(1), default=Budget.iterations,
                    help="iteration budget per stage")
-    p.add_argument("--seconds", type=float, default=Budget.seconds,
+    p.add_argument("--seconds", type=_seconds, default=Budget.seconds,
                    help="time budget of fusion: saturation, read-back and extraction together "
                         "(the best program found in time is the result)")
-    p.add_argument("--memory", type=int, default=Budget.memory, metavar="MIB",
-                   help="resident memory budget of fusion in MiB")
+    p.add_argument("--memory", type=_size, default=default_budget(), metavar="BYTES",
+                   help="memory budget (e.g. 512M, 16G; default: half the machine's memory): "
+                        "fusion keeps its resident memory under it, and run refuses a program "
+                        "whose estimated peak exceeds it")
     _progress_arg(p)
 
 
@@ -286,10 +387,8 @@ def _progress_arg(p: argparse.ArgumentParser) -> None:
 
 
 def _fuse(args: argparse.Namespace, program: BlockProgram) -> FuseResult:
-    if args.max_kernels is not None and args.max_kernels < 1:
-        raise UsageError("--max-kernels must be at least 1")
     budget = Budget(nodes=args.nodes, iterations=args.iterations, seconds=args.seconds,
-                    memory=args.memory)
+                    memory=max(1, args.memory // 2**20))
     try:
         return fuse(program, _load_packs(args), get_target(args.target), args.objective,
                     args.max_kernels, budget, _progress(args))
@@ -313,14 +412,16 @@ def _apply_args(p: argparse.ArgumentParser) -> None:
 @command("apply", "fuse a program: rewrite it with the rule packs and extract the cheapest "
                   "equivalent block program", _apply_args)
 def cmd_apply(args: argparse.Namespace) -> int:
+    _check_output(args.output, args.program)
     _, program = load_any(args.program, _dims(args.dim))
     result = _fuse(args, program)
     if args.output:
         out = Path(args.output)
-        source = args.program if args.program.endswith(".bbp") else None
-        if source is not None:
-            source = os.path.relpath(Path(source).resolve(), out.resolve().parent)
-        out.write_text(show_program(result.program, source=source))
+        source = text = None
+        if args.program.endswith(".bbp"):
+            source = os.path.relpath(Path(args.program).resolve(), out.resolve().parent)
+            text = read_source(args.program)
+        out.write_text(show_program(result.program, source=source, source_text=text))
     if args.json:
         print(json.dumps(result.to_json(), indent=2, default=_finite))
         return 0
@@ -399,6 +500,7 @@ def _program_to_run(args: argparse.Namespace) -> tuple[Program | None, BlockProg
 
 @command("codegen", "generate numpy (CPU) or CUDA C (GPU) code for a program", _codegen_args)
 def cmd_codegen(args: argparse.Namespace) -> int:
+    _check_output(args.output, args.program)
     _, program = _program_to_run(args)
     if args.backend == "numpy":
         files = {args.output: numpy_gen.generate(program)}
@@ -441,9 +543,9 @@ def _check_args(p: argparse.ArgumentParser) -> None:
                         "installed packs (default: check the standard and installed packs)")
     p.add_argument("--no-installed", action="store_true",
                    help="load the PACKs alone, not on top of the standard and installed packs")
-    p.add_argument("--trials", type=int, default=20,
+    p.add_argument("--trials", type=_integer(1), default=20,
                    help="random instantiations per rule in the soundness check")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=_integer(0), default=0)
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     _progress_arg(p)
 

@@ -14,7 +14,10 @@ import numpy as np
 
 from .ir import Axis
 from .ops import BINARY, TILE_REDUCE, UNARY
-from .program import Apply, Expr, Number, Program, Reduction, Ref, factors
+from .program import Apply, Expr, Number, Program, Reduction, Ref, factors, fold, sum_factors
+
+
+MAX_EINSUM = 16  # operands of one einsum (numpy allows at most 32)
 
 
 @dataclass(frozen=True)
@@ -50,33 +53,42 @@ class _Evaluator:
     dtype: type
 
     def eval(self, e: Expr) -> _Named:
+        """`e`'s value; a sum from its body's factors, never the whole product."""
+        return fold(e, self.value, sum_factors)
+
+    def value(self, e: Expr, parts: list[_Named]) -> _Named:
         match e:
             case Number(v):
                 return _Named((), np.asarray(v, dtype=self.dtype))
             case Ref(tensor, axes):
                 return _Named(axes, self.env[tensor])
-            case Apply(op, (x,)):
-                v = self.eval(x)
+            case Apply(op, (_,)):
+                v = parts[0]
                 return _Named(v.axes, UNARY[op].numpy(v.data).astype(self.dtype))
-            case Apply(op, (x, y)):
-                vx, vy = self.eval(x), self.eval(y)
-                axes = tuple(dict.fromkeys(vx.axes + vy.axes))
-                out = BINARY[op].numpy(vx.along(axes), vy.along(axes))
-                return _Named(axes, np.asarray(out, dtype=self.dtype))
+            case Apply(op, (_, _)):
+                return self.binary(op, *parts)
             case Reduction("sum", axis, body):
-                return self.sum(axis, body)
-            case Reduction(op, axis, body):
-                v = self.eval(body)
+                return self.sum(axis, [(v, divides) for v, (_, divides)
+                                       in zip(parts, factors(body))])
+            case Reduction(op, axis):
+                v = parts[0]
                 return _Named(tuple(a for a in v.axes if a != axis),
                               TILE_REDUCE[op].numpy(v.data, axis=v.axes.index(axis)))
         raise TypeError(f"not a program expression: {e!r}")
 
-    def sum(self, axis: Axis, body: Expr) -> _Named:
-        """A sum of a product as one einsum over its factors (divisors as reciprocals)."""
-        operands = []
-        for f, divides in factors(body):
-            v = self.eval(f)
-            operands.append(_Named(v.axes, np.reciprocal(v.data) if divides else v.data))
+    def binary(self, op: str, vx: _Named, vy: _Named) -> _Named:
+        axes = tuple(dict.fromkeys(vx.axes + vy.axes))
+        out = BINARY[op].numpy(vx.along(axes), vy.along(axes))
+        return _Named(axes, np.asarray(out, dtype=self.dtype))
+
+    def sum(self, axis: Axis, factor_values: list[tuple[_Named, bool]]) -> _Named:
+        """A sum of a product as one einsum over its factors (divisors as reciprocals); a
+        product of more than `MAX_EINSUM` factors is multiplied out down to that many first."""
+        operands = [_Named(v.axes, np.reciprocal(v.data) if divides else v.data)
+                    for v, divides in factor_values]
+        while len(operands) > MAX_EINSUM:
+            operands = [self.binary("mul", *operands[i:i + 2]) if i + 1 < len(operands)
+                        else operands[i] for i in range(0, len(operands), 2)]
         labels = {a: i for i, a in enumerate(dict.fromkeys(a for v in operands for a in v.axes))}
         out = tuple(a for a in labels if a != axis)
         args: list = []

@@ -42,7 +42,7 @@ class SourceError(Exception):
         text = self.text
         if text is None:
             try:
-                text = Path(self.span.path).read_text()
+                text = Path(self.span.path).read_text(errors="replace")
             except OSError:
                 return head
         lines = text.splitlines()
@@ -114,3 +114,21 @@ def _replayed_accepts(parser: Lark, text: str, pos: int) -> set[str]:
 
 class UsageError(Exception):
     """A mistake on the command line or in the environment with no file position (exit 2)."""
+
+
+def read_source(path: str | Path, what: str = "file") -> str:
+    """The text of a user's input file; bytes that are not UTF-8 are a `SourceError` at the
+    first of them, an unreadable file a `UsageError` (`what` names the file in its message)."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError as err:
+        raise UsageError(f"cannot read {what} {path}: {err.strerror}") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        before = data[:err.start].decode("utf-8")
+        line = before.count("\n") + 1
+        column = len(before) - (before.rfind("\n") + 1) + 1
+        text = data.decode("utf-8", errors="replace")
+        raise SourceError(Span(str(path), line, column),
+                          f"byte 0x{data[err.start]:02x} is not UTF-8 text", text) from None

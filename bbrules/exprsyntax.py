@@ -17,11 +17,12 @@ from importlib.resources import files
 from typing import Mapping, Union
 
 from lark import Lark, Token, Transformer, Tree, UnexpectedInput, v_args
-from lark.visitors import merge_transformers
+from lark.exceptions import VisitError
+from lark.visitors import Transformer_NonRecursive, merge_transformers
 
 from .errors import SourceError, Span, syntax_error
-from .ir import (BUILTIN_MONOIDS, KINDS, Binary, Const, Dim, DimError, Kind, Load, Monoid, Node,
-                 Sort, TensorDecl, Unary, Var, checked_dim)
+from .ir import (BUILTIN_MONOIDS, KINDS, MAX_COMPONENTS, Binary, Const, Dim, DimError, Kind,
+                 Load, Monoid, Node, Sort, TensorDecl, Unary, Var, checked_dim)
 from .ops import UNARY
 from .rule import AxisSize, CExpr, PAxis, Pattern, PConst, PMonoid, PVar, Stored
 
@@ -120,12 +121,44 @@ class MonoidDecl:
     span: Span = field(compare=False)
 
 
+# The deepest expression bbrules accepts.  Parsing, the frontend's checks, lowering, the dense
+# evaluator, hashing and printing walk expressions without recursion; the interpreter, the code
+# generators, the cost model's scheduler and the e-graph's read-back still recurse once per
+# level, so a deeper expression is refused where it is written instead of overflowing them.
+MAX_DEPTH = 200
+
+
+def syntax_depth(e: Expr) -> int:
+    """How deeply `e` nests (a name or number is 1), without recursion."""
+    deepest, stack = 0, [(e, 1)]
+    while stack:
+        x, d = stack.pop()
+        deepest = max(deepest, d)
+        match x:
+            case BinOp(_, a, b):
+                stack += [(a, d + 1), (b, d + 1)]
+            case Neg(a):
+                stack.append((a, d + 1))
+            case Call(_, args):
+                stack += [(a, d + 1) for a in args]
+    return deepest
+
+
+def too_deep(depth: int) -> str:
+    return (f"this expression nests {depth} levels deep; bbrules handles at most {MAX_DEPTH} "
+            f"(split it into statements or kernels)")
+
+
 # --------------------------------------------------------------------------------------------
 # Parse trees -> syntax trees
 
 
-class ExprTransformer(Transformer):
-    """One method per rule of expr.lark.  File transformers subclass it (see `make_transformer`)."""
+class ExprTransformer(Transformer_NonRecursive):
+    """One method per rule of expr.lark.  File transformers subclass it (see `make_transformer`).
+
+    Non-recursive: an expression thousands of terms long is a parse tree as deep, and lark's
+    plain `Transformer` recurses once per level.  A method raising `SourceError` reports a
+    mistake; `parse` unwraps it from lark's `VisitError`."""
 
     def __init__(self, path: str):
         super().__init__()
@@ -248,7 +281,12 @@ def parse(grammar_name: str, text: str, path: str, transformer: ExprTransformer)
         tree = parser.parse(text)
     except UnexpectedInput as e:
         raise syntax_error(e, parser, text, path, _TOKEN_WORDS) from None
-    return make_transformer(transformer).transform(tree)
+    try:
+        return make_transformer(transformer).transform(tree)
+    except VisitError as e:
+        if isinstance(e.orig_exc, SourceError):
+            raise e.orig_exc from None
+        raise
 
 
 # --------------------------------------------------------------------------------------------
@@ -464,6 +502,11 @@ def article(kind: str) -> str:
 def resolve_monoid(decl: MonoidDecl, text: str, doc: str = "") -> Monoid:
     """A monoid declaration as an `ir.Monoid`, checking each part's arity and variables."""
     state = tuple(n.name for n in decl.state)
+    for part, names in (("state", decl.state), ("finalize", decl.finalize.items)):
+        if len(names) > MAX_COMPONENTS:
+            raise SourceError(names[MAX_COMPONENTS].span, f"a monoid's {part} has at most "
+                              f"{MAX_COMPONENTS} components (the e-graph's largest tuple), "
+                              f"this one {len(names)}", text)
     for i, n in enumerate(decl.state):
         if n.name in state[:i]:
             raise SourceError(n.span, f"state component '{n.name}' is declared twice", text)

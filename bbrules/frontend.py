@@ -19,14 +19,16 @@ from importlib.resources import files
 from pathlib import Path
 from typing import Union
 
-from lark import Lark, Token, Transformer, v_args
+from lark import Lark, Token, v_args
 from lark.tree import Meta
 from lark.exceptions import UnexpectedInput, VisitError
+from lark.visitors import Transformer_NonRecursive
 
-from .errors import SourceError, Span, UsageError, syntax_error
+from .errors import SourceError, Span, UsageError, read_source, syntax_error
 from .ir import DTYPE_BYTES, AxisSet, Dim, DimError, TensorDecl, checked_dim
+from .exprsyntax import MAX_DEPTH, too_deep
 from .ops import UNARY
-from .program import Apply, Expr, Number, Program, Reduction, Ref, Statement, free_axes
+from .program import Apply, Expr, Number, Program, Reduction, Ref, Statement, fold
 
 DimOverrides = dict[str, tuple[int, int | None]]
 
@@ -83,7 +85,7 @@ _Item = Union[_DimDecl, _InputDecl, _OutputDecl, Statement]
 
 
 @v_args(meta=True)
-class _ToAst(Transformer):
+class _ToAst(Transformer_NonRecursive):
     """One method per grammar rule: parse tree -> declarations and program expressions."""
 
     def __init__(self, path: str, text: str):
@@ -301,6 +303,9 @@ class _Checker:
             raise self.error(s.span, f"cannot assign to input '{s.target}'")
         self.new_tensor(target)
         self.axes(tuple(_Name(a, sp) for a, sp in zip(s.axes, s.axis_spans)))
+        depth = fold(s.expr, lambda e, parts: 1 + max(parts, default=0))
+        if depth > MAX_DEPTH:
+            raise self.error(s.expr.span, too_deep(depth))
         produced = self.expr(s.expr)
         extra = [a for a in _free_occurrences(s.expr) if a[0] not in s.axes]
         if extra:
@@ -318,22 +323,26 @@ class _Checker:
     # expressions ----------------------------------------------------------------------------
 
     def expr(self, e: Expr) -> AxisSet:
-        """Check an expression; return its free axes."""
+        """Check an expression, operands before the operator (the first mistake in source
+        order is reported); return its free axes."""
+        return fold(e, self.checked)
+
+    def checked(self, e: Expr, parts: list[AxisSet]) -> AxisSet:
         match e:
             case Ref():
                 self.ref(e)
-            case Apply(_, args):
-                for a in args:
-                    self.expr(a)
-            case Reduction(op, axis, body):
-                body_axes = self.expr(body)
+                return frozenset(e.axes)
+            case Apply():
+                return frozenset().union(*parts)
+            case Reduction(op, axis):
                 if axis not in self.dims:
                     raise self.error(e.axis_span, f"unknown axis '{axis}'")
-                if axis not in body_axes:
-                    have = ", ".join(sorted(body_axes)) or "none"
+                if axis not in parts[0]:
+                    have = ", ".join(sorted(parts[0])) or "none"
                     raise self.error(e.axis_span, f"{op}[{axis}] reduces over an axis its "
                                      f"operand does not have (its axes: {have})")
-        return free_axes(e)
+                return parts[0] - {axis}
+        return frozenset()
 
     def ref(self, r: Ref) -> None:
         declared_axes = self.axes_of.get(r.tensor)
@@ -355,16 +364,20 @@ class _Checker:
                                  f"extent and block must match")
 
 
-def _free_occurrences(e: Expr, bound: frozenset[str] = frozenset()) -> list[tuple[str, Span]]:
+def _free_occurrences(e: Expr) -> list[tuple[str, Span]]:
     """Every axis use in `e` that no enclosing reduction binds, in source order."""
-    match e:
-        case Ref(_, axes, _, spans):
-            return [(a, sp) for a, sp in zip(axes, spans) if a not in bound]
-        case Apply(_, args):
-            return [o for a in args for o in _free_occurrences(a, bound)]
-        case Reduction(_, axis, body):
-            return _free_occurrences(body, bound | {axis})
-    return []
+    out: list[tuple[str, Span]] = []
+    stack: list[tuple[Expr, frozenset[str]]] = [(e, frozenset())]
+    while stack:
+        x, bound = stack.pop()
+        match x:
+            case Ref(_, axes, _, spans):
+                out += [(a, sp) for a, sp in zip(axes, spans) if a not in bound]
+            case Apply(_, args):
+                stack += [(a, bound) for a in reversed(args)]
+            case Reduction(_, axis, body):
+                stack.append((body, bound | {axis}))
+    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -393,11 +406,7 @@ def parse_program(text: str, path: str = "<string>",
 
 def load_program(path: str | Path, dims: DimOverrides | None = None) -> Program:
     """Read and check a `.bbp` file."""
-    try:
-        text = Path(path).read_text()
-    except OSError as err:
-        raise UsageError(f"cannot read {path}: {err.strerror}") from None
-    return parse_program(text, str(path), dims)
+    return parse_program(read_source(path), str(path), dims)
 
 
 _OVERRIDE = re.compile(r"\s*([A-Za-z_][A-Za-z0-9_]*)\s*=\s*(\d+)\s*(?:/\s*(\d+)\s*)?")

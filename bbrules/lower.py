@@ -15,9 +15,14 @@ from itertools import combinations
 from .errors import SourceError
 from .ir import (BUILTIN_MONOIDS, SUM, BlockProgram, BlockReduce, Binary, Const, Dot, IRError,
                  Load, Node, Reduce, Store, Unary, tile_type, validate)
-from .program import Apply, Expr, Number, Program, Reduction, Ref, Statement, factors, free_axes
+from .program import (Apply, Expr, Number, Program, Reduction, Ref, Statement, factors, fold,
+                      free_axes, sum_factors)
 
-Factor = tuple[Expr, bool]  # an expression and whether it divides
+Factor = tuple[Expr, bool, Node]  # an expression, whether it divides, its lowering
+
+# Contractions of up to this many factors try every split into the two operands; longer
+# products (thousands of factors) try the splits in source order only.
+EXHAUSTIVE_SPLIT = 10
 
 
 def lower(program: Program) -> BlockProgram:
@@ -46,25 +51,31 @@ def _kernel(program: Program, s: Statement) -> Store:
 
 
 def lower_expr(e: Expr) -> Node:
-    """The tile expression computing `e` for one block of its free axes."""
+    """The tile expression computing `e` for one block of its free axes.
+
+    A sum is lowered from the factors of its body (`sum_factors`), not from the product."""
+    return fold(e, _lowered, sum_factors)
+
+
+def _lowered(e: Expr, parts: list[Node]) -> Node:
     match e:
         case Number(v):
             return Const(v)
         case Ref(tensor, axes):
             return Load(tensor, axes)
-        case Apply(op, (x,)):
-            return Unary(op, lower_expr(x))
-        case Apply(op, (x, y)):
-            return Binary(op, lower_expr(x), lower_expr(y))
+        case Apply(op, (_,)):
+            return Unary(op, parts[0])
+        case Apply(op, (_, _)):
+            return Binary(op, parts[0], parts[1])
         case Reduction("sum", axis, body):
-            return _sum(axis, body)
-        case Reduction(op, axis, body):
-            return Reduce(axis, BUILTIN_MONOIDS[op], BlockReduce(op, axis, lower_expr(body)))
+            return _sum(axis, [(f, divides, node) for (f, divides), node
+                               in zip(factors(body), parts)])
+        case Reduction(op, axis):
+            return Reduce(axis, BUILTIN_MONOIDS[op], BlockReduce(op, axis, parts[0]))
     raise TypeError(f"not a program expression: {e!r}")
 
 
-def _sum(axis: str, body: Expr) -> Node:
-    fs = factors(body)
+def _sum(axis: str, fs: list[Factor]) -> Node:
     inside = [f for f in fs if axis in free_axes(f[0])]
     outside = [f for f in fs if axis not in free_axes(f[0])]
     if len(inside) == 1:
@@ -73,8 +84,8 @@ def _sum(axis: str, body: Expr) -> Node:
         left, right = _split(inside)
         loop = Reduce(axis, SUM, Dot(axis, _product(left), _product(right)))
     result: Node = loop
-    for f, divides in outside:
-        result = Binary("div" if divides else "mul", result, lower_expr(f))
+    for _, divides, node in outside:
+        result = Binary("div" if divides else "mul", result, node)
     return result
 
 
@@ -86,27 +97,32 @@ def _split(fs: list[Factor]) -> tuple[list[Factor], list[Factor]]:
     where two 2-axis operands suffice.  The smallest largest operand wins, then the smallest
     operands in total, then the first split in source order.
     """
+    axes = [free_axes(f[0]) for f in fs]
+
     def cost(left: tuple[int, ...]) -> tuple[int, int]:
-        l_axes = frozenset().union(*(free_axes(fs[i][0]) for i in left))
-        r_axes = frozenset().union(*(free_axes(f[0]) for i, f in enumerate(fs) if i not in left))
+        l_axes = frozenset().union(*(axes[i] for i in left))
+        r_axes = frozenset().union(*(a for i, a in enumerate(axes) if i not in left))
         return max(len(l_axes), len(r_axes)), len(l_axes) + len(r_axes)
 
     # Factor 0 always goes left, so each split is listed once.
-    candidates = [(0, *rest) for n in range(len(fs) - 1)
-                  for rest in combinations(range(1, len(fs)), n)]
+    if len(fs) <= EXHAUSTIVE_SPLIT:
+        candidates = [(0, *rest) for n in range(len(fs) - 1)
+                      for rest in combinations(range(1, len(fs)), n)]
+    else:
+        candidates = [tuple(range(n)) for n in range(1, len(fs))]
     best = min(candidates, key=cost)
     return [fs[i] for i in best], [f for i, f in enumerate(fs) if i not in best]
 
 
 def _product(fs: list[Factor]) -> Node:
     """Multiply the factors in source order, dividing by divisors; 1/x when all divide."""
-    first = next((i for i, (_, divides) in enumerate(fs) if not divides), None)
+    first = next((i for i, (_, divides, _) in enumerate(fs) if not divides), None)
     if first is None:
-        out: Node = Unary("recip", lower_expr(fs[0][0]))
+        out: Node = Unary("recip", fs[0][2])
         rest = fs[1:]
     else:
-        out = lower_expr(fs[first][0])
+        out = fs[first][2]
         rest = fs[:first] + fs[first + 1:]
-    for f, divides in rest:
-        out = Binary("div" if divides else "mul", out, lower_expr(f))
+    for _, divides, node in rest:
+        out = Binary("div" if divides else "mul", out, node)
     return out

@@ -10,7 +10,7 @@ programs that say the same thing compare equal wherever they were written.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Union
+from typing import Callable, TypeVar, Union
 
 from .errors import Span
 from .ir import Axis, AxisSet, Dim, TensorDecl
@@ -57,6 +57,7 @@ class Reduction:
 
 
 Expr = Union[Number, Ref, Apply, Reduction]
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -87,17 +88,57 @@ class Program:
         return tuple(t.name for t in self.tensors.values() if t.role == "input")
 
 
+def operands(e: Expr) -> tuple[Expr, ...]:
+    """The subexpressions `e` is computed from."""
+    match e:
+        case Apply(_, args):
+            return args
+        case Reduction(_, _, body):
+            return (body,)
+    return ()
+
+
+def sum_factors(e: Expr) -> tuple[Expr, ...]:
+    """`operands`, but a sum's are the factors of its body: what lowering and the dense
+    evaluator compute a sum of a product from, without building the product."""
+    if isinstance(e, Reduction) and e.op == "sum":
+        return tuple(f for f, _ in factors(e.body))
+    return operands(e)
+
+
+def fold(root: Expr, combine: Callable[[Expr, list[T]], T],
+         parts: Callable[[Expr], tuple[Expr, ...]] = operands) -> T:
+    """`combine(e, [value of each part])` bottom-up from the leaves, without recursion: an
+    expression thousands of terms long is as deep, and every pass over expressions walks
+    through here.  `parts` says what a node is computed from (by default its operands; a
+    lowering of `sum[k] a * b` may fold over the factors instead of the product)."""
+    values: dict[int, T] = {}
+    stack: list[tuple[Expr, bool]] = [(root, False)]
+    while stack:
+        e, ready = stack.pop()
+        if ready:
+            values[id(e)] = combine(e, [values[id(p)] for p in parts(e)])
+        elif id(e) not in values:
+            stack.append((e, True))
+            stack.extend((p, False) for p in reversed(parts(e)))
+    return values[id(root)]
+
+
 def free_axes(e: Expr) -> AxisSet:
     """The axes an expression's value spans: those of its references, less reduced ones."""
+    return fold(e, _free_axes)
+
+
+def _free_axes(e: Expr, parts: list[AxisSet]) -> AxisSet:
     match e:
         case Number():
             return frozenset()
         case Ref(_, axes):
             return frozenset(axes)
-        case Apply(_, args):
-            return frozenset().union(*(free_axes(a) for a in args))
-        case Reduction(_, axis, body):
-            return free_axes(body) - {axis}
+        case Apply():
+            return frozenset().union(*parts)
+        case Reduction(_, axis):
+            return parts[0] - {axis}
     raise TypeError(f"not a program expression: {e!r}")
 
 
@@ -107,9 +148,15 @@ def factors(e: Expr, inverted: bool = False) -> list[tuple[Expr, bool]]:
     Reductions use this: a sum of a product is linear in every factor that does not span the
     reduced axis, and a contraction pairs up the factors that do.
     """
-    match e:
-        case Apply("mul", (x, y)):
-            return factors(x, inverted) + factors(y, inverted)
-        case Apply("div", (x, y)):
-            return factors(x, inverted) + factors(y, not inverted)
-    return [(e, inverted)]
+    out: list[tuple[Expr, bool]] = []
+    stack = [(e, inverted)]
+    while stack:
+        x, inv = stack.pop()
+        match x:
+            case Apply("mul", (a, b)):
+                stack += [(b, inv), (a, inv)]
+            case Apply("div", (a, b)):
+                stack += [(b, not inv), (a, inv)]
+            case _:
+                out.append((x, inv))
+    return out

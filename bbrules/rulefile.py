@@ -22,7 +22,7 @@ from typing import Mapping
 
 from lark import Token
 
-from .errors import SourceError, Span
+from .errors import SourceError, Span, read_source
 from .exprsyntax import (Call, Expr, ExprTransformer, Indexed, MonoidDecl, Name, Num, PatVar,
                          Resolver, Scope, Size, article, parse, resolve_monoid)
 from .instantiate import Instance, flipped, instances, value_variables
@@ -30,6 +30,8 @@ from .ir import (BUILTIN_MONOIDS, IRError, Load, Monoid, Node, Store, TileType, 
                  postorder, show_node, type_of)
 from .patterns import NotInstantiable, checked_type
 from .rule import AxisEq, AxisIn, Check, ConstCmp, Guard, PConst, Rule, RulePack, Stage, TripsEq
+
+MAX_ITERATIONS = 10 ** 6  # a stage's iteration cap: far beyond any saturation, finite
 
 # Declarations as parsed, before resolution ---------------------------------------------------
 
@@ -307,8 +309,8 @@ class _PackBuilder:
         iterations = None
         if d.iterations is not None:
             v = d.iterations.value
-            if v != int(v) or v < 1:
-                raise _error(f, d.iterations.span, "iterations must be a positive integer")
+            if not 1 <= v <= MAX_ITERATIONS or v != int(v):
+                raise _error(f, d.iterations.span, f"iterations must be an integer from 1 to {MAX_ITERATIONS}")
             iterations = int(v)
         self.pack.stages.append(Stage(d.name.name, tuple(r.name for r in d.rulesets),
                                       iterations))
@@ -526,5 +528,5 @@ def load_pack(directory: str | Path, base: RulePack | None = None,
     """All `*.bbr` files of `directory`, in sorted order, as one pack (named after the
     directory unless `name` is given)."""
     directory = Path(directory)
-    files = [_read(p.read_text(), str(p)) for p in sorted(directory.glob("*.bbr"))]
+    files = [_read(read_source(p, "rule file"), str(p)) for p in sorted(directory.glob("*.bbr"))]
     return _PackBuilder(name or directory.name, base or RulePack("base")).build(files)

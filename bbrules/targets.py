@@ -15,6 +15,8 @@ User targets are TOML files with the same fields, in the units people quote them
     peak_flops = 19.5             # TFLOP/s, f32
     peak_flops_f16 = 312          # TFLOP/s, f16/bf16 (tensor cores)
     launch_cost = 4               # µs per kernel
+
+Each figure must be from 1e-6 to 1e9 in its unit, so that no time or ratio overflows.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from .errors import SourceError, Span, UsageError
+from .errors import SourceError, Span, UsageError, read_source
 
 KIB = 1024
 
@@ -70,6 +72,9 @@ _FIELDS: dict[str, tuple[type, Callable[[float], float]]] = {
     "launch_cost": (float, lambda us: us / 1e6),
 }
 _OPTIONAL = {"name", "doc"}
+# The values a target file may give, in its units: finite, and far enough from 0 and from
+# float overflow that times, ratios and their reciprocals stay finite and positive.
+_RANGE = (1e-6, 1e9)
 
 
 def get_target(name_or_path: str) -> Target:
@@ -86,10 +91,7 @@ def get_target(name_or_path: str) -> Target:
 
 def load_target(path: Path) -> Target:
     """Read a TOML target file; every mistake in it is a `SourceError` at its position."""
-    try:
-        text = path.read_text()
-    except OSError as e:
-        raise UsageError(f"cannot read target file '{path}': {e.strerror}") from None
+    text = read_source(path, "target file")
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
@@ -115,6 +117,9 @@ def load_target(path: Path) -> Target:
             raise error(key, f"'{key}' must be {'an integer' if kind is int else 'a number'}")
         if not v > 0:
             raise error(key, f"'{key}' must be positive")
+        if not _RANGE[0] <= v <= _RANGE[1]:
+            raise error(key, f"'{key}' must be from {_RANGE[0]:g} to {_RANGE[1]:g} in its "
+                             f"unit (see the bbrules.targets docstring)")
         values[key] = kind(to_si(v))
     for key in _OPTIONAL:
         if key in data and not isinstance(data[key], str):

@@ -23,6 +23,7 @@ Why it looks the way it does:
 
 from __future__ import annotations
 
+import builtins
 import keyword
 import linecache
 import types
@@ -37,13 +38,19 @@ from bbrules.ir import (ELEMENTWISE_KINDS, Axis, Binary, BlockProgram, BlockRedu
                         Dot, Get, IRError, KindTable, Load, Node, Reduce, Store, TileType, Tuple,
                         Var, children, is_elementwise, operator, postorder, rebuild, show_kernel,
                         tile_type, type_of, validate)
-from bbrules.ops import TILE_REDUCE, OpInfo
+from bbrules.ops import ELEMENTWISE, TILE_REDUCE, OpInfo
 from bbrules.plan import plan_for
 from bbrules.schedule import Loop, Step
 from bbrules.targets import Target, get_target
 
 _INFIX = {"add": "+", "sub": "-", "mul": "*", "div": "/"}
-_RESERVED = {"np", "f32", "run", "inputs", "_input", "ELEMENTWISE", "TILE_REDUCE"}
+# Names generated code uses besides its own locals: the module's globals, the operator aliases
+# (`_Functions.ref`) and Python's builtins (loops call `range`).  A tensor named like one of
+# them is renamed.
+_RESERVED = {"np", "f32", "run", "inputs", "_input", "ELEMENTWISE", "TILE_REDUCE",
+             *(f"elementwise_{op}" for op in ELEMENTWISE),
+             *(f"tile_reduce_{op}" for op in TILE_REDUCE),
+             *dir(builtins)}
 
 # A value in generated code: an expression (a name or a literal), or one per tuple component.
 Code = Union[str, tuple[str, ...]]

@@ -136,11 +136,22 @@ KINDS: list[type] = []  # every node kind, in declaration order (filled by @node
 
 def _cached_hash(self: object) -> int:
     """A node's hash, computed once.  Nodes form DAGs: the generated dataclass hash would walk
-    every shared subterm again on each dict or set operation, which made extraction quadratic."""
+    every shared subterm again on each dict or set operation, which made extraction quadratic.
+    The subterms not hashed yet are hashed first, children before parents, so that hashing a
+    term thousands of levels deep does not recurse."""
     h = self.__dict__.get("_hash")
     if h is None:
-        h = hash((type(self).__name__, *(self.__dict__[f] for f in self.__dataclass_fields__)))
-        object.__setattr__(self, "_hash", h)
+        stack, order = [self], []
+        while stack:
+            n = stack.pop()
+            if "_hash" not in n.__dict__:
+                order.append(n)
+                stack += [c for c in children(n) if is_node(c)]
+        for n in reversed(order):
+            if "_hash" not in n.__dict__:
+                object.__setattr__(n, "_hash", hash((type(n).__name__, *(
+                    n.__dict__[f] for f in n.__dataclass_fields__))))
+        h = self.__dict__["_hash"]
     return h
 
 

@@ -170,11 +170,19 @@ class Where:
         return union(*(_tile(t, k) for t, k in zip(kids, (self.c, self.x, self.y))))
 
 
+# The most components a tuple (a monoid's state, its results) may have: the e-graph declares
+# one constructor per tuple size, Tup2 to Tup8.
+MAX_COMPONENTS = 8
+
+
 @node(call="tuple", egg="Tup")
 class Tuple:
     items: tuple[Node, ...] = children_field()
 
     def infer(self, kids: tuple[Type, ...]) -> Type:
+        if len(self.items) > MAX_COMPONENTS:
+            raise IRError(f"a tuple has at most {MAX_COMPONENTS} components, this one "
+                          f"{len(self.items)}")
         return tuple(_tile(t, i) for t, i in zip(kids, self.items))
 
 

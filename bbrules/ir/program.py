@@ -33,16 +33,22 @@ class DimError(ValueError):
         self.part = part
 
 
+MAX_EXTENT = 2 ** 53
+
+
 def checked_dim(name: str, extent: float, block: float | None, of: str | None = None) -> Dim:
     """Dimension `name`: `extent` elements in blocks of `block` (one block when None).
 
     Every way of writing sizes (a program's `dim`, a block program's, a check's `with`, the
     command line's `--dim`) comes here, so they all accept the same sizes: positive integers,
-    the block dividing the extent.  `of` names the dimension in the message for a block that
+    the block dividing the extent, at most `MAX_EXTENT` (sizes are read as floats, which are
+    integers up to there; inf and nan are refused too).  `of` names the dimension in the message for a block that
     does not divide (default "dimension 'name'").
     """
     for part, what, v in (("extent", "a dimension's extent", extent),
                           ("block", "a block size", block)):
+        if v is not None and not -MAX_EXTENT <= v <= MAX_EXTENT:
+            raise DimError(part, f"{what} must be at most 2**53, got {v:g}")
         if v is not None and v != int(v):
             raise DimError(part, f"{what} must be a positive integer, got '{v:g}'")
         if v is not None and v < 1:

@@ -16,6 +16,8 @@ INFIX = {"add": ("+", 1), "sub": ("-", 1), "mul": ("*", 2), "div": ("/", 2)}
 
 
 def fmt_number(v: float) -> str:
+    if v != v:
+        return "nan"  # a constant folded from a rule (rsqrt(-1.0)), in a counterexample
     if v == float("inf"):
         return "inf"
     if v == float("-inf"):
@@ -96,15 +98,18 @@ def show_monoid(m: Monoid) -> str:
     ])
 
 
-def show_program(p: BlockProgram, source: str | None = None) -> str:
+def show_program(p: BlockProgram, source: str | None = None,
+                 source_text: str | None = None) -> str:
     """The whole program in the block-file syntax (what `bbrules show` prints and `-o` writes).
 
-    `source` records the path of the program this one was fused from, so that a tool reading
-    the file back can find it.
+    `source` records the path of the program this one was fused from, and `source_text` (with
+    a `source`) its text, each line after "| ": a tool reading the file back compares the two
+    programs without depending on where the source file is now.
     """
     out = ["# bbrules block program"]
     if source is not None:
         out.append(f"source {json.dumps(source)}")
+        out += [f"| {line}".rstrip() for line in (source_text or "").splitlines()]
     for d in p.dims.values():
         out.append(f"dim {d.name} = {d.extent} / {d.block}")
     for role in ("input", "temp", "output"):

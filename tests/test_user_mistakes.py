@@ -1,0 +1,389 @@
+"""Hostile input: every user mistake is `file:line:col: error: ...` or a usage error, exit 2.
+
+One test per family of mistakes found by mutating the examples, rule files, block files and
+targets (issue 8); each ran into a Python traceback before it was handled.
+"""
+
+from __future__ import annotations
+
+import re
+import tracemalloc
+from pathlib import Path
+
+import pytest
+
+from bbrules.blockfile import parse_block_program
+from bbrules.cli import main
+from bbrules.frontend import load_program
+from bbrules.ir import Binary, BlockProgram, Const, Dim, Load, Store, TensorDecl, show_program
+from bbrules.lower import lower
+from bbrules.memory import run_bytes
+
+ROOT = Path(__file__).resolve().parent.parent
+SOFTMAX = """\
+dim r = 8 / 4
+dim c = 16 / 8
+input X[r, c] : f32
+M[r]    = max[c] X[r, c]
+E[r, c] = exp(X[r, c] - M[r])
+L[r]    = sum[c] E[r, c]
+Y[r, c] = E[r, c] / L[r]
+output Y
+"""
+
+
+def run_cli(capsys: pytest.CaptureFixture[str], *argv: object) -> tuple[int, str, str]:
+    status = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def assert_positioned(capsys, path: Path, line: int, fragment: str, *argv: object) -> str:
+    """The command fails with exit 2 and `path:line:col: error:` naming `fragment`."""
+    status, _, err = run_cli(capsys, *argv)
+    assert status == 2, err
+    assert re.search(rf"{re.escape(str(path))}:{line}:\d+: error: .*{re.escape(fragment)}", err), err
+    return err
+
+
+def write(path: Path, text: str | bytes) -> Path:
+    if isinstance(text, bytes):
+        path.write_bytes(text)
+    else:
+        path.write_text(text)
+    return path
+
+
+# Bytes that are not UTF-8 ----------------------------------------------------------------------
+
+
+def test_non_utf8_bytes_are_a_positioned_error_in_every_kind_of_file(tmp_path, capsys):
+    prog = write(tmp_path / "p.bbp", SOFTMAX.replace("max[c]", "max[c] \xff").encode("latin-1"))
+    assert_positioned(capsys, prog, 4, "byte 0xff is not UTF-8", "show", prog)
+    bbk = tmp_path / "p.bbk"
+    assert main(["apply", str(write(tmp_path / "q.bbp", SOFTMAX)), "-o", str(bbk)]) == 0
+    write(bbk, bbk.read_bytes() + b"\n\x80junk\n")
+    capsys.readouterr()
+    line = bbk.read_bytes().count(b"\n")
+    assert_positioned(capsys, bbk, line, "byte 0x80", "cost", bbk)
+    pack = tmp_path / "pack"
+    pack.mkdir()
+    rules = write(pack / "r.bbr", b"rule r: ?x * 1.0 => ?x # \xfe\n")
+    assert_positioned(capsys, rules, 1, "byte 0xfe", "check", pack, "--trials", 1)
+    target = write(tmp_path / "t.toml", (ROOT / "targets/a100.toml").read_bytes() + b"#\xc3\n")
+    line = target.read_bytes().count(b"\n")
+    assert_positioned(capsys, target, line, "byte 0xc3", "cost", prog.with_name("q.bbp"),
+                      "--target", target)
+
+
+# Numbers that overflow or are not finite -------------------------------------------------------
+
+
+@pytest.mark.parametrize("line, replacement", [
+    (1, "dim r = 1e999 / 1"),
+    (1, "dim r = 8 / 1e999"),
+    (2, "dim c = 1e300"),
+])
+def test_sizes_that_overflow_in_a_block_file(tmp_path, capsys, line, replacement):
+    bbk = tmp_path / "p.bbk"
+    assert main(["apply", str(write(tmp_path / "p.bbp", SOFTMAX)), "-o", str(bbk)]) == 0
+    lines = bbk.read_text().splitlines()
+    at = [i for i, s in enumerate(lines) if s.startswith("dim ")][line - 1]
+    lines[at] = replacement
+    write(bbk, "\n".join(lines) + "\n")
+    capsys.readouterr()
+    assert_positioned(capsys, bbk, at + 1, "must be at most 2**53", "show", bbk)
+
+
+@pytest.mark.parametrize("text, fragment", [
+    ("rule r: ?x * 1.0 => ?x\ncheck r: load(X[i]) * 1.0 => load(X[i]) with i = 1e999 / 1", "2**53"),
+    ("ruleset s\nrule r: ?x * 1.0 => ?x\nstage st: s iterations 1e999", "iterations must be"),
+])
+def test_numbers_that_overflow_in_a_rule_file(tmp_path, capsys, text, fragment):
+    pack = tmp_path / "pack"
+    pack.mkdir()
+    rules = write(pack / "r.bbr", text + "\n")
+    assert_positioned(capsys, rules, text.count("\n") + 1, fragment, "check", pack,
+                      "--trials", 1)
+
+
+@pytest.mark.parametrize("key, value", [
+    ("local_capacity", "1" + "0" * 400),
+    ("global_bandwidth", "inf"),
+    ("peak_flops", "nan"),
+    ("launch_cost", "1e-320"),
+    ("launch_cost", "inf"),
+    ("peak_flops_f16", "1e308"),
+])
+def test_target_numbers_must_be_finite_and_in_range(tmp_path, capsys, key, value):
+    text = (ROOT / "targets/a100.toml").read_text()
+    text = re.sub(rf"^{key} = .*$", f"{key} = {value}", text, flags=re.M)
+    line = next(i for i, s in enumerate(text.splitlines(), 1) if s.startswith(key))
+    target = write(tmp_path / "t.toml", text)
+    prog = write(tmp_path / "p.bbp", SOFTMAX)
+    assert_positioned(capsys, target, line, f"'{key}' must be", "apply", prog,
+                      "--target", target)
+
+
+# Block files: their source, and empty ones ---------------------------------------------------
+
+
+def applied(tmp_path: Path, text: str = SOFTMAX, name: str = "p") -> Path:
+    """`apply -o` of `text`: a fused block file recording its source."""
+    bbk = tmp_path / f"{name}.bbk"
+    assert main(["apply", str(write(tmp_path / f"{name}.bbp", text)), "-o", str(bbk)]) == 0
+    return bbk
+
+
+def test_a_bad_escape_in_the_source_string(tmp_path, capsys):
+    bbk = applied(tmp_path)
+    write(bbk, bbk.read_text().replace('source "', 'source "\\q'))
+    capsys.readouterr()
+    assert_positioned(capsys, bbk, 2, "bad string: Invalid \\escape", "show", bbk)
+
+
+def test_a_block_file_copied_away_from_its_source_still_compares(tmp_path, capsys):
+    bbk = applied(tmp_path)
+    moved = tmp_path / "elsewhere"
+    moved.mkdir()
+    copy = write(moved / "p.bbk", bbk.read_text())
+    (tmp_path / "p.bbp").unlink()
+    capsys.readouterr()
+    status, out, err = run_cli(capsys, "run", copy)
+    assert status == 0, err
+    assert "Y: max abs error" in out and "ok" in out
+
+
+def test_a_block_file_whose_source_is_another_program(tmp_path, capsys):
+    bbk = applied(tmp_path)
+    lines = [s for s in bbk.read_text().splitlines() if not s.startswith("|")]
+    other = write(tmp_path / "other.bbp", SOFTMAX.replace("X", "Z"))
+    lines[1] = f'source "{other.name}"'
+    write(bbk, "\n".join(lines) + "\n")
+    capsys.readouterr()
+    assert_positioned(capsys, bbk, 2, "input X is not defined with the same shape by the "
+                                      "source program", "run", bbk)
+
+
+def test_a_mistake_in_the_embedded_source_is_placed_in_the_block_file(tmp_path, capsys):
+    bbk = applied(tmp_path)
+    lines = bbk.read_text().splitlines()
+    at = next(i for i, s in enumerate(lines) if s.startswith("| E[r, c]"))
+    lines[at] = lines[at].replace("M[r]", "N[r]")
+    write(bbk, "\n".join(lines) + "\n")
+    capsys.readouterr()
+    err = assert_positioned(capsys, bbk, at + 1, "embedded source program: unknown tensor 'N'",
+                            "run", bbk)
+    assert f"{bbk}:{at + 1}:{lines[at].index('N[r]') + 1}:" in err
+
+
+def test_a_block_file_whose_source_path_moved_says_nothing_is_compared(tmp_path, capsys):
+    bbk = applied(tmp_path)
+    write(bbk, "\n".join(s for s in bbk.read_text().splitlines() if not s.startswith("|")))
+    (tmp_path / "p.bbp").unlink()
+    capsys.readouterr()
+    status, out, err = run_cli(capsys, "run", bbk)
+    assert status == 0
+    assert f"{bbk}:2:8: warning: the source program" in err and "nothing was compared" in out
+
+
+@pytest.mark.parametrize("command", ["show", "cost", "apply", "run"])
+@pytest.mark.parametrize("text", ["", "# nothing\n", "dim r = 8 / 4\ninput X[r] : f32\n"])
+def test_an_empty_block_file(tmp_path, capsys, command, text):
+    bbk = write(tmp_path / "e.bbk", text)
+    assert_positioned(capsys, bbk, max(text.count("\n"), 1), "declares no outputs", command, bbk)
+
+
+# Command-line values ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["run", "{p}", "--seed", "-1"], "argument --seed: must be at least 0, got -1"),
+    (["check", "--trials", "0"], "argument --trials: must be at least 1, got 0"),
+    (["apply", "{p}", "--nodes", "-5"], "argument --nodes: must be at least 1"),
+    (["apply", "{p}", "--iterations", "-1"], "argument --iterations: must be at least 1"),
+    (["apply", "{p}", "--max-kernels", "0"], "argument --max-kernels: must be at least 1"),
+    (["apply", "{p}", "--seconds", "-1"], "argument --seconds: must be a finite positive"),
+    (["apply", "{p}", "--seconds", "nan"], "argument --seconds: must be a finite positive"),
+    (["run", "{p}", "--seconds", "inf"], "argument --seconds: must be a finite positive"),
+    (["apply", "{p}", "--seconds", "soon"], "argument --seconds: expected a number"),
+    (["apply", "{p}", "--nodes", "1e5"], "argument --nodes: expected an integer"),
+])
+def test_command_line_values_out_of_range_are_usage_errors(tmp_path, capsys, argv, message):
+    prog = write(tmp_path / "p.bbp", SOFTMAX)
+    status, out, err = run_cli(capsys, *(a.format(p=prog) for a in argv))
+    assert status == 2 and message in err and not out
+
+
+# Output paths ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", ["apply", "codegen"])
+@pytest.mark.parametrize("output, message", [
+    ("{tmp}/missing/x.bbk", "directory {tmp}/missing does not exist"),
+    ("{tmp}", "is a directory"),
+    ("{tmp}/p.bbp", "is the program being read"),
+])
+def test_output_paths_are_checked_before_any_work(tmp_path, capsys, monkeypatch, command,
+                                                  output, message):
+    prog = write(tmp_path / "p.bbp", SOFTMAX)
+    monkeypatch.setattr("bbrules.cli.fuse", lambda *a, **k: pytest.fail("fused first"))
+    status, _, err = run_cli(capsys, command, prog, "-o", output.format(tmp=tmp_path))
+    assert status == 2 and message.format(tmp=tmp_path) in err
+    assert prog.read_text() == SOFTMAX
+
+
+# Printing NaN ----------------------------------------------------------------------------------
+
+
+def test_check_of_a_rule_folding_to_nan(tmp_path, capsys):
+    pack = tmp_path / "pack"
+    pack.mkdir()
+    write(pack / "r.bbr", "rule r: rsqrt(const(?c)) => const(rsqrt(?c))\n")
+    status, out, err = run_cli(capsys, "check", pack, "--no-installed", "--trials", 20)
+    assert status == 0, out + err
+    assert "1 rules, 0 checks: 0 checks failed, 0 rules unsound" in out
+
+
+def test_a_nan_constant_prints_and_reads_back():
+    program = BlockProgram({"r": Dim("r", 8, 4)},
+                           {"X": TensorDecl("X", ("r",), "f32", "input"),
+                            "Y": TensorDecl("Y", ("r",), "f32", "output")},
+                           (Store("Y", ("r",), Binary("add", Load("X", ("r",)),
+                                                     Const(float("nan")))),), ("Y",))
+    text = show_program(program)
+    assert "+ nan" in text
+    back = parse_block_program(text).program.kernels[0].value
+    assert isinstance(back.y, Const) and back.y.value != back.y.value
+
+
+# Tuples larger than the e-graph's ----------------------------------------------------------------
+
+
+def wide_monoid(n: int) -> str:
+    state = [f"s{i}" for i in range(n)]
+    return (f"monoid wide({', '.join(state)})\n"
+            f"  identity = ({', '.join('0.0' for _ in state)})\n"
+            f"  combine  = ({', '.join(f'a.{s} + b.{s}' for s in state)})\n"
+            f"  finalize = ({' + '.join(state)})\n")
+
+
+@pytest.mark.parametrize("n", [9, 12])
+def test_a_monoid_with_more_components_than_the_engine_has(tmp_path, capsys, n):
+    pack = tmp_path / "pack"
+    pack.mkdir()
+    rules = write(pack / "m.bbr", wide_monoid(n) + "rule r: ?x * 1.0 => ?x\n")
+    err = assert_positioned(capsys, rules, 1, "a monoid's state has at most 8 components",
+                            "check", pack, "--trials", 1)
+    assert f"{rules}:1:{len('monoid wide(s0, s1, s2, s3, s4, s5, s6, s7, ') + 1}:" in err
+
+
+def test_eight_components_are_accepted(tmp_path, capsys):
+    pack = tmp_path / "pack"
+    pack.mkdir()
+    write(pack / "m.bbr", wide_monoid(8) + "rule r: ?x * 1.0 => ?x\n")
+    status, out, err = run_cli(capsys, "check", pack, "--trials", 1)
+    assert status == 0, out + err
+
+
+def test_a_block_file_tuple_with_more_components_than_the_engine_has(tmp_path, capsys):
+    bbk = applied(tmp_path)
+    text = bbk.read_text()
+    wide = "tuple(" + ", ".join(["load(X[r, c])"] * 9) + ")"
+    lines = text.splitlines()
+    at = next(i for i, s in enumerate(lines) if s.startswith("kernel"))
+    lines.insert(at + 1, f"  let w = get(0, {wide})")
+    lines[-1] += " + w"
+    write(bbk, "\n".join(lines) + "\n")
+    capsys.readouterr()
+    assert_positioned(capsys, bbk, at + 1, "a tuple has at most 8 components", "apply", bbk)
+
+
+# Names that generated code uses ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("names", [
+    ("range", "len", "np"), ("run", "inputs", "f32"), ("unary_rsqrt", "_input", "kernel_np"),
+    ("print", "abs", "exec"), ("exp", "float", "UNARY"),
+])
+def test_tensors_named_like_python_or_numpy_names_run_in_the_numpy_backend(tmp_path, capsys,
+                                                                           names):
+    a, b, c = names
+    text = (f"dim r = 8 / 4\ndim c = 16 / 4\ninput {a}[r, c], {b}[c] : f32\n"
+            f"{c}[r] = sum[c] rsqrt(1 + {a}[r, c] * {a}[r, c]) * {b}[c]\noutput {c}\n")
+    prog = write(tmp_path / "p.bbp", text)
+    for extra in ([], ["--no-fuse"]):
+        status, out, err = run_cli(capsys, "run", prog, "--backend", "numpy", *extra)
+        assert status == 0, out + err
+        assert f"{c}: max abs error" in out and ": ok" in out
+
+
+# Memory ----------------------------------------------------------------------------------------
+
+
+def test_run_refuses_a_program_larger_than_its_memory_budget(tmp_path, capsys):
+    bbk = applied(tmp_path)
+    write(bbk, bbk.read_text().replace("dim r = 8 / 4", "dim r = 4294967296 / 4294967296"))
+    capsys.readouterr()
+    status, out, err = run_cli(capsys, "run", bbk)
+    assert status == 2 and not out
+    assert "needs about" in err and "GiB of memory, more than the" in err
+    status, _, err = run_cli(capsys, "run", tmp_path / "p.bbp", "--memory", "1K")
+    assert status == 2 and "more than the 1.00 KiB allowed (--memory)" in err
+    assert run_cli(capsys, "run", tmp_path / "p.bbp", "--memory", "0")[0] == 2
+
+
+SMALL = {"attention.bbp": ["q=64/16", "k=64/16"], "softmax.bbp": ["r=64/16", "c=256/64"],
+         "gated_mlp.bbp": ["m=32/16", "e=64/32", "f=64/32"]}
+
+
+@pytest.mark.parametrize("example", sorted(SMALL))
+@pytest.mark.parametrize("backend", ["interp", "numpy"])
+def test_the_memory_estimate_bounds_what_run_allocates(capsys, example, backend):
+    path = ROOT / "examples" / example
+    dims = [a for d in SMALL[example] for a in ("--dim", d)]
+    program = load_program(path, {n: (int(e), int(b)) for n, e, b in
+                                  (re.split("[=/]", d) for d in SMALL[example])})
+    fused = main(["run", str(path), *dims, "--backend", backend])
+    assert fused in (0, 1)
+    capsys.readouterr()
+    tracemalloc.start()
+    main(["run", str(path), *dims, "--backend", backend, "--no-fuse"])
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak <= run_bytes(lower(program), program)
+
+
+# Long expressions ------------------------------------------------------------------------------
+
+
+def long_program(body: str) -> str:
+    return f"dim r = 8 / 4\ndim c = 8 / 4\ninput X[r, c], Z[r] : f32\nY[r] = {body}\noutput Y\n"
+
+
+@pytest.mark.parametrize("body", [
+    " + ".join(["Z[r]"] * 3000),
+    "exp(" * 3000 + "Z[r]" + ")" * 3000,
+    "sum[c] " + " * ".join(["X[r, c]"] * 3000),
+    "-" * 3000 + "Z[r]",
+])
+def test_a_program_thousands_of_terms_long_is_refused_at_its_position(tmp_path, capsys, body):
+    prog = write(tmp_path / "p.bbp", long_program(body))
+    assert_positioned(capsys, prog, 4, "nests", "show", prog)
+
+
+def test_a_block_file_expression_thousands_of_terms_long(tmp_path, capsys):
+    bbk = applied(tmp_path)
+    lines = bbk.read_text().splitlines()
+    lines[-1] += " + " + " + ".join(["load(X[r, c])"] * 3000)
+    write(bbk, "\n".join(lines) + "\n")
+    capsys.readouterr()
+    assert_positioned(capsys, bbk, len(lines), "bbrules handles at most 200", "cost", bbk)
+
+
+def test_expressions_up_to_the_depth_limit_run_everywhere(tmp_path, capsys):
+    prog = write(tmp_path / "p.bbp", long_program(" + ".join(["Z[r]"] * 199)))
+    for argv in (["show"], ["cost"], ["run", "--no-fuse"], ["run", "--no-fuse", "--backend",
+                                                             "numpy"]):
+        status, out, err = run_cli(capsys, argv[0], prog, *argv[1:])
+        assert status == 0, err
