@@ -55,7 +55,7 @@ class Unsound:
     reason: str = "sides differ"
 
     def __str__(self) -> str:
-        where = f"{self.rule.span}: " if self.rule.span else ""
+        where = f"{self.rule.span}: error: " if self.rule.span else ""
         head = f"{where}rule {self.rule.name}: {self.reason}"
         if self.seed is None:
             return f"{head}\n  {self.instance}" if self.instance else head

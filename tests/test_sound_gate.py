@@ -46,7 +46,7 @@ def test_every_fusing_command_refuses_an_unsound_pack(command, cache, capsys):
     err = capsys.readouterr().err
     assert "2 unsound rules" in err
     for rule, line in (("sum_absorbs_term", 7), ("exp_of_sum", 10)):
-        assert f"bad.bbr:{line}:6: rule {rule}: sides differ" in err
+        assert f"bad.bbr:{line}:6: error: rule {rule}: sides differ" in err
     assert err.count("; lhs = ") == 2 and err.count("; rhs = ") == 2  # the counterexamples
 
 
