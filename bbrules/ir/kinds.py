@@ -141,10 +141,11 @@ def _cached_hash(self: object) -> int:
     term thousands of levels deep does not recurse."""
     h = self.__dict__.get("_hash")
     if h is None:
-        stack, order = [self], []
+        stack, order, seen = [self], [], set()
         while stack:
             n = stack.pop()
-            if "_hash" not in n.__dict__:
+            if "_hash" not in n.__dict__ and id(n) not in seen:
+                seen.add(id(n))
                 order.append(n)
                 stack += [c for c in children(n) if is_node(c)]
         for n in reversed(order):
