@@ -176,8 +176,17 @@ class _KernelRun(_Evaluation):
         self.env: dict[Axis, int] = {}
         self.keys = {n: tuple(sorted(sched_deps(n))) for n in postorder(kernel.value)}
         self.cache: dict[Node, tuple[tuple[int, ...], Value]] = {}
+        self.orders: dict[Node, list[Node]] = {}
 
     def value(self, n: Node) -> Value:
+        """`n`'s value in the current environment.  Its subterms outside loops are computed
+        first, children before parents, so evaluation never recurses deeper than the loops
+        nest, however long the expression."""
+        for m in self._order(n):
+            self._compute(m)
+        return self._compute(n)
+
+    def _compute(self, n: Node) -> Value:
         key = tuple(self.env[a] for a in self.keys[n])
         hit = self.cache.get(n)
         if hit is not None and hit[0] == key:
@@ -185,6 +194,25 @@ class _KernelRun(_Evaluation):
         v = EVAL(n, self)
         self.cache[n] = (key, v)
         return v
+
+    def _order(self, n: Node) -> list[Node]:
+        """The subterms of `n` a computation of `n` reads (not below a loop, whose body runs
+        inside it), in post-order, without `n` itself."""
+        order = self.orders.get(n)
+        if order is None:
+            inner = () if isinstance(n, Reduce) else children(n)
+            order, seen, stack = [], set(), [(c, False) for c in inner]
+            while stack:
+                m, expanded = stack.pop()
+                if expanded:
+                    order.append(m)
+                elif m not in seen:
+                    seen.add(m)
+                    stack.append((m, True))
+                    if not isinstance(m, Reduce):
+                        stack.extend((c, False) for c in children(m))
+            self.orders[n] = order
+        return order
 
     def block_slice(self, axis: Axis) -> slice:
         b = self.program.block(axis)
