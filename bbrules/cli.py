@@ -290,12 +290,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     if ast is None:
         return _report_checksums(args, program, outputs, elapsed)
     reference = dense.evaluate(ast, inputs, dtype=np.float64)
+    plain = dense.evaluate(ast, inputs, dtype=np.float32)
     for name in program.outputs:
         if name not in reference or reference[name].shape != outputs[name].shape:
             raise UsageError(f"{args.program}: output {name} is not defined with the same shape "
                              f"by the source program {ast.path}")
     results = {name: Comparison.of(outputs[name], reference[name], program.tensors[name].dtype,
-                                   reduction_length(ast, name))
+                                   reduction_length(ast, name), plain[name])
                for name in program.outputs}
     ok = all(r.ok for r in results.values())
     if args.json:

@@ -6,7 +6,8 @@ with a message instead of failing inside numpy, or swapping the machine to a hal
 
 The estimate is an upper bound of the order of magnitude, not an accounting: every global
 tensor of the block program (float32, as the backends hold them), every tensor of the dense
-reference (float64) with the four float64 arrays per output its comparison makes, and per
+reference (float64) and of the plain float32 evaluation the verdict's baseline comes from,
+with the four float64 arrays per output its comparison makes, and per
 kernel the tiles a backend holds at once (every grid block, one block of each other axis:
 `TILES_LIVE` of them).
 """
@@ -35,7 +36,8 @@ def run_bytes(program: BlockProgram, reference: Program | None) -> int:
     evaluation of `reference`."""
     total = sum(4 * _elements(program.dims, t.axes) for t in program.tensors.values())
     if reference is not None:
-        total += sum(8 * _elements(reference.dims, t.axes) for t in reference.tensors.values())
+        total += sum((8 + 4) * _elements(reference.dims, t.axes)
+                     for t in reference.tensors.values())
         total += sum(4 * 8 * _elements(program.dims, program.tensors[o].axes)
                      for o in program.outputs)
     tiles = 0

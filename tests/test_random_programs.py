@@ -55,11 +55,12 @@ def check_fused_agrees(source: str) -> None:
     fused = fuse(lower(program), standard_pack(), get_target("h100")).program
     inputs = random_inputs(program, seed=0)
     want = dense.evaluate(program, inputs, dtype=np.float64)
+    plain = dense.evaluate(program, inputs, dtype=np.float32)
     for backend, run in (("interp", interp.run), ("numpy", numpy_gen.run)):
         got = run(fused, inputs)
         for name in program.outputs:
             c = Comparison.of(got[name], want[name], program.tensors[name].dtype,
-                              reduction_length(program, name))
+                              reduction_length(program, name), plain[name])
             assert c.ok, f"{backend}: {c.line(name)}\nof\n{source}\nfused:\n" \
                          f"{show_program(fused)}"
 

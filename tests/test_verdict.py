@@ -10,9 +10,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from bbrules import dense, interp
 from bbrules.cli import main
 from bbrules.frontend import load_program, parse_program
-from bbrules.verdict import EPS, Comparison, reduction_length, tolerance
+from bbrules.inputs import random_inputs
+from bbrules.lower import lower
+from bbrules.verdict import EPS, B, Comparison, reduction_length, tolerance
 
 ROOT = Path(__file__).parent.parent
 EXAMPLES = ROOT / "examples"
@@ -50,7 +53,8 @@ def test_every_fused_example_passes(name, backend, capsys):
 
 def test_reduction_length_sums_every_reduction_the_output_depends_on():
     p = load_program(str(EXAMPLES / "layernorm_matmul.bbp"))
-    assert reduction_length(p, "Y") == 3 * 4096  # MU, VAR and the matmul each sum over e
+    # MU, VAR and the matmul each sum over e; VAR and XN subtract MU, XN adds 1e-5 and B
+    assert reduction_length(p, "Y") == 3 * 4096 + 4
     assert reduction_length(p, "MU") == 4096
     assert tolerance("f32", 12288) == pytest.approx(16 * EPS["f32"] * (1 + math.sqrt(12288)))
 
@@ -117,3 +121,30 @@ def test_run_help_states_the_tolerance_rule(capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert "||got - ref|| / ||ref|| is at most 16 * (eps(dtype) + eps(f32) * sqrt(K))" in text
     assert "2^-23 for f32, 2^-10 for f16 and 2^-7 for bf16" in text
+
+
+CANCELLING = """\
+dim i = 1 / 1
+dim k = 3 / 3
+input A[i, k] : f32
+T0[i, k] = rsqrt(square((0.5 - A[i, k])) + 1)
+T1[i] = (sum[k] A[i, k] * T0[i, k] * 0.3333333333333333)
+output T1
+"""
+
+
+def test_an_output_whose_sums_cancel_is_judged_against_plain_float32_arithmetic():
+    """Found by the fused-program property test: terms of about 0.3 summing to -0.004 lose
+    digits in any float32 evaluation; the fused program is as accurate as the plain one."""
+    program = parse_program(CANCELLING, "<cancelling>")
+    inputs = random_inputs(program, seed=0)
+    ref = dense.evaluate(program, inputs, dtype=np.float64)["T1"]
+    plain = dense.evaluate(program, inputs, dtype=np.float32)["T1"]
+    got = interp.run(lower(program), inputs)["T1"]
+    k = reduction_length(program, "T1")
+    assert not Comparison.of(got, ref, "f32", k).ok  # beyond the K-based tolerance alone
+    judged = Comparison.of(got, ref, "f32", k, plain)
+    assert judged.ok and judged.error <= B * judged.baseline
+    assert "plain float32" in judged.line("T1")
+    wrong = got * (1 + 1e-3)
+    assert not Comparison.of(wrong, ref, "f32", k, plain).ok
