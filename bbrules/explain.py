@@ -19,13 +19,15 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field, replace
-from typing import Mapping
+from typing import Callable, Generator, Mapping
 
 from .engine import ClassGraph, CompiledPack, ENode, Firing, Provenance, enode_key
 from .errors import Span
-from .ir import BlockProgram, Dim, Load, Monoid, Node, children, rename_axes, show_node
-from .options import Options
+from .ir import (BlockProgram, Dim, Load, Monoid, Node, children, postorder, rename_axes,
+                 show_node)
+from .options import Meter, Options
 from .patterns import Binding
+from .program import fold
 from .rule import AxisSize, CExpr, Pattern, PConst, PVar, Rule, Stored, pattern_var
 
 Key = tuple  # an e-node: (kind, attrs, child classes); a load's child classes are ()
@@ -73,10 +75,11 @@ def _short(text: str, width: int = 150) -> str:
     return text if len(text) <= width else text[:width - 3] + "..."
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class _Goal:
     """What a subterm must become: a term of class `cls` whose top e-node is `key` and whose
-    children satisfy `kids`; with `key` None, any term of the class."""
+    children satisfy `kids`; with `key` None, any term of the class.  Goals are compared by
+    identity (they are memo keys): a structural hash would walk the whole goal tree."""
 
     cls: int
     key: Key | None = None
@@ -106,7 +109,8 @@ class Explainer:
     provenance) and the compiled pack that recorded it."""
 
     def __init__(self, source: BlockProgram, graph: ClassGraph, compiled: CompiledPack,
-                 options: Options = Options()):
+                 options: Options = Options(), meter: Meter | None = None):
+        self.meter = meter
         self.source = source
         self.graph = graph
         self.dims: Mapping[str, Dim] = source.dims
@@ -115,11 +119,18 @@ class Explainer:
         self.edges: dict[tuple[int, Key], list[_Edge]] = {}
         self.collapses: dict[tuple[int, Key], list[_Edge]] = {}
         self.memo: dict[tuple[Node, _Goal], tuple[Node, tuple[Step, ...]]] = {}
-        for f in sorted(graph.firings, key=lambda f: (f.iteration, f.ruleset)):
+        for i, f in enumerate(sorted(graph.firings, key=lambda f: (f.iteration, f.ruleset))):
+            if i % 1024 == 0:
+                self.check_budget()
             edge = self.edge(f, compiled.provenance[f.ruleset])
             if edge is not None:
                 table = self.edges if edge.target is not None else self.collapses
                 table.setdefault((f.root, edge.lhs.key), []).append(edge)
+
+    def check_budget(self) -> None:
+        spent = self.meter.over() if self.meter is not None else None
+        if spent is not None:
+            raise ExplainError(f"the fusion's {spent} was reached before a chain was found")
 
     def carried(self, load: Load) -> Node | None:
         """The value a load of an intermediate carries (renamed to the load's axes)."""
@@ -160,30 +171,39 @@ class Explainer:
             return None
         return _Edge(f, prov, lhs, target)
 
-    def goal(self, p: Pattern, f: Firing, binding: Binding, stored) -> _Goal | None:
-        """Pattern `p` under a firing's values, as a goal over the e-graph's classes."""
-        match p:
-            case PVar(v):
-                return _Goal(f.values[v])
-            case PConst() | CExpr() | AxisSize():
-                return self.node_goal("Const", (binding.constant(p),), ())
-            case Stored(v):
-                tensor, axes = next(stored)
-                value = self.goal(v, f, binding, stored)
-                if value is None:
-                    return None
-                axes_text = f.values[axes]
-                axes_of = tuple(axes_text.split(",")) if axes_text else ()
-                return self.node_goal("Load", (f.values[tensor], axes_of), (value,))
-        kids = []
-        for c in children(p):
-            g = self.goal(c, f, binding, stored)
-            if g is None:
+    def goal(self, root: Pattern, f: Firing, binding: Binding, stored) -> _Goal | None:
+        """Pattern `root` under a firing's values, as a goal over the e-graph's classes (built
+        bottom-up; `stored` gives each `load(store(...))` its tensor and axes, in order)."""
+        loads: dict[int, tuple[str, str]] = {}
+
+        def parts(p: Pattern) -> tuple[Pattern, ...]:
+            match p:
+                case Stored(v):
+                    loads[id(p)] = next(stored)
+                    return (v,)
+                case PVar() | PConst() | CExpr() | AxisSize():
+                    return ()
+            return children(p)
+
+        def make(p: Pattern, kids: list[_Goal | None]) -> _Goal | None:
+            if None in kids:
                 return None
-            kids.append(g)
-        kind, attrs = enode_key(p)
-        attrs = tuple(a if pattern_var(a) is None else f.values[pattern_var(a)] for a in attrs)
-        return self.node_goal(kind, attrs, tuple(kids))
+            match p:
+                case PVar(v):
+                    return _Goal(f.values[v])
+                case PConst() | CExpr() | AxisSize():
+                    return self.node_goal("Const", (binding.constant(p),), ())
+                case Stored():
+                    tensor, axes = loads[id(p)]
+                    axes_text = f.values[axes]
+                    axes_of = tuple(axes_text.split(",")) if axes_text else ()
+                    return self.node_goal("Load", (f.values[tensor], axes_of), tuple(kids))
+            kind, attrs = enode_key(p)
+            attrs = tuple(a if pattern_var(a) is None else f.values[pattern_var(a)]
+                          for a in attrs)
+            return self.node_goal(kind, attrs, tuple(kids))
+
+        return fold(root, make, parts)
 
     def node_goal(self, kind: str, attrs: tuple, kids: tuple[_Goal, ...]) -> _Goal | None:
         key = (kind, attrs, () if kind == "Load" else tuple(k.cls for k in kids))
@@ -219,8 +239,15 @@ class Explainer:
             k = e.lhs.key
         return path[::-1]
 
-    def derive(self, t: Node, goal: _Goal, depth: int = 0) -> tuple[Node, tuple[Step, ...]]:
+    def derive(self, t: Node, goal: _Goal) -> tuple[Node, tuple[Step, ...]]:
         """`t` rewritten until it meets `goal`, and the steps (paths relative to `t`)."""
+        return _trampoline(self._derive(t, goal, 0), self.check_budget)
+
+    def _derive(self, t: Node, goal: _Goal, depth: int) -> Derivation:
+        """`derive` as a generator that yields the derivations it needs (see `_trampoline`).
+
+        `depth` counts rewrites nested below rewrites, which the options bound; descending
+        into children is bounded by the term itself."""
         if goal.key is None:
             return t, ()
         memo = self.memo.get((t, goal))
@@ -238,21 +265,21 @@ class Explainer:
                 raise ExplainError(f"no recorded rewrite turns {_short(show_node(t))} into "
                                    f"the output's {goal.key[0]} node")
             seen.add(key)
-            t, done = self.apply(t, route[0], depth)
+            t, done = yield self._apply(t, route[0], depth)
             steps += done
         if goal.kids and goal.key[0] != "Load":
             kids = []
             for i, (c, g) in enumerate(zip(children(t), goal.kids)):
-                new, done = self.derive(c, g, depth + 1)
+                new, done = yield self._derive(c, g, depth)
                 kids.append(new)
                 steps += [replace(s, path=(i, *s.path)) for s in done]
             t = ENode(*goal.key).build(tuple(kids))
         self.memo[(start, goal)] = result = (t, tuple(steps))
         return result
 
-    def apply(self, t: Node, edge: _Edge, depth: int) -> tuple[Node, tuple[Step, ...]]:
+    def _apply(self, t: Node, edge: _Edge, depth: int) -> Derivation:
         """Reshape `t` into the edge's left side, then apply its rule there."""
-        t, steps = self.derive(t, edge.lhs, depth + 1)
+        t, steps = yield self._derive(t, edge.lhs, depth + 1)
         prov = edge.provenance
         after = apply_rule(prov.rule, prov.lhs, prov.rhs, t, self.dims, self.carried)
         if after is None:
@@ -274,14 +301,40 @@ class Explainer:
             out += [replace(s, kernel=k.tensor) for s in steps]
         return out
 
-    def target_goal(self, n: Node, cls: int | None = None) -> _Goal:
-        """The goal of being exactly term `n`."""
-        kids = tuple(self.target_goal(c) for c in children(n)) if not isinstance(n, Load) else ()
-        key = self.key(n)
-        c = self.graph.lookup(n) if cls is None else cls
-        if key is None or c is None:
-            raise ExplainError(f"the output term {show_node(n)} is not in the e-graph")
-        return _Goal(c, key, kids)
+    def target_goal(self, root: Node, cls: int | None = None) -> _Goal:
+        """The goal of being exactly term `root` (in class `cls`, if given), built bottom-up."""
+        goals: dict[Node, _Goal] = {}
+        for n in postorder(root):
+            kids = tuple(goals[c] for c in children(n)) if not isinstance(n, Load) else ()
+            key = self.key(n)
+            c = self.graph.lookup(n) if cls is None or n is not root else cls
+            if key is None or c is None:
+                raise ExplainError(f"the output term {_short(show_node(n))} is not in the "
+                                   f"e-graph")
+            goals[n] = _Goal(c, key, kids)
+        return goals[root]
+
+
+Derivation = Generator["Generator", tuple[Node, tuple[Step, ...]],
+                       tuple[Node, tuple[Step, ...]]]
+
+
+def _trampoline(top: Derivation, check: Callable[[], None]) -> tuple[Node, tuple[Step, ...]]:
+    """Run a derivation whose sub-derivations are yielded to here, not called: the chain of
+    pending derivations lives on this list, so terms of any depth are explained.  `check` is
+    called every so many steps (it raises when the budget is spent)."""
+    stack, value, steps = [top], None, 0
+    while stack:
+        steps += 1
+        if steps % 256 == 0:
+            check()
+        try:
+            stack.append(stack[-1].send(value))
+            value = None
+        except StopIteration as done:
+            stack.pop()
+            value = done.value
+    return value
 
 
 def apply_rule(rule: Rule, lhs: Pattern, rhs: Pattern, t: Node, dims: Mapping[str, Dim],
@@ -296,9 +349,11 @@ def apply_rule(rule: Rule, lhs: Pattern, rhs: Pattern, t: Node, dims: Mapping[st
 
 
 def explain(source: BlockProgram, result: BlockProgram, graph: ClassGraph,
-            compiled: CompiledPack, options: Options = Options()) -> list[Step]:
-    """The chain of rule applications from `source` to `result` (see the module docstring)."""
-    return Explainer(source, graph, compiled, options).chain(result)
+            compiled: CompiledPack, options: Options = Options(),
+            meter: Meter | None = None) -> list[Step]:
+    """The chain of rule applications from `source` to `result` (see the module docstring),
+    given up with `ExplainError` when `meter` says the budget is spent."""
+    return Explainer(source, graph, compiled, options, meter).chain(result)
 
 
 def replay(source: BlockProgram, steps: list[Step], rules: Mapping[str, Rule]
@@ -335,8 +390,12 @@ def _subterm(t: Node, path: tuple[int, ...]) -> Node:
 
 
 def _replace_at(t: Node, path: tuple[int, ...], new: Node) -> Node:
-    if not path:
-        return new
-    kids = list(children(t))
-    kids[path[0]] = _replace_at(kids[path[0]], path[1:], new)
-    return ENode(*enode_key(t), ()).build(tuple(kids))
+    """`t` with the subterm at `path` replaced by `new`."""
+    spine = [t]
+    for i in path:
+        spine.append(children(spine[-1])[i])
+    for node, i in zip(reversed(spine[:-1]), reversed(path)):
+        kids = list(children(node))
+        kids[i] = new
+        new = ENode(*enode_key(node), ()).build(tuple(kids))
+    return new

@@ -38,16 +38,19 @@ class FuseResult:
     compiled: CompiledPack = field(repr=False)
     objective: str = "time"
     options: Options = Options()
+    meter: Meter | None = field(default=None, repr=False)  # the budget explanations share
     _chain: list[Step] | None = field(default=None, init=False, repr=False)
 
     @property
     def chain(self) -> list[Step]:
-        """The rule applications from the input to the output (found on first use).
+        """The rule applications from the input to the output (found on first use, within
+        what is left of the fusion's budget).
 
-        Raises `ExplainError` if the recorded firings do not connect them (a bug)."""
+        Raises `ExplainError` if the recorded firings do not connect them (a bug), or if the
+        budget runs out first."""
         if self._chain is None:
             self._chain = explain(self.source, self.program, self.graph, self.compiled,
-                                  self.options)
+                                  self.options, self.meter)
         return self._chain
 
     @property
@@ -124,4 +127,4 @@ def fuse(p: BlockProgram, pack: RulePack, target: Target, objective: str = "time
     program, after, xstats = extract(graph, p, target, objective, max_kernels, options, meter,
                                      progress)
     return FuseResult(program, before, after, stats, xstats, sat.rule_stats(graph), p, graph,
-                      compiled, objective, options)
+                      compiled, objective, options, meter)

@@ -35,11 +35,16 @@ class ClassGraph:
     firings: tuple[Firing, ...] = ()  # read back only when asked for
     stop: str = "complete"  # or the budget that cut the reading of the firings short
     index: dict[tuple, int] = field(init=False, repr=False)
+    # Terms looked up so far, by identity (node, class): a structurally equal term built
+    # separately is looked up on its own rather than compared with the one seen (a comparison
+    # walks both terms, so a term compared at every level of itself would be quadratic).
+    found: dict[int, tuple[Node, int | None]] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         # An e-node (kind, attrs, child classes) lives in exactly one e-class.  A load is
         # identified by tensor and axes alone: the value it carries follows from them.
         self.index = {}
+        self.found = {}
         for c, nodes in self.classes.items():
             for n in nodes:
                 kids = () if n.kind == "Load" else n.children
@@ -51,25 +56,35 @@ class ClassGraph:
 
     def enode_of(self, n: Node) -> ENode | None:
         """The e-node representing IR node `n`, if its whole term is in the graph."""
+        cls = self.lookup(n)
+        if cls is None:
+            return None
         kind, attrs = enode_key(n)
         kids = tuple(self.lookup(c) for c in children(n))
-        if any(k is None for k in kids):
-            return None
-        key = (kind, attrs, () if kind == "Load" else kids)
-        c = self.index.get(key)
-        if c is None:
-            return None
-        return next(e for e in self.classes[c] if (e.kind, e.attrs) == (kind, attrs)
+        return next(e for e in self.classes[cls] if (e.kind, e.attrs) == (kind, attrs)
                     and (kind == "Load" or e.children == kids))
 
-    def lookup(self, n: Node) -> int | None:
-        """The e-class of IR term `n`, or None if the term is not represented."""
-        kind, attrs = enode_key(n)
-        kids = tuple(self.lookup(c) for c in children(n))
-        if any(k is None for k in kids):
-            return None
-        return self.index.get((kind, attrs, () if kind == "Load" else kids))
+    def lookup(self, root: Node) -> int | None:
+        """The e-class of IR term `root`, or None if the term is not represented.
 
+        Bottom-up over the subterms not looked up before (an explicit stack: any depth)."""
+        found = self.found
+        stack = [root]
+        while stack:
+            n = stack[-1]
+            if id(n) in found:
+                stack.pop()
+                continue
+            pending = [c for c in children(n) if id(c) not in found]
+            if pending:
+                stack += pending
+                continue
+            stack.pop()
+            kind, attrs = enode_key(n)
+            kids = tuple(found[id(c)][1] for c in children(n))
+            found[id(n)] = n, (None if None in kids else self.index.get(
+                (kind, attrs, () if kind == "Load" else kids)))
+        return found[id(root)][1]
 
 
 def graph_size(egraph: EGraph) -> tuple[int, int]:
