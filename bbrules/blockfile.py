@@ -15,8 +15,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .errors import SourceError, Span, read_source
-from .exprsyntax import (MAX_DEPTH, Expr, ExprTransformer, MonoidDecl, Name, Resolver, Scope,
-                         Size, parse, resolve_monoid, syntax_depth, too_deep)
+from .exprsyntax import (Expr, ExprTransformer, MonoidDecl, Name, Resolver, Scope, Size, parse,
+                         resolve_monoid)
 from .ir import (BUILTIN_MONOIDS, DTYPE_BYTES, BlockProgram, Dim, IRError, Monoid, Store,
                  TensorDecl, validate)
 
@@ -180,10 +180,6 @@ class _Builder:
         if (k.target.name, [a.name for a in k.target_axes]) != header:
             raise self.error(k.target.span, f"kernel {k.name.name}[{_axes(k.axes)}] must end "
                                             f"by storing {k.name.name}[{_axes(k.axes)}]")
-        for e in (*(let.value for let in k.lets), k.value):
-            depth = syntax_depth(e)
-            if depth > MAX_DEPTH:
-                raise self.error(e.span, too_deep(depth))
         scope = Scope(self.text, monoids={**BUILTIN_MONOIDS, **self.monoids},
                       dims=frozenset(self.dims), tensors=self.tensors)
         resolver = Resolver(scope)

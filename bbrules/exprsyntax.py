@@ -24,6 +24,7 @@ from .errors import SourceError, Span, syntax_error
 from .ir import (BUILTIN_MONOIDS, KINDS, MAX_COMPONENTS, Binary, Const, Dim, DimError, Kind,
                  Load, Monoid, Node, Sort, TensorDecl, Unary, Var, checked_dim)
 from .ops import UNARY
+from .program import fold
 from .rule import AxisSize, CExpr, PAxis, Pattern, PConst, PMonoid, PVar, Stored
 
 # --------------------------------------------------------------------------------------------
@@ -119,34 +120,6 @@ class MonoidDecl:
     combine: ExprList
     finalize: ExprList
     span: Span = field(compare=False)
-
-
-# The deepest expression bbrules accepts.  Parsing, the frontend's checks, lowering, the dense
-# evaluator, hashing and printing walk expressions without recursion; the interpreter, the code
-# generators, the cost model's scheduler and the e-graph's read-back still recurse once per
-# level, so a deeper expression is refused where it is written instead of overflowing them.
-MAX_DEPTH = 200
-
-
-def syntax_depth(e: Expr) -> int:
-    """How deeply `e` nests (a name or number is 1), without recursion."""
-    deepest, stack = 0, [(e, 1)]
-    while stack:
-        x, d = stack.pop()
-        deepest = max(deepest, d)
-        match x:
-            case BinOp(_, a, b):
-                stack += [(a, d + 1), (b, d + 1)]
-            case Neg(a):
-                stack.append((a, d + 1))
-            case Call(_, args):
-                stack += [(a, d + 1) for a in args]
-    return deepest
-
-
-def too_deep(depth: int) -> str:
-    return (f"this expression nests {depth} levels deep; bbrules handles at most {MAX_DEPTH} "
-            f"(split it into statements or kernels)")
 
 
 # --------------------------------------------------------------------------------------------
@@ -330,6 +303,7 @@ class Resolver:
 
     def __init__(self, scope: Scope):
         self.scope = scope
+        self._attrs: dict[int, dict[str, object]] = {}  # a call's attributes, by id, until built
 
     def error(self, span: Span, message: str) -> SourceError:
         return SourceError(span, message, self.scope.text)
@@ -344,17 +318,47 @@ class Resolver:
                                        f"{article(seen[0])} at {seen[1]}")
         return var.name
 
-    def value(self, e: Expr) -> Pattern:
-        """A value: an IR node, or in a rule a pattern."""
+    def value(self, root: Expr) -> Pattern:
+        """A value: an IR node, or in a rule a pattern.
+
+        Built bottom-up by `fold` (no recursion: a block file's expression may be thousands of
+        terms deep); a call's own mistakes (unknown function, arity) are reported before its
+        arguments are looked at.
+        """
+        return fold(root, self._node, self._operands)
+
+    def _operands(self, e: Expr) -> tuple[Expr, ...]:
+        """The subexpressions whose values `e` is built from."""
+        match e:
+            case Neg(Num()):
+                return ()
+            case Neg(x):
+                return (x,)
+            case BinOp(_, x, y):
+                return (x, y)
+            case Call():
+                kind, _ = self._callee(e)
+                if kind is None:
+                    return ()
+                # Attributes (axes, monoids, indices) are resolved now, in the order written,
+                # so a variable's first use is the one a mistake is reported against.
+                fields = list(zip(self._fields(kind, e), e.args))
+                self._attrs[id(e)] = {f: self._resolvers[sort](self, a) for (f, sort), a in fields
+                                      if sort not in (Sort.CHILD, Sort.CHILDREN)}
+                return tuple(a for (_, sort), a in fields if sort in (Sort.CHILD, Sort.CHILDREN))
+        return ()
+
+    def _node(self, e: Expr, kids: list[Pattern]) -> Pattern:
+        """`e` as a node (or pattern) whose operands are `kids`."""
         match e:
             case Num(v):
                 return Const(v)
             case Neg(Num(v)):
                 return Const(-v)
-            case Neg(x):
-                return Unary("neg", self.value(x))
-            case BinOp(op, x, y):
-                return Binary(op, self.value(x), self.value(y))
+            case Neg():
+                return Unary("neg", kids[0])
+            case BinOp(op):
+                return Binary(op, *kids)
             case PatVar():
                 return PVar(self.use(e, "value"))
             case Name(name) if name in self.scope.locals:
@@ -368,18 +372,15 @@ class Resolver:
                 raise self.error(e.span, f"{tensor}[...] is a tensor: read a block of it with "
                                          f"load({tensor}[...])")
             case Call():
-                return self.call(e)
+                return self.call(e, kids)
         raise AssertionError(e)
 
-    def call(self, e: Call) -> Pattern:
-        """A function call: a node kind's declared spelling, `load(...)` or `const(...)`.
-
-        Each argument is resolved by what the kind's field holds (an axis, a monoid, a
-        component index, a value), so a new kind needs no code here."""
+    def _callee(self, e: Call) -> tuple[Kind | None, str | None]:
+        """The kind and operator a call names (None for `load`/`const`), its arity checked."""
         if e.func in _SPECIAL:
             self.arity(e, 1, _SPECIAL[e.func])
             self.not_elementwise(e)
-            return self.load(e.args[0]) if e.func == "load" else self.const(e.args[0])
+            return None, None
         if e.func not in _CALLS:
             raise self.error(e.span, f"unknown function '{e.func}'")
         kind, op = _CALLS[e.func]
@@ -390,15 +391,33 @@ class Resolver:
             raise self.error(e.span, f"{e.func} takes at least one argument")
         if not variadic:
             self.arity(e, len(kind.params), ", ".join(kind.params))
-        values: dict[str, object] = {}
-        args = list(e.args)
-        for f, sort in kind.fields:
-            if sort is Sort.OP:
-                values[f] = op
-            elif sort is Sort.CHILDREN:
-                values[f] = tuple(self.value(a) for a in args)
-            else:
-                values[f] = self._resolvers[sort](self, args.pop(0))
+        return kind, op
+
+    @staticmethod
+    def _fields(kind: Kind, e: Call) -> list[tuple[str, Sort]]:
+        """The field each argument of `e` fills, in order (a variadic field takes the rest)."""
+        fields = [(f, s) for f, s in kind.fields if s is not Sort.OP]
+        if fields and fields[-1][1] is Sort.CHILDREN:
+            fields[-1:] = [fields[-1]] * (len(e.args) - len(fields) + 1)
+        return fields
+
+    def call(self, e: Call, kids: list[Pattern]) -> Pattern:
+        """A function call: a node kind's declared spelling, `load(...)` or `const(...)`.
+
+        Each argument is resolved by what the kind's field holds (an axis, a monoid, a
+        component index, a value, already resolved in `kids`), so a new kind needs no code
+        here."""
+        kind, op = self._callee(e)
+        if kind is None:
+            return self.load(e.args[0]) if e.func == "load" else self.const(e.args[0])
+        values: dict[str, object] = {f: op for f, s in kind.fields if s is Sort.OP}
+        values.update(self._attrs.pop(id(e)))
+        operands = iter(kids)
+        for f, sort in self._fields(kind, e):
+            if sort is Sort.CHILDREN:
+                values[f] = values.get(f, ()) + (next(operands),)  # type: ignore[operator]
+            elif sort is Sort.CHILD:
+                values[f] = next(operands)
         return kind.cls(**values)
 
     def arity(self, e: Call, n: int, params: str) -> None:
@@ -465,25 +484,41 @@ class Resolver:
                                        "match a constant with const(?c)")
         return value
 
-    def cexpr(self, e: Expr) -> Const | PConst | AxisSize | CExpr:
+    def cexpr(self, root: Expr) -> Const | PConst | AxisSize | CExpr:
         """Arithmetic over constant variables, numbers and axis sizes (folded when applied)."""
+        return fold(root, self._constant, self._constant_operands)
+
+    def _constant_operands(self, e: Expr) -> tuple[Expr, ...]:
+        match e:
+            case Neg(Num()):
+                return ()
+            case Neg(x):
+                return (x,)
+            case BinOp(_, x, y):
+                return (x, y)
+            case Call(f, (PatVar(),)) if f in _SIZES:
+                return ()
+            case Call(f, args) if (f in UNARY and len(args) == 1
+                                   or f in ("max", "min") and len(args) == 2):
+                return args
+        return ()
+
+    def _constant(self, e: Expr, kids: list) -> Const | PConst | AxisSize | CExpr:
         match e:
             case Num(v):
                 return Const(v)
             case Neg(Num(v)):
                 return Const(-v)
-            case Neg(x):
-                return CExpr("neg", (self.cexpr(x),))
+            case Neg():
+                return CExpr("neg", tuple(kids))
             case PatVar():
                 return PConst(self.use(e, "constant"))
-            case BinOp(op, x, y):
-                return CExpr(op, (self.cexpr(x), self.cexpr(y)))
+            case BinOp(op):
+                return CExpr(op, tuple(kids))
             case Call(f, (PatVar() as a,)) if f in _SIZES:
                 return AxisSize(f, self.use(a, "axis"))
-            case Call(f, args) if f in UNARY and len(args) == 1:
-                return CExpr(f, (self.cexpr(args[0]),))
-            case Call(f, args) if f in ("max", "min") and len(args) == 2:
-                return CExpr(f, (self.cexpr(args[0]), self.cexpr(args[1])))
+            case Call(f) if kids:
+                return CExpr(f, tuple(kids))
         raise self.error(e.span, "expected constant arithmetic over ?c, numbers, block(?a), "
                                    "extent(?a) and trips(?a)")
 

@@ -156,47 +156,58 @@ class Extractor:
     # -- building
 
     def build(self, choice: Choice) -> Built:
-        """The program a choice describes; raises _Invalid if it is not a valid program."""
+        """The program a choice describes; raises _Invalid if it is not a valid program.
+
+        Terms are built children first and a kernel after the kernels its loads read, so the
+        kernels come out in a valid order.  The walk keeps its pending work on a stack of
+        frames rather than recursing: a term may be as deep as the program is long.
+          ("term", c)           build e-class c's chosen e-node (and below), unless built
+          ("node", c, enode)    every child of c is built: build c itself
+          ("define", t)         build the kernel that stores intermediate t, unless built
+          ("store", t, enode)   every child of t's defining e-node is built: t's kernel
+        """
         memo: dict[int, Node] = {}
         on_path: set[int] = set()
         kernels: dict[str, Store] = {}
         defining: set[str] = set()
 
         def make(node: ENode) -> Node:
-            built = node.build(tuple(term(k) for k in node.children))
+            built = node.build(tuple(memo[k] for k in node.children))
             return self.interned.setdefault(built, built)
 
-        def term(c: int) -> Node:
-            if c in memo:
-                return memo[c]
-            if c in on_path:
-                raise _Invalid("cycle")
-            node = self.options[c][choice.use[c]]
-            on_path.add(c)
-            if self.is_stored_load(node):
-                require(node.attrs[0])
-                out: Node = Load(node.attrs[0], node.attrs[1])
-            else:
-                out = make(node)
-            on_path.discard(c)
-            memo[c] = out
-            return out
-
-        def require(t: str) -> None:
-            if t in kernels:
-                return
-            if t in defining:
-                raise _Invalid(f"{t} is defined through itself")
-            defining.add(t)
-            root = self.graph.named[t]
-            store = Store(t, self.source.tensors[t].axes,
-                          make(self.options[root][self.definitions[t][choice.define[t]]]))
-            if not self.kernel_ok(store):
-                raise _Invalid(f"kernel {t} is ill-formed")
-            kernels[t] = store
-
-        for out in self.source.outputs:
-            require(out)
+        frames: list[tuple] = [("define", out) for out in reversed(self.source.outputs)]
+        while frames:
+            match frames.pop():
+                case ("term", c) if c in memo:
+                    pass
+                case ("term", c):
+                    if c in on_path:
+                        raise _Invalid("cycle")
+                    on_path.add(c)
+                    node = self.options[c][choice.use[c]]
+                    frames.append(("node", c, node))
+                    if self.is_stored_load(node):
+                        frames.append(("define", node.attrs[0]))
+                    else:
+                        frames += [("term", k) for k in reversed(node.children)]
+                case ("node", c, node):
+                    on_path.discard(c)
+                    memo[c] = (Load(node.attrs[0], node.attrs[1]) if self.is_stored_load(node)
+                               else make(node))
+                case ("define", t) if t in kernels:
+                    pass
+                case ("define", t):
+                    if t in defining:
+                        raise _Invalid(f"{t} is defined through itself")
+                    defining.add(t)
+                    node = self.options[self.graph.named[t]][self.definitions[t][choice.define[t]]]
+                    frames.append(("store", t, node))
+                    frames += [("term", k) for k in reversed(node.children)]
+                case ("store", t, node):
+                    store = Store(t, self.source.tensors[t].axes, make(node))
+                    if not self.kernel_ok(store):
+                        raise _Invalid(f"kernel {t} is ill-formed")
+                    kernels[t] = store
         return Built(self.program(tuple(kernels.values())), tuple(memo),
                      tuple(kernels))
 

@@ -26,7 +26,6 @@ from lark.visitors import Transformer_NonRecursive
 
 from .errors import SourceError, Span, UsageError, read_source, syntax_error
 from .ir import DTYPE_BYTES, AxisSet, Dim, DimError, TensorDecl, checked_dim
-from .exprsyntax import MAX_DEPTH, too_deep
 from .ops import UNARY
 from .program import Apply, Expr, Number, Program, Reduction, Ref, Statement, fold
 
@@ -303,9 +302,6 @@ class _Checker:
             raise self.error(s.span, f"cannot assign to input '{s.target}'")
         self.new_tensor(target)
         self.axes(tuple(_Name(a, sp) for a, sp in zip(s.axes, s.axis_spans)))
-        depth = fold(s.expr, lambda e, parts: 1 + max(parts, default=0))
-        if depth > MAX_DEPTH:
-            raise self.error(s.expr.span, too_deep(depth))
         produced = self.expr(s.expr)
         extra = [a for a in _free_occurrences(s.expr) if a[0] not in s.axes]
         if extra:

@@ -30,17 +30,19 @@ def flipped(rule: Rule) -> Rule:
 
 
 def subpatterns(p: Pattern) -> Iterator[Pattern]:
-    """`p` and every pattern below it (including CExpr arguments and axis sizes)."""
-    yield p
-    match p:
-        case Stored(v):
-            yield from subpatterns(v)
-        case CExpr(_, args):
-            for a in args:
-                yield from subpatterns(a)
-        case _:
-            for c in children(p):
-                yield from subpatterns(c)
+    """`p` and every pattern below it (including CExpr arguments and axis sizes), parents
+    first, left to right."""
+    stack = [p]
+    while stack:
+        q = stack.pop()
+        yield q
+        match q:
+            case Stored(v):
+                stack.append(v)
+            case CExpr(_, args):
+                stack += reversed(args)
+            case _:
+                stack += reversed(children(q))
 
 
 def variables(p: Pattern) -> dict[str, str]:

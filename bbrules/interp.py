@@ -145,11 +145,17 @@ class _MonoidExpr(_Evaluation):
 
     def __init__(self, bound: dict[str, Tile]):
         self.bound = bound
+        self.values: dict[Node, Value] = {}
 
     def value(self, n: Node) -> Value:
-        if not (is_elementwise(n) or isinstance(n, (Const, Var))):
-            raise IRError(f"monoid expressions must be elementwise, found {n!r}")
-        return EVAL(n, self)
+        """`n`'s value, its operands evaluated first (in post-order, not by recursion)."""
+        if n not in self.values:
+            for m in postorder(n):
+                if m not in self.values:
+                    if not (is_elementwise(m) or isinstance(m, (Const, Var))):
+                        raise IRError(f"monoid expressions must be elementwise, found {m!r}")
+                    self.values[m] = EVAL(m, self)
+        return self.values[n]
 
     def var(self, name: str) -> Value:
         return self.bound[name]
@@ -181,18 +187,27 @@ class _KernelRun(_Evaluation):
     def value(self, n: Node) -> Value:
         """`n`'s value in the current environment.  Its subterms outside loops are computed
         first, children before parents, so evaluation never recurses deeper than the loops
-        nest, however long the expression."""
-        for m in self._order(n):
-            self._compute(m)
-        return self._compute(n)
+        nest, however long the expression; a value already computed for the current block
+        indices (every child, when a parent reads it) is returned without that walk."""
+        v = self._cached(n)
+        if v is None:
+            for m in self._order(n):
+                self._compute(m)
+            v = self._compute(n)
+        return v
+
+    def _cached(self, n: Node) -> Value | None:
+        """`n`'s value if it was computed for the current indices of its `sched_deps`."""
+        hit = self.cache.get(n)
+        if hit is not None and hit[0] == tuple(self.env[a] for a in self.keys[n]):
+            return hit[1]
+        return None
 
     def _compute(self, n: Node) -> Value:
-        key = tuple(self.env[a] for a in self.keys[n])
-        hit = self.cache.get(n)
-        if hit is not None and hit[0] == key:
-            return hit[1]
-        v = EVAL(n, self)
-        self.cache[n] = (key, v)
+        v = self._cached(n)
+        if v is None:
+            v = EVAL(n, self)
+            self.cache[n] = (tuple(self.env[a] for a in self.keys[n]), v)
         return v
 
     def _order(self, n: Node) -> list[Node]:

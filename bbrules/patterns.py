@@ -18,6 +18,7 @@ import numpy as np
 from .ir import (Const, Dim, IRError, Load, Monoid, Node, Sort, TileType, Type, attrs, children,
                  map_attrs, type_of)
 from .ops import BINARY, COMPARE, UNARY
+from .program import fold as bottom_up
 from .rule import (AxisEq, AxisIn, AxisSize, CExpr, ConstCmp, Guard, PAxis, Pattern, PConst,
                    PMonoid, PVar, Stored, TripsEq)
 
@@ -59,6 +60,9 @@ class Binding:
 
     def constant(self, e: Const | PConst | AxisSize | CExpr) -> float:
         """The value of a constant pattern under this binding."""
+        return bottom_up(e, self._constant, lambda x: x.args if isinstance(x, CExpr) else ())
+
+    def _constant(self, e: Const | PConst | AxisSize | CExpr, args: list[float]) -> float:
         match e:
             case Const(v):
                 return v
@@ -67,8 +71,8 @@ class Binding:
             case AxisSize(kind, axis):
                 d = self.dims[self.axes[axis]]
                 return float({"block": d.block, "extent": d.extent, "trips": d.blocks}[kind])
-            case CExpr(op, args):
-                return fold(op, [self.constant(a) for a in args])
+            case CExpr(op):
+                return fold(op, args)
         raise AssertionError(e)
 
     def holds(self, g: Guard) -> bool:
@@ -90,18 +94,20 @@ class Binding:
     def build(self, p: Pattern, stored: Callable[[Node], Node] | None = None) -> Node:
         """The IR term `p` stands for.  `load(store(v))` becomes `stored(v)`: a load of a
         tensor some kernel writes (only the soundness checker builds those)."""
-        match p:
-            case PVar(name):
-                return self.values[name]
-            case PConst() | CExpr() | AxisSize():
-                return Const(self.constant(p))
-            case Stored(v):
-                if stored is None:
-                    raise NotInstantiable("load(store(...)) can only be matched, not built")
-                return stored(self.build(v, stored))
-        kids = tuple(self.build(c, stored) for c in children(p))
-        return map_attrs(map_attrs(p, Sort.AXIS, self.axis, kids), Sort.MONOID, self.monoid,
-                         kids)
+        def make(q: Pattern, kids: list[Node]) -> Node:
+            match q:
+                case PVar(name):
+                    return self.values[name]
+                case PConst() | CExpr() | AxisSize():
+                    return Const(self.constant(q))
+                case Stored():
+                    if stored is None:
+                        raise NotInstantiable("load(store(...)) can only be matched, not built")
+                    return stored(kids[0])
+            return map_attrs(map_attrs(q, Sort.AXIS, self.axis, tuple(kids)), Sort.MONOID,
+                             self.monoid, tuple(kids))
+
+        return bottom_up(p, make, _operands)
 
     def match(self, p: Pattern, n: Node,
               carried: Callable[[Load], Node | None] | None = None) -> bool:
@@ -109,20 +115,36 @@ class Binding:
 
         `load(store(v))` matches a load for which `carried` gives the value its kernel stores
         (renamed to the load's axes), when `v` matches that value.  Other nodes match a node of
-        their kind whose attributes equal theirs or bind their variables, child by child.
+        their kind whose attributes equal theirs or bind their variables, child by child (left
+        to right, from a stack of pairs still to match: patterns and terms of any depth).
         """
-        match p:
-            case PVar(v):
-                return _bind(self.values, v, n)
-            case PConst(v):
-                return isinstance(n, Const) and _bind(self.consts, v, n.value)
-            case Stored(v):
-                value = carried(n) if carried is not None and isinstance(n, Load) else None
-                return value is not None and self.match(v, value, carried)
-            case CExpr() | AxisSize():
+        todo = [(p, n)]
+        while todo:
+            p, n = todo.pop()
+            match p:
+                case PVar(v):
+                    ok = _bind(self.values, v, n)
+                case PConst(v):
+                    ok = isinstance(n, Const) and _bind(self.consts, v, n.value)
+                case Stored(v):
+                    value = carried(n) if carried is not None and isinstance(n, Load) else None
+                    ok = value is not None
+                    if ok:
+                        todo.append((v, value))
+                case CExpr() | AxisSize():
+                    ok = False
+                case _:
+                    ok = type(p) is type(n) and self._attrs_match(p, n)
+                    kids, others = children(p), children(n)
+                    ok = ok and len(kids) == len(others)
+                    if ok:
+                        todo += reversed(list(zip(kids, others)))
+            if not ok:
                 return False
-        if type(p) is not type(n):
-            return False
+        return True
+
+    def _attrs_match(self, p: Pattern, n: Node) -> bool:
+        """Do `p`'s attributes equal `n`'s, or bind their variables to them?"""
         for a, b in zip(attrs(p), attrs(n)):
             if isinstance(a, PAxis):
                 ok = _bind(self.axes, a.name, b)
@@ -132,9 +154,18 @@ class Binding:
                 ok = a == b
             if not ok:
                 return False
-        kids, others = children(p), children(n)
-        return len(kids) == len(others) and all(
-            self.match(q, m, carried) for q, m in zip(kids, others))
+        return True
+
+
+def _operands(p: Pattern) -> tuple[Pattern, ...]:
+    """What the term a pattern stands for is built from: a stored load's value, a node's
+    children; variables and constant patterns are leaves."""
+    match p:
+        case Stored(v):
+            return (v,)
+        case PVar() | PConst() | CExpr() | AxisSize():
+            return ()
+    return children(p)
 
 
 def _bind(table: dict, var: str, value: object) -> bool:

@@ -566,21 +566,34 @@ class _Planner:
         i = x.node.index if x.kind == "get" else 0
         return isinstance(x.acc.monoid.finalize[i], Var)
 
-    def _sites(self, x: Value) -> list[Site]:
-        """The steps that evaluate `x`'s expression if it is inline."""
-        out: list[Site] = []
+    @staticmethod
+    def _sites(x: Value, known: dict[Value, list[tuple[Site, bool]]]) -> list[tuple[Site, bool]]:
+        """The steps that evaluate `x`'s expression if it is inline, from its uses' own lists
+        in `known` (uses come later in the kernel, so they are decided first).
+
+        Each entry says whether its site is shared: a store or combine site reached along two
+        paths is one site, but a step reached along two paths evaluates `x` twice, so it counts
+        twice.  Two entries are enough to refuse inlining, so no list grows longer.
+        """
+        out: list[tuple[Site, bool]] = []
         for u in x.uses:
             if isinstance(u, Site):
-                sites = [u]
+                new = [(u, True)]
             elif u.is_step or u.kind in ("breduce", "dot"):
-                sites = [u.site()]
+                new = [(u.site(), False)]
             else:
-                sites = self._sites(u)
-            out += [s for s in sites if all(s is not o for o in out)]
+                new = known[u]
+            for s, shared in new:
+                if not (shared and any(s is o for o, _ in out)):
+                    out.append((s, shared))
+            if len(out) > 1:
+                return out[:2]
         return out
 
     def _decide(self) -> None:
+        known: dict[Value, list[tuple[Site, bool]]] = {}
         for x in reversed(self.values):
+            known[x] = sites = self._sites(x, known)
             if x.mode in ("tuple", "accumulate", "resident"):
                 continue
             if x.kind in ("breduce", "dot"):
@@ -591,10 +604,9 @@ class _Planner:
                 continue
             if self._trivial(x):
                 continue
-            sites = self._sites(x)
             inline = (not any(isinstance(u, Value) and u.kind == "dot" for u in x.uses)
                       and len(sites) <= 1
-                      and all(s.shape == x.shape and s.path == x.path for s in sites))
+                      and all(s.shape == x.shape and s.path == x.path for s, _ in sites))
             if not inline:
                 x.mode = "local" if x.shape else "register"
 
@@ -609,15 +621,23 @@ class _Planner:
 
     # -- buffers and live ranges
 
-    def _underlying(self, x: Value) -> list[Buffer]:
-        """The buffers read when `x` is read."""
-        if x.mode in ("local", "resident"):
-            return [x.buffer]
-        if x.mode in ("register", "accumulate") or x.kind == "const":
-            return []
-        if x.kind in ("result", "get"):
-            return list(x.acc.states)
-        return [b for a in x.args for b in self._underlying(a)]
+    @staticmethod
+    def _underlying(x: Value) -> list[Buffer]:
+        """The buffers read when `x` is read (through inline expressions, each value once)."""
+        out: list[Buffer] = []
+        stack, seen = [x], set()
+        while stack:
+            v = stack.pop()
+            if v in seen:
+                continue
+            seen.add(v)
+            if v.mode in ("local", "resident"):
+                out.append(v.buffer)
+            elif v.kind in ("result", "get") and v.mode not in ("register", "accumulate"):
+                out += v.acc.states
+            elif v.mode not in ("register", "accumulate") and v.kind != "const":
+                stack += reversed(v.args)
+        return out
 
     def _touch(self, bufs: list[Buffer], seq: int, path: tuple[int, ...]) -> None:
         for b in bufs:

@@ -111,16 +111,19 @@ def fold(root: Expr, combine: Callable[[Expr, list[T]], T],
     """`combine(e, [value of each part])` bottom-up from the leaves, without recursion: an
     expression thousands of terms long is as deep, and every pass over expressions walks
     through here.  `parts` says what a node is computed from (by default its operands; a
-    lowering of `sum[k] a * b` may fold over the factors instead of the product)."""
+    lowering of `sum[k] a * b` may fold over the factors instead of the product).  It is
+    asked once per node, parents before children and left to right, so it may also check or
+    record things in the order the expression is written."""
     values: dict[int, T] = {}
-    stack: list[tuple[Expr, bool]] = [(root, False)]
+    stack: list[tuple[Expr, tuple[Expr, ...] | None]] = [(root, None)]
     while stack:
-        e, ready = stack.pop()
-        if ready:
-            values[id(e)] = combine(e, [values[id(p)] for p in parts(e)])
+        e, ps = stack.pop()
+        if ps is not None:
+            values[id(e)] = combine(e, [values[id(p)] for p in ps])
         elif id(e) not in values:
-            stack.append((e, True))
-            stack.extend((p, False) for p in reversed(parts(e)))
+            ps = tuple(parts(e))
+            stack.append((e, ps))
+            stack.extend((p, None) for p in reversed(ps))
     return values[id(root)]
 
 

@@ -188,13 +188,22 @@ class _CheckResolver(Resolver):
         self.stored: dict[str, tuple[tuple[str, ...], Node]] = {}
         self.plain: dict[str, Span] = {}  # tensors loaded by name, where first
 
-    def call(self, e: Call) -> Node:
+    @staticmethod
+    def _reads_stored(e: Expr) -> bool:
+        """`e` is `store(...)` or `load(store(...), ...)`: resolved here, not as a kind."""
+        return isinstance(e, Call) and (e.func == "store" or e.func == "load" and bool(e.args)
+                                        and isinstance(e.args[0], Call)
+                                        and e.args[0].func == "store")
+
+    def _operands(self, e: Expr) -> tuple[Expr, ...]:
+        return () if self._reads_stored(e) else super()._operands(e)
+
+    def call(self, e: Call, kids: list[Node]) -> Node:
         if e.func == "store":
             raise self.error(e.span, "store(...) appears only inside load(store(...))")
-        if e.func == "load" and e.args and isinstance(e.args[0], Call) and \
-                e.args[0].func == "store":
+        if self._reads_stored(e):
             return self.stored_load(e.args[0], e.args[1:])
-        return super().call(e)
+        return super().call(e, kids)
 
     def load(self, e: Expr) -> Node:
         if isinstance(e, Indexed):

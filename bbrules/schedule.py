@@ -73,18 +73,21 @@ class _Scheduler:
                 return ctx[:i]
         return ()
 
-    def walk(self, n: Node, ctx: Path) -> None:
-        p = self.place(n, ctx)
-        seen = len(self.seen)
-        self.seen.add((p, n))  # one hash of the pair: it was new if the set grew
-        if len(self.seen) == seen:
-            return
-        self.placed[p].append(n)
-        if isinstance(n, Reduce):
-            self.walk(n.x, p + (n,))
-        else:
-            for c in children(n):
-                self.walk(c, p)
+    def walk(self, root: Node, ctx: Path) -> None:
+        """Place every node under `root`, each once per path, parents before children."""
+        stack = [(root, ctx)]
+        while stack:
+            n, ctx = stack.pop()
+            p = self.place(n, ctx)
+            seen = len(self.seen)
+            self.seen.add((p, n))  # one hash of the pair: it was new if the set grew
+            if len(self.seen) == seen:
+                continue
+            self.placed[p].append(n)
+            if isinstance(n, Reduce):
+                stack.append((n.x, p + (n,)))
+            else:
+                stack.extend((c, p) for c in reversed(children(n)))
 
     def merge_loops(self) -> dict[Path, LoopPath]:
         """Map every path of reductions to the path of merged loops it runs in."""
@@ -113,17 +116,22 @@ def _share_loops(reduces: list[Reduce]) -> dict[Reduce, int]:
     """
     members = set(reduces)
     needs = {r: [s for s in loops_under(r.x) if s in members and s != r] for r in reduces}
-    depth: dict[Reduce, int] = {}
-
-    def chain(r: Reduce) -> int:
-        if r not in depth:
-            depth[r] = 1 + max((chain(s) for s in needs[r]), default=-1)
-        return depth[r]
+    depth: dict[Reduce, int] = {}  # the longest chain of needs below each reduction
+    for top in reduces:
+        stack = [top]
+        while stack:
+            r = stack[-1]
+            pending = [s for s in needs[r] if s not in depth]
+            if pending:
+                stack += pending
+            else:
+                depth[r] = 1 + max((depth[s] for s in needs[r]), default=-1)
+                stack.pop()
 
     loop_of: dict[Reduce, int] = {}
     axes: list[str] = []
     upstream: list[set[int]] = []  # the loops each loop needs, transitively
-    for r in sorted(reduces, key=chain):
+    for r in sorted(reduces, key=depth.__getitem__):
         need = set().union(*({loop_of[s]} | upstream[loop_of[s]] for s in needs[r]))
         i = next((i for i, a in enumerate(axes) if a == r.axis and i not in need), len(axes))
         if i == len(axes):
@@ -151,24 +159,35 @@ def schedule_kernel(store: Store, trips: Mapping[str, int]) -> KernelSchedule:
     blocks: dict[LoopPath, list[Step | LoopPath]] = defaultdict(list)
     done: set[tuple[LoopPath, Node]] = set()
 
-    def emit(n: Node, ctx: Path) -> None:
-        p = s.place(n, ctx)
-        lp = loop_path[p]
-        if (lp, n) in done:
-            return
-        if isinstance(n, Reduce):
-            inner = loop_path[p + (n,)]
-            members = group[inner]
-            for _, r in members:
-                done.add((lp, r))
-            for mp, r in members:
-                emit(r.x, mp + (r,))
-            blocks[lp].append(inner)
-            return
-        done.add((lp, n))
-        for c in children(n):
-            emit(c, p)
-        blocks[lp].append(Compute(n))
+    def emit(root: Node) -> None:
+        """Append each node's step to its loop body after the steps it needs (post-order).
+
+        The stack holds nodes still to visit (`(node, path)`) and steps ready to append
+        (`(loop path, step)`, pushed below the visits of what they need).
+        """
+        visits: list[tuple[Node, Path] | tuple[None, LoopPath, Step | LoopPath]] = [(root, ())]
+        while visits:
+            top = visits.pop()
+            if top[0] is None:
+                _, lp, step = top
+                blocks[lp].append(step)
+                continue
+            n, ctx = top
+            p = s.place(n, ctx)
+            lp = loop_path[p]
+            if (lp, n) in done:
+                continue
+            if isinstance(n, Reduce):
+                inner = loop_path[p + (n,)]
+                members = group[inner]
+                for _, r in members:
+                    done.add((lp, r))
+                visits.append((None, lp, inner))
+                visits.extend((r.x, mp + (r,)) for mp, r in reversed(members))
+                continue
+            done.add((lp, n))
+            visits.append((None, lp, Compute(n)))
+            visits.extend((c, p) for c in reversed(children(n)))
 
     def build(lp: LoopPath) -> tuple[Step, ...]:
         steps: list[Step] = []
@@ -180,7 +199,7 @@ def schedule_kernel(store: Store, trips: Mapping[str, int]) -> KernelSchedule:
                 steps.append(Loop(item[-1][0], reduces, build(item)))
         return tuple(steps)
 
-    emit(store.value, ())
+    emit(store.value)
     return KernelSchedule(store, store.axes, build(()))
 
 

@@ -48,7 +48,7 @@ import numpy as np
 from bbrules.errors import UsageError
 from bbrules.ir import (ELEMENTWISE_KINDS, Binary, BlockProgram, BlockReduce, Const, Dot, Get,
                         IRError, KindTable, Load, Node, Reduce, Tuple, Unary, Var, children,
-                        operator, validate)
+                        operator, postorder, validate)
 from bbrules.ops import BINARY, TILE_REDUCE
 from bbrules.plan import (MAX_THREADS, Accumulation, BlockIndex, Buffer, KernelPlan, LoopPlan,
                           MicroTile, Op, Value, plan_for)
@@ -503,17 +503,32 @@ class _KernelGen:
             self._barrier(w)
 
     def _val(self, x: Value, e: _Elem) -> str:
-        """An expression for element `e.coords` of `x`, emitting temporaries into `e`."""
+        """An expression for element `e.coords` of `x`, emitting temporaries into `e`.
+
+        Every inline value under `x` not yet in `e` gets its temporary first, operands before
+        the values that use them (an explicit stack), so `_compute` only ever reads operands
+        that are named already: the nesting of the C code does not follow the expression's.
+        """
         if x.kind == "const":
             return _literal(x.node.value)
         if x.mode in ("local", "resident"):
             return self._local(x, e.coords)
         if x.mode == "register":
             return self.regs[x]
-        if x not in e.memo:
-            name = self._fresh("v")
-            e.w(f"const float {name} = {self._compute(x, e)};")
-            e.memo[x] = name
+        stack = [(x, False)]
+        while stack:
+            v, ready = stack.pop()
+            if v in e.memo:
+                continue
+            if ready:
+                name = self._fresh("v")
+                e.w(f"const float {name} = {self._compute(v, e)};")
+                e.memo[v] = name
+                continue
+            stack.append((v, True))
+            if v.kind not in ("result", "get", "load"):
+                stack.extend((a, False) for a in reversed(v.args) if a.kind != "const"
+                             and a.mode not in ("local", "resident", "register"))
         return e.memo[x]
 
     def _compute(self, x: Value, e: _Elem) -> str:
@@ -532,13 +547,16 @@ class _KernelGen:
         env = {c: (lambda b=b: self._at(b, e.coords)) for c, b in zip(acc.monoid.state, acc.states)}
         return self._expr(acc.monoid.finalize[i], env)
 
-    def _expr(self, n: Node, env: dict[str, Callable[[], str]]) -> str:
-        """A monoid expression (elementwise over Vars) as C."""
-        if not isinstance(n, (Var, Const, Unary, Binary)):
-            raise IRError(f"monoid expressions must be elementwise, found {n!r}")
-        kids = (n.x,) if isinstance(n, Unary) else (n.x, n.y) if isinstance(n, Binary) else ()
-        return EXPR(n, _Reader(child=lambda i: self._expr(kids[i], env),
-                               var=lambda name: env[name]()))
+    def _expr(self, root: Node, env: dict[str, Callable[[], str]]) -> str:
+        """A monoid expression (elementwise over Vars) as C, built bottom-up."""
+        text: dict[Node, str] = {}
+        for n in postorder(root):
+            if not isinstance(n, (Var, Const, Unary, Binary)):
+                raise IRError(f"monoid expressions must be elementwise, found {n!r}")
+            kids = children(n)
+            text[n] = EXPR(n, _Reader(child=lambda i: text[kids[i]],
+                                      var=lambda name: env[name]()))
+        return text[root]
 
     def _contract(self, w: _Writer, x: Value) -> None:
         """An in-tile reduction or a contraction, the reduced axis split over spare threads.

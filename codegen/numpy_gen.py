@@ -40,6 +40,7 @@ from bbrules.ir import (ELEMENTWISE_KINDS, Axis, Binary, BlockProgram, BlockRedu
                         tile_type, type_of, validate)
 from bbrules.ops import ELEMENTWISE, TILE_REDUCE, OpInfo
 from bbrules.plan import plan_for
+from bbrules.program import fold
 from bbrules.schedule import Loop, Step
 from bbrules.targets import Target, get_target
 
@@ -111,6 +112,11 @@ class _Functions:
         return f"np.{fn.__name__}" if isinstance(fn, np.ufunc) else None
 
 
+# Deepest nesting of calls in one generated expression: Python's parser refuses more than 200
+# nested parentheses, so a deeper subexpression is given a name of its own.
+MAX_NESTING = 50
+
+
 def _expressions(roots: Sequence[Node], env: Mapping[str, str], fns: _Functions,
                  fresh: Callable[[str], str]) -> tuple[list[str], list[str]]:
     """Code for elementwise expressions over `Var`s (a monoid's identity/combine/finalize).
@@ -118,39 +124,40 @@ def _expressions(roots: Sequence[Node], env: Mapping[str, str], fns: _Functions,
     Returns assignment lines for subexpressions the roots share (computed once) and one code
     string per root.
     """
-    uses: Counter[Node] = Counter()
-
-    def count(e: Node) -> None:
+    uses: Counter[Node] = Counter()  # references to each node from its parents and the roots
+    stack = list(reversed(roots))
+    while stack:
+        e = stack.pop()
         uses[e] += 1
         if uses[e] == 1:
-            for c in children(e):
-                count(c)
-
-    for r in roots:
-        count(r)
+            stack += reversed(children(e))
     lines: list[str] = []
     named: dict[Node, str] = {}
+    inline: dict[Node, tuple[str, bool]] = {}  # code of unshared nodes, and if it is infix
+    nesting: Counter[Node] = Counter()  # how deeply an inline node's code nests calls
 
     def code(e: Node) -> tuple[str, bool]:
-        if e in named:
-            return named[e], False
+        return (named[e], False) if e in named else inline[e]
+
+    for e in (n for r in roots for n in postorder(r)):  # operands first: no recursion
+        if e in named or e in inline:
+            continue
         match e:
             case Var(name):
-                return env[name], False
+                inline[e] = env[name], False
             case Const(v):
-                return _literal(v), False
+                inline[e] = _literal(v), False
             case _ if is_elementwise(e):
                 text = fns.call(e, [code(c) for c in children(e)])
-                if uses[e] > 1:
+                nesting[e] = 1 + max((nesting[c] for c in children(e)), default=0)
+                if uses[e] > 1 or nesting[e] >= MAX_NESTING:
+                    nesting[e] = 0
                     named[e] = fresh("c")
                     lines.append(f"{named[e]} = {text}")
-                    return named[e], False
-                return text, isinstance(e, Binary) and e.op in _INFIX
-        raise IRError(f"monoid expressions must be elementwise, found {e!r}")
-
-    for e in (n for r in roots for n in postorder(r)):
-        if uses[e] > 1 and is_elementwise(e):
-            code(e)
+                else:
+                    inline[e] = text, isinstance(e, Binary) and e.op in _INFIX
+            case _:
+                raise IRError(f"monoid expressions must be elementwise, found {e!r}")
     return lines, [code(r)[0] for r in roots]
 
 
@@ -596,19 +603,22 @@ _LEFT_NEUTRAL = {("add", 0.0), ("mul", 1.0), ("max", float("-inf")), ("min", flo
 
 def _with_identity(e: Node, identity: Mapping[str, Node]) -> Node:
     """`e` with the accumulator variables replaced by the identity, neutral operations removed."""
-    match e:
-        case Var(name) if name in identity:
-            return identity[name]
-        case Binary(op, x, y):
-            x, y = _with_identity(x, identity), _with_identity(y, identity)
-            if isinstance(y, Const) and (op, y.value) in _RIGHT_NEUTRAL:
-                return x
-            if isinstance(x, Const) and (op, x.value) in _LEFT_NEUTRAL:
-                return y
-            return Binary(op, x, y)
-        case _ if is_elementwise(e):
-            return rebuild(e, tuple(_with_identity(c, identity) for c in children(e)))
-    return e
+    def simplify(n: Node, kids: list[Node]) -> Node:
+        match n:
+            case Var(name) if name in identity:
+                return identity[name]
+            case Binary(op):
+                x, y = kids
+                if isinstance(y, Const) and (op, y.value) in _RIGHT_NEUTRAL:
+                    return x
+                if isinstance(x, Const) and (op, x.value) in _LEFT_NEUTRAL:
+                    return y
+                return Binary(op, x, y)
+            case _ if is_elementwise(n):
+                return rebuild(n, tuple(kids))
+        return n
+
+    return fold(e, simplify, lambda n: children(n) if is_elementwise(n) else ())
 
 
 def _fresh_state(r: Reduce) -> tuple[bool, ...]:

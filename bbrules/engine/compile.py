@@ -16,12 +16,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Callable, Iterable, Mapping, NoReturn
+from typing import Callable, Iterable, Iterator, Mapping, NoReturn
 
 from ..errors import SourceError, Span
 from ..instantiate import variables
-from ..ir import BUILTIN_MONOIDS, KINDS, Const, Get, Load, Monoid, Sort, Var, postorder
+from ..ir import (BUILTIN_MONOIDS, KINDS, Const, Get, Load, Monoid, Sort, Var, children,
+                  postorder)
 from ..ops import BINARY, COMPARE, UNARY
+from ..program import fold
 from ..rule import (AxisEq, AxisIn, AxisSize, CExpr, ConstCmp, Guard, Pattern, PConst, PVar,
                     Rule, RulePack, Stage, Stored, TripsEq, pattern_var)
 from .terms import MAX_TUPLE, MIN_TUPLE, TERM_DATATYPE, _f64, _q, enode_key, node_text
@@ -148,74 +150,98 @@ class _RuleCompiler:
 
     # -- patterns
 
-    def lhs(self, p: Pattern) -> str:
-        match p:
-            case PVar(name):
-                self.term_vars.add(name)
-                self.columns.setdefault(name, "Term")
-                return name
-            case PConst(name):
-                self.const_vars.add(name)
-                self.columns.setdefault(name, "f64")
-                return f"(Cst {name})"
-            case Stored(v):
-                tensor, axes = self.var("t"), self.var("ax")
-                self.stored.append((tensor, axes))
-                self.columns.update({tensor: "String", axes: "String"})
-                return f"(LdS {tensor} {axes} {self.lhs(v)})"
-            case CExpr() | AxisSize():
-                self.error("constant arithmetic belongs on the right-hand side")
-        text = self.node(p, self.lhs)
-        for a in enode_key(p)[1]:
-            name = pattern_var(a)
-            if name is not None:
-                self.columns.setdefault(name, "String")
-        return text
+    def lhs(self, root: Pattern) -> str:
+        """The left side as an egglog query term, built bottom-up (patterns of any depth)."""
+        stored: dict[int, tuple[str, str]] = {}
 
-    def rhs(self, p: Pattern) -> str:
-        match p:
-            case PVar(name):
-                if name not in self.term_vars:
-                    self.error(f"'{name}' is not bound by the left-hand side")
-                return name
-            case PConst(name):
-                if name not in self.const_vars:
-                    self.error(f"'{name}' is not bound by the left-hand side")
-                return f"(Cst {name})"
-            case CExpr() | AxisSize():
-                k = self.var("k")
-                self.facts.append(f"(= {k} {self.const_expr(p)})")
-                return f"(Cst {k})"
-            case Stored():
+        def parts(p: Pattern) -> tuple[Pattern, ...]:
+            match p:
+                case Stored(v):
+                    stored[id(p)] = tensor, axes = self.var("t"), self.var("ax")
+                    self.stored.append((tensor, axes))
+                    self.columns.update({tensor: "String", axes: "String"})
+                    return (v,)
+                case CExpr() | AxisSize():
+                    self.error("constant arithmetic belongs on the right-hand side")
+            return children(p)
+
+        def text(p: Pattern, kids: list[str]) -> str:
+            match p:
+                case PVar(name):
+                    self.term_vars.add(name)
+                    self.columns.setdefault(name, "Term")
+                    return name
+                case PConst(name):
+                    self.const_vars.add(name)
+                    self.columns.setdefault(name, "f64")
+                    return f"(Cst {name})"
+                case Stored():
+                    return f"(LdS {' '.join(stored[id(p)])} {kids[0]})"
+            out = self.node(p, iter(kids))
+            for a in enode_key(p)[1]:
+                name = pattern_var(a)
+                if name is not None:
+                    self.columns.setdefault(name, "String")
+            return out
+
+        return fold(root, text, parts)
+
+    def rhs(self, root: Pattern) -> str:
+        """The right side as an egglog action term, built bottom-up."""
+        def parts(p: Pattern) -> tuple[Pattern, ...]:
+            if isinstance(p, Stored):
                 self.error("load(store(...)) can only be matched, not built")
-        return self.node(p, self.rhs)
+            return children(p)
 
-    def node(self, p: Pattern, sub: Callable[[Pattern], str]) -> str:
+        def text(p: Pattern, kids: list[str]) -> str:
+            match p:
+                case PVar(name):
+                    if name not in self.term_vars:
+                        self.error(f"'{name}' is not bound by the left-hand side")
+                    return name
+                case PConst(name):
+                    if name not in self.const_vars:
+                        self.error(f"'{name}' is not bound by the left-hand side")
+                    return f"(Cst {name})"
+                case CExpr() | AxisSize():
+                    k = self.var("k")
+                    self.facts.append(f"(= {k} {self.const_expr(p)})")
+                    return f"(Cst {k})"
+            return self.node(p, iter(kids))
+
+        return fold(root, text, parts)
+
+    def node(self, p: Pattern, kids: Iterator[str]) -> str:
+        """One constructor application whose children's texts come from `kids`, in order."""
         if isinstance(p, Load):
             self.ground_loads.append(p)
         try:
-            return node_text(p, sub)
+            return node_text(p, lambda _: next(kids))
         except ValueError as err:
             self.error(str(err))
 
     # -- constants and guards
 
-    def const_expr(self, e: object) -> str:
-        match e:
-            case PConst(name):
-                if name not in self.const_vars:
-                    self.error(f"'{name}' is not bound by the left-hand side")
-                return name
-            case Const(v):
-                return _f64(v)
-            case AxisSize(kind, axis):
-                return f"(a{kind} {axis})"
-            case CExpr(op, args):
-                table = UNARY if len(args) == 1 else BINARY
-                if op not in table or not table[op].f64 or len(args) > 2:
-                    self.error(f"cannot fold '{op}' of constants")
-                return table[op].f64.format(**dict(zip("xy", map(self.const_expr, args))))
-        self.error(f"not a constant expression: {e!r}")
+    def const_expr(self, root: object) -> str:
+        """Constant arithmetic as an egglog f64 expression, built bottom-up."""
+        def text(e: object, args: list[str]) -> str:
+            match e:
+                case PConst(name):
+                    if name not in self.const_vars:
+                        self.error(f"'{name}' is not bound by the left-hand side")
+                    return name
+                case Const(v):
+                    return _f64(v)
+                case AxisSize(kind, axis):
+                    return f"(a{kind} {axis})"
+                case CExpr(op):
+                    table = UNARY if len(args) == 1 else BINARY
+                    if op not in table or not table[op].f64 or len(args) > 2:
+                        self.error(f"cannot fold '{op}' of constants")
+                    return table[op].f64.format(**dict(zip("xy", args)))
+            self.error(f"not a constant expression: {e!r}")
+
+        return fold(root, text, lambda e: e.args if isinstance(e, CExpr) else ())
 
     def analysis_of(self, var: str, analysis: str) -> str:
         if var in self.const_vars:

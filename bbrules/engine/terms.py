@@ -142,21 +142,37 @@ class TermWriter:
         self.names: dict[Node, str] = {}
         self.lines: list[str] = []
 
-    def name(self, n: Node) -> str:
-        if n in self.names:
-            return self.names[n]
-        match n:
-            case Load(t, axes) if t in self.stored:
-                decl_axes, value = self.stored[t]
-                carried = rename_axes(value, dict(zip(decl_axes, axes)))
-                text = (f"(LdS {_q(t)} {_q(','.join(axes))} {self.name(carried)})"
-                        if carried is not None else f"(Ld {_q(t)} {_q(','.join(axes))})")
-            case Load(t, axes):
-                text = f"(Ld {_q(t)} {_q(','.join(axes))})"
-            case Var(v):
-                raise ValueError(f"free variable '{v}' in a term")
-            case _:
-                text = node_text(n, self.name)
+    def name(self, root: Node) -> str:
+        """The global naming `root`, binding it and every subterm not yet bound, children
+        first (an explicit stack: terms of any depth)."""
+        stack: list[tuple[Node, bool]] = [(root, False)]
+        carried: dict[Node, Node | None] = {}
+        while stack:
+            n, ready = stack.pop()
+            if n in self.names:
+                continue
+            if isinstance(n, Load) and n.tensor in self.stored and n not in carried:
+                decl_axes, value = self.stored[n.tensor]
+                carried[n] = rename_axes(value, dict(zip(decl_axes, n.axes)))
+            needs = ([carried[n]] if carried.get(n) is not None
+                     else [] if isinstance(n, Load) else list(children(n)))
+            if not ready:
+                stack.append((n, True))
+                stack.extend((c, False) for c in reversed(needs) if c not in self.names)
+                continue
+            match n:
+                case Load(t, axes) if carried.get(n) is not None:
+                    text = f"(LdS {_q(t)} {_q(','.join(axes))} {self.names[carried[n]]})"
+                case Load(t, axes):
+                    text = f"(Ld {_q(t)} {_q(','.join(axes))})"
+                case Var(v):
+                    raise ValueError(f"free variable '{v}' in a term")
+                case _:
+                    text = node_text(n, self.names.__getitem__)
+            self._bind(n, text)
+        return self.names[root]
+
+    def _bind(self, n: Node, text: str) -> None:
         g = f"${self.prefix}{len(self.names)}"
         self.names[n] = g
         self.lines.append(f"(let {g} {text})")
@@ -164,8 +180,6 @@ class TermWriter:
             axes = _set(n.axes)
             self.lines.append(f"(set (shape {g}) {axes})")
             self.lines.append(f"(set (deps {g}) {axes})")
-        return g
-
 
 
 def decode(egraph: EGraph, name: str, inputs: list, cid: Callable[[object], int],

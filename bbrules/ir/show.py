@@ -36,33 +36,52 @@ def _attr_text(v: Any) -> str:
 
 def show_node(n: Any, names: dict[Node, str] | None = None, prec: int = 0) -> str:
     """One expression in block syntax; nodes in `names` print as those names.  A pattern
-    (with variables) prints as the rule language writes it."""
+    (with variables) prints as the rule language writes it.
+
+    Text is produced left to right from an explicit stack of pieces, so an expression of any
+    depth prints in time and stack space linear in its size.
+    """
+    out: list[str] = []
+    stack: list[str | tuple[Any, int]] = [(n, prec)]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            out.append(item)
+        else:
+            stack.extend(reversed(_pieces(*item, names)))
+    return "".join(out)
+
+
+Piece = str | tuple[Any, int]  # text, or a subterm to print at a precedence
+
+
+def _pieces(n: Any, prec: int, names: dict[Node, str] | None) -> list[Piece]:
+    """`n` printed at precedence `prec`, one level deep: its own text and its subterms."""
     if names and n in names:
-        return names[n]
+        return [names[n]]
     if not is_node(n) or not hasattr(type(n), "kind"):
-        return str(n)
-
-    def sub(x: Any, p: int = 0) -> str:
-        return show_node(x, names, p)
-
+        return [str(n)]
     match n:
         case Load(t, axes):
-            return f"load({t}[{', '.join(map(str, axes))}])"
+            return [f"load({t}[{', '.join(map(str, axes))}])"]
         case Const(v):
             s = fmt_number(v)
-            return f"({s})" if s.startswith("-") and prec > 0 else s
+            return [f"({s})" if s.startswith("-") and prec > 0 else s]
         case Var(name):
-            return name
+            return [name]
         case Binary(op, x, y) if op in INFIX:
             sym, p = INFIX[op]
-            s = f"{sub(x, p)} {sym} {sub(y, p + 1)}"
-            return f"({s})" if p < prec else s
+            inner: list[Piece] = [(x, p), f" {sym} ", (y, p + 1)]
+            return ["(", *inner, ")"] if p < prec else inner
     kind = kind_of(n)
     op = next((n.__dict__[f] for f, s in kind.fields if s is Sort.OP), None)
-    args = [_attr_text(n.__dict__[f]) for f, s in kind.fields
-            if not s.is_child and s is not Sort.OP]
-    args += [sub(c) for c in children(n)]
-    return f"{kind.call.format(op=op)}({', '.join(args)})"
+    args: list[Piece] = [_attr_text(n.__dict__[f]) for f, s in kind.fields
+                         if not s.is_child and s is not Sort.OP]
+    args += [(c, 0) for c in children(n)]
+    pieces: list[Piece] = [f"{kind.call.format(op=op)}("]
+    for i, a in enumerate(args):
+        pieces += [", ", a] if i else [a]
+    return [*pieces, ")"]
 
 
 def _shared_nodes(root: Node) -> list[Node]:
