@@ -138,8 +138,9 @@ def test_fused_attention_never_allocates_n_by_n():
 
 
 def layernorm_matmul(m: int, e: int, n: int, bm: int, be: int, bn: int) -> BlockProgram:
-    """Y = LayerNorm(X) @ W, fused: rstd * (X @ GW - mean * 1^T GW) + B @ W, every reduction
-    over e in one loop (the scheduler merges the four siblings)."""
+    """Y = LayerNorm(X) @ W, fused by hand with the mean deferred (the standard pack's co-moment
+    form is tests/test_norm_numerics.py's): rstd * (X @ GW - mean * 1^T GW) + B @ W, every
+    reduction over e in one loop (the scheduler merges the four siblings)."""
     x, g, b, wt = Load("X", ("m", "e")), Load("G", ("e",)), Load("B", ("e",)), Load("W", ("e", "n"))
     stats = welford_stats(x, "e", be)
     gw = mul(g, wt)
