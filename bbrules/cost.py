@@ -173,11 +173,13 @@ class ProgramCost:
 
         "traffic": (illegal, traffic, flops, kernels).
 
-        "time": (illegal, band, traffic, kernels, flops, time), where band quantises the
+        "time": (illegal, band, traffic, kernels, time, flops), where band quantises the
         time on a log scale whose step is the target's resolution r:
         floor(log(time / anchor) / log(1 + r)), or the time itself when r = 0.  The model
         cannot tell apart times closer than r, so within a band less global traffic wins,
-        then fewer kernels, then fewer flops, the exact time last.  Bands, not a tolerance:
+        then fewer kernels, then less work: the exact time, which with traffic and kernels
+        equal differs by the work priced per unit (a count of flops would weigh an exp like
+        an add), then the flops.  Bands, not a tolerance:
         "within r of each other" is not transitive (a ~ b and b ~ c, yet a !~ c), so it
         ranks nothing consistently, while bands are a total order, which keeps the search
         deterministic and its result never worse than the input program, itself a
@@ -188,7 +190,7 @@ class ProgramCost:
         legal = 0 if self.legal else 1
         if _objective(objective) == "traffic":
             return (legal, float(self.traffic), self.flops, self.n_kernels)
-        return (legal, self.band(anchor), self.traffic, self.n_kernels, self.flops, self.time)
+        return (legal, self.band(anchor), self.traffic, self.n_kernels, self.time, self.flops)
 
     def band(self, anchor: float = 1.0) -> float:
         """The time's band, counted in steps of the resolution from `anchor` seconds (see
