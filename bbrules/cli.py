@@ -457,6 +457,12 @@ def fusion_report(r: FuseResult) -> str:
                  f"{b.traffic / a.compulsory:.2f}x, after {a.traffic / a.compulsory:.2f}x; "
                  f"traffic {b.traffic / max(a.traffic, 1):.2f}x less, modeled time "
                  f"{b.time / a.time:.2f}x less")
+    if (margin := r.margin()) is not None:
+        ru = r.runner_up
+        ties = (f"; times within {a.target.resolution:.0%} tie, less traffic wins"
+                if a.target.resolution and r.objective == "time" else "")
+        lines.append(f"runner-up: {ru.n_kernels} kernel{'s' * (ru.n_kernels != 1)}, "
+                     f"{fmt_time(ru.time)} ({margin[0]:+.1%}), traffic {margin[1]:.2f}x{ties}")
     lines.append("saturation:")
     for s in r.stats:
         lines.append(f"  {s.stage:12} {s.iterations:3} iterations {s.enodes:7} e-nodes "

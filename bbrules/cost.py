@@ -15,20 +15,27 @@ depend on, whose *slab* -- everything one grid point reads of it -- fits) is rea
 point: slab bytes x grid_points.  Temporaries are never resident: fusion, not residency, is
 what should remove their traffic.
 
-Flops per execution.  Unary/binary: elements of the result tile x the operator's flops
-(`bbrules.ops`); in-tile reduction: elements of its input; dot: 2 x elements of the result x
-the contracted block.  A loop pays each reduction's monoid `combine` once per iteration and its
-`finalize` once per completion, both evaluated on the state tiles (distinct subexpressions
-once).  Recomputation inside fused kernels is therefore counted as it happens.
+Work per execution, by the unit that does it (`Work`).  Unary/binary: elements of the result
+tile x the operator's flops (`bbrules.ops`), of which its special functions (exp, log, rsqrt,
+...) are special-function work and the rest vector work; in-tile reduction: elements of its
+input, vector work; dot: 2 x elements of the result x the contracted block, matrix work at the
+rate for its operands (16-bit when both are loads of 16-bit tensors; anything computed is
+f32).  A loop pays each reduction's monoid `combine` once per iteration and its `finalize`
+once per completion, both evaluated on the state tiles (distinct subexpressions once), split
+by operator like any elementwise work.  Recomputation inside fused kernels is therefore
+counted as it happens.  `flops` is the total of all units (a special function counts one).
 
 Footprint and legality are the kernel's plan's (`bbrules.plan`): the local memory its buffers
 take at their offsets, exactly what a generated kernel allocates.  A kernel whose footprint
 exceeds the target's local capacity is illegal.
 
 Time.  share = min(1, grid_points / processors): a grid smaller than the chip uses only that
-fraction of bandwidth and flops.  time = max(bytes / (bandwidth x share), compute / share) +
-launch_cost, where compute = dot flops on two loaded 16-bit tiles / peak_flops_f16 + all other
-flops / peak_flops (tensor cores take half-precision operands; everything else runs in f32).
+fraction of bandwidth and of every unit.  time = max(bytes / (bandwidth x share),
+compute / share) + launch_cost, where compute sums each unit's work over its rate: matrix
+flops on 16-bit operands / peak_flops_f16, on f32 operands / peak_flops_dot_f32, special
+functions / special_rate, vector flops / peak_flops.  (Units do overlap on real hardware; the
+sum is the conservative choice, and the one that charges a fused kernel for the exponentials
+it recomputes.)
 
 Everything is computed in one walk of the plan.  Extraction prices thousands of candidate
 programs that share most of their kernels, so per-kernel results are cached on (kernel, the
@@ -52,6 +59,39 @@ from .targets import Target
 
 
 @dataclass(frozen=True)
+class Work:
+    """Operations, by the unit that executes them."""
+
+    vector: int = 0  # f32 flops on the vector units (CUDA cores)
+    special: int = 0  # special-function evaluations (exp, log, rsqrt, tanh, ...)
+    matrix_f16: int = 0  # block-matmul flops on 16-bit operands
+    matrix_f32: int = 0  # block-matmul flops on f32 operands
+
+    def __add__(self, o: Work) -> Work:
+        return Work(self.vector + o.vector, self.special + o.special,
+                    self.matrix_f16 + o.matrix_f16, self.matrix_f32 + o.matrix_f32)
+
+    def __mul__(self, n: int) -> Work:
+        return Work(self.vector * n, self.special * n, self.matrix_f16 * n, self.matrix_f32 * n)
+
+    @property
+    def total(self) -> int:
+        return self.vector + self.special + self.matrix_f16 + self.matrix_f32
+
+    def seconds(self, t: Target) -> float:
+        """The time of this work on the whole of `t`, each unit at its rate, one after
+        another."""
+        return (self.vector / t.peak_flops + self.special / t.special_rate
+                + self.matrix_f16 / t.peak_flops_f16 + self.matrix_f32 / t.peak_flops_dot_f32)
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "matrix": self.matrix_f16 + self.matrix_f32}
+
+
+NO_WORK = Work()
+
+
+@dataclass(frozen=True)
 class KernelCost:
     """The cost of one kernel (one store).  `time` is infinite when the kernel is illegal."""
 
@@ -66,6 +106,7 @@ class KernelCost:
     time: float
     loops: int
     resident: tuple[str, ...]  # input tensors kept in local memory for the whole kernel
+    work: Work = NO_WORK  # `flops`, by unit
 
     @property
     def traffic(self) -> int:
@@ -97,6 +138,10 @@ class ProgramCost:
         return sum(k.flops for k in self.kernels)
 
     @property
+    def work(self) -> Work:
+        return sum((k.work for k in self.kernels), NO_WORK)
+
+    @property
     def time(self) -> float:
         return sum(k.time for k in self.kernels)
 
@@ -119,12 +164,41 @@ class ProgramCost:
     def footprint(self) -> int:
         return max((k.footprint for k in self.kernels), default=0)
 
-    def key(self, objective: str = "time") -> tuple[int, float, int, int]:
-        """Sort key, smaller is better: legal first, then the objective, flops, kernels."""
-        if objective not in ("time", "traffic"):
-            raise ValueError(f"unknown objective '{objective}' (time or traffic)")
-        value = self.time if objective == "time" else float(self.traffic)
-        return (0 if self.legal else 1, value, self.flops, self.n_kernels)
+    def value(self, objective: str = "time") -> float:
+        """The objective's figure: modeled seconds, or bytes of global traffic."""
+        return self.time if _objective(objective) == "time" else float(self.traffic)
+
+    def key(self, objective: str = "time", anchor: float = 1.0) -> tuple:
+        """Sort key, smaller is better: legal first, then the objective, then the rest.
+
+        "traffic": (illegal, traffic, flops, kernels).
+
+        "time": (illegal, band, traffic, kernels, time, flops), where band quantises the
+        time on a log scale whose step is the target's resolution r:
+        floor(log(time / anchor) / log(1 + r)), or the time itself when r = 0.  The model
+        cannot tell apart times closer than r, so within a band less global traffic wins,
+        then fewer kernels, then less work: the exact time, which with traffic and kernels
+        equal differs by the work priced per unit (a count of flops would weigh an exp like
+        an add), then the flops.  Bands, not a tolerance:
+        "within r of each other" is not transitive (a ~ b and b ~ c, yet a !~ c), so it
+        ranks nothing consistently, while bands are a total order, which keeps the search
+        deterministic and its result never worse than the input program, itself a
+        candidate.  Two times more than r apart are never in one band; closer ones are
+        unless a band edge falls between them, so extraction anchors the bands at the best
+        time it found (`extract.extract`): every candidate within r of the best ties with it.
+        """
+        legal = 0 if self.legal else 1
+        if _objective(objective) == "traffic":
+            return (legal, float(self.traffic), self.flops, self.n_kernels)
+        return (legal, self.band(anchor), self.traffic, self.n_kernels, self.time, self.flops)
+
+    def band(self, anchor: float = 1.0) -> float:
+        """The time's band, counted in steps of the resolution from `anchor` seconds (see
+        `key`); an illegal program's is infinite."""
+        r = self.target.resolution
+        if r == 0 or not math.isfinite(self.time):
+            return self.time
+        return math.floor(math.log(self.time / anchor) / math.log1p(r))
 
     def table(self) -> str:
         """A human-readable report: one row per kernel, totals, and the lower bound."""
@@ -161,7 +235,7 @@ class ProgramCost:
         for k in self.kernels:
             d = asdict(k)
             d.update(grid=list(k.grid), resident=list(k.resident), time=finite(k.time),
-                     traffic=k.traffic)
+                     traffic=k.traffic, work=k.work.to_json())
             kernels.append(d)
         return {
             "target": self.target.name,
@@ -171,11 +245,18 @@ class ProgramCost:
             "traffic": self.traffic,
             "compulsory": self.compulsory,
             "flops": self.flops,
+            "work": self.work.to_json(),
             "footprint": self.footprint,
             "time": finite(self.time),
             "legal": self.legal,
             "n_kernels": self.n_kernels,
         }
+
+
+def _objective(name: str) -> str:
+    if name not in ("time", "traffic"):
+        raise ValueError(f"unknown objective '{name}' (time or traffic)")
+    return name
 
 
 def fmt_bytes(n: float) -> str:
@@ -244,18 +325,24 @@ def _cost_kernel(store: Store, dims: tuple[Dim, ...], decls: tuple[TensorDecl, .
                          target).cost()
 
 
-FlopTerms = tuple[tuple[frozenset[str], int], ...]  # (axes of a subexpression, flops/element)
+WorkTerms = tuple[tuple[frozenset[str], Work], ...]  # (axes of a subexpression, work/element)
+
+
+def _elementwise_work(n: Node) -> Work:
+    """The work of an elementwise node per element of its result."""
+    op = operator(n)
+    return Work(vector=op.flops - op.special, special=op.special)
 
 
 @lru_cache(maxsize=1 << 10)
-def _monoid_flops(m: Monoid, shapes: tuple[frozenset[str], ...]) -> tuple[FlopTerms, FlopTerms]:
+def _monoid_flops(m: Monoid, shapes: tuple[frozenset[str], ...]) -> tuple[WorkTerms, WorkTerms]:
     """The elementwise work of one combine and of one finalize of `m` on state tiles of
     `shapes`: each distinct subexpression once, over the union of the tiles it reads."""
     var_shapes = dict(zip(m.state, shapes))
     var_shapes.update({f"{side}.{c}": s for c, s in zip(m.state, shapes) for side in "ab"})
 
-    def terms(exprs: tuple[Node, ...]) -> FlopTerms:
-        out: list[tuple[frozenset[str], int]] = []
+    def terms(exprs: tuple[Node, ...]) -> WorkTerms:
+        out: list[tuple[frozenset[str], Work]] = []
         seen: set[Node] = set()
         for e in exprs:
             for n in postorder(e):
@@ -264,7 +351,7 @@ def _monoid_flops(m: Monoid, shapes: tuple[frozenset[str], ...]) -> tuple[FlopTe
                 seen.add(n)
                 axes = frozenset().union(*(var_shapes[v.name] for v in postorder(n)
                                            if isinstance(v, Var)))
-                out.append((axes, operator(n).flops))
+                out.append((axes, _elementwise_work(n)))
         return tuple(out)
 
     return terms(m.combine), terms(m.finalize)
@@ -279,39 +366,39 @@ def _load_bytes(c: _KernelCoster, n: Load) -> int:
     return c.elements(frozenset(n.axes)) * c.tensors[n.tensor].itemsize
 
 
-# Flops of one execution of a node's step (a `plan.Value`); loads also add their traffic.
+# Work of one execution of a node's step (a `plan.Value`); loads also add their traffic.
 FLOPS = KindTable("flops", exempt={
     Var: "monoid variables are priced with their monoid (_monoid_flops)"})
 
 
 @FLOPS.on(Const, Tuple, Get, Reduce)
-def _(n: Node, c: _KernelCoster, v: Value, runs: int) -> int:
-    return 0  # references, and results whose finalize the loop pays for
+def _(n: Node, c: _KernelCoster, v: Value, runs: int) -> Work:
+    return NO_WORK  # references, and results whose finalize the loop pays for
 
 
 @FLOPS.on(Load)
-def _(n: Load, c: _KernelCoster, v: Value, runs: int) -> int:
+def _(n: Load, c: _KernelCoster, v: Value, runs: int) -> Work:
     if v.mode != "resident":
         c.read += _load_bytes(c, n) * runs
-    return 0
+    return NO_WORK
 
 
 @FLOPS.on(*ELEMENTWISE_KINDS)
-def _(n: Node, c: _KernelCoster, v: Value, runs: int) -> int:
-    return c.elements(v.shape) * operator(n).flops
+def _(n: Node, c: _KernelCoster, v: Value, runs: int) -> Work:
+    return _elementwise_work(n) * c.elements(v.shape)
 
 
 @FLOPS.on(BlockReduce)
-def _(n: BlockReduce, c: _KernelCoster, v: Value, runs: int) -> int:
-    return c.elements(v.args[0].shape)
+def _(n: BlockReduce, c: _KernelCoster, v: Value, runs: int) -> Work:
+    return Work(vector=c.elements(v.args[0].shape))
 
 
 @FLOPS.on(Dot)
-def _(n: Dot, c: _KernelCoster, v: Value, runs: int) -> int:
+def _(n: Dot, c: _KernelCoster, v: Value, runs: int) -> Work:
     f = 2 * c.elements(v.shape) * c.dims[n.axis].block
     if all(isinstance(x, Load) and c.tensors[x.tensor].itemsize == 2 for x in (n.x, n.y)):
-        c.f16_flops += f * runs
-    return f
+        return Work(matrix_f16=f)
+    return Work(matrix_f32=f)
 
 
 class _KernelCoster:
@@ -329,8 +416,7 @@ class _KernelCoster:
         self.grid_points = math.prod(dims[a].blocks for a in store.axes)
         self.sizes: dict[frozenset[str], int] = {}
         self.read = 0
-        self.flops = 0
-        self.f16_flops = 0
+        self.work = NO_WORK
 
     def elements(self, axes: frozenset[str]) -> int:
         n = self.sizes.get(axes)
@@ -351,26 +437,25 @@ class _KernelCoster:
         written = math.prod(self.dims[a].extent for a in stored.axes) * stored.itemsize
         time = self.time(self.read + written) if plan.fits else math.inf
         return KernelCost(self.store.tensor, self.store.axes, self.grid_points, self.read,
-                          written, self.flops, plan.footprint, plan.fits, time, len(plan.loops),
-                          tuple(dict.fromkeys(n.tensor for n in plan.resident)))
+                          written, self.work.total, plan.footprint, plan.fits, time,
+                          len(plan.loops), tuple(dict.fromkeys(n.tensor for n in plan.resident)),
+                          self.work)
 
     def walk(self, ops: list[Op], runs: int) -> None:
-        """Traffic and flops of `ops`, which execute `runs` times."""
+        """Traffic and work of `ops`, which execute `runs` times."""
         for op in ops:
             if isinstance(op, LoopPlan):
                 self.walk(op.body, runs * op.trips)
                 for acc in op.accs:
                     combine, finalize = _monoid_flops(acc.monoid, acc.shapes)
-                    self.flops += runs * (
-                        op.trips * sum(self.elements(s) * f for s, f in combine)
-                        + sum(self.elements(s) * f for s, f in finalize))
+                    for terms, times in ((combine, runs * op.trips), (finalize, runs)):
+                        for shape, work in terms:
+                            self.work += work * (self.elements(shape) * times)
             else:
-                self.flops += FLOPS(op.node, self, op, runs) * runs
+                self.work += FLOPS(op.node, self, op, runs) * runs
 
     def time(self, traffic: int) -> float:
         t = self.target
         share = min(1.0, self.grid_points / t.processors)
         memory = traffic / (t.global_bandwidth * share)
-        compute = ((self.flops - self.f16_flops) / t.peak_flops
-                   + self.f16_flops / t.peak_flops_f16) / share
-        return max(memory, compute) + t.launch_cost
+        return max(memory, self.work.seconds(t) / share) + t.launch_cost

@@ -32,9 +32,14 @@ candidates, not by a clock, so the result does not depend on the machine's speed
 fusion's time or memory budget (`options.Meter`) runs out first: every search is anytime, and
 stops with the best candidate found so far (`ExtractStats.stop` says which budget stopped it).
 
-Ties break on the cost key (objective, flops, kernels), then on the program text, so the result
-never depends on hash order.  The input program is always a candidate: the result is never
-costlier than it.
+The result is the first of every candidate priced (the search keeps them all, by their
+kernels) in the cost key's order (`ProgramCost.key`: for time, modeled times within the
+target's resolution tie and less global traffic wins), with the time bands anchored at the
+best time priced, so each candidate within the resolution of the best competes; equal keys
+break on the program text, so the result never depends on hash order.  The input program is
+always a candidate: the result is never worse than it in that order.  The runner-up, the
+first candidate that stores other tensors than the result (other kernels, not the same kernels
+computed another way, which mostly cost the same), comes with it (`ExtractStats`).
 """
 
 from __future__ import annotations
@@ -68,6 +73,8 @@ class ExtractStats:
     rejected: int  # ill-formed or over the kernel limit
     seconds: float
     stop: str = "complete"  # or the budget that ended the search: "time limit", "memory limit"
+    anchor: float = 1.0  # seconds: the time the ranking's bands are counted from
+    runner_up: ProgramCost | None = None  # the best legal candidate storing other tensors
 
     def to_json(self) -> dict:
         return {"method": self.method, "candidates": self.candidates, "rejected": self.rejected,
@@ -143,7 +150,7 @@ class Extractor:
         self.built = 0
         self.priced = 0
         self.rejected = 0
-        self.cache: dict[tuple, tuple | None] = {}
+        self.cache: dict[tuple[Store, ...], ProgramCost | None] = {}
         self.kernel_checks: dict[Store, bool] = {}
         self.shortlist: dict[int, list[int]] = {}
         self.tree: dict[int, tuple[int, float]] | None = None
@@ -233,18 +240,47 @@ class Extractor:
     # -- pricing
 
     def price(self, program: BlockProgram) -> tuple | None:
-        """The sort key of a program, or None if it is invalid or has too many kernels."""
-        key = tuple(program.kernels)
-        if key in self.cache:
-            return self.cache[key]
-        self.priced += 1
-        result: tuple | None = None
-        if self.max_kernels is None or len(program.kernels) <= self.max_kernels:
-            result = self.cost(program).key(self.objective)
-        if result is None:
-            self.rejected += 1
-        self.cache[key] = result
-        return result
+        """The search's sort key of a program (time bands counted from 1 s), or None if it
+        has too many kernels."""
+        kernels = tuple(program.kernels)
+        if kernels not in self.cache:
+            self.priced += 1
+            cost = None
+            if self.max_kernels is None or len(kernels) <= self.max_kernels:
+                cost = self.cost(program)
+            else:
+                self.rejected += 1
+            self.cache[kernels] = cost
+        cost = self.cache[kernels]
+        return None if cost is None else cost.key(self.objective)
+
+    def near(self, a: Built, b: Built) -> bool:
+        """Is candidate `a` as legal as `b` and within `Options.followup_slack` times its
+        objective, so that one more change below it may make it cheaper?"""
+        ca, cb = self.cache[tuple(a.program.kernels)], self.cache[tuple(b.program.kernels)]
+        return (ca is not None and cb is not None and ca.legal == cb.legal
+                and ca.value(self.objective) <= cb.value(self.objective)
+                * self.knobs.followup_slack)
+
+    def ranked(self) -> tuple[float, Callable[[ProgramCost], tuple]]:
+        """The final order of every candidate priced: the anchor of its time bands (the best
+        legal time priced) and the key under it."""
+        anchor = min((c.time for c in self.cache.values() if c is not None and c.legal),
+                     default=1.0)
+        return anchor, lambda c: c.key(self.objective, anchor)
+
+    def first(self, order: Callable[[ProgramCost], tuple], other_than: frozenset[str] | None = None
+              ) -> tuple[BlockProgram, ProgramCost] | None:
+        """The first priced candidate in `order` that does not store exactly the tensors
+        `other_than`, equal keys broken by the program text."""
+        priced = [(order(c), kernels) for kernels, c in self.cache.items()
+                  if c is not None and frozenset(k.tensor for k in kernels) != other_than]
+        if not priced:
+            return None
+        key = min(k for k, _ in priced)
+        program = min((self.program(kernels) for k, kernels in priced if k == key),
+                      key=show_program)
+        return program, self.cache[tuple(program.kernels)]
 
     def cost(self, program: BlockProgram) -> ProgramCost:
         return ProgramCost(tuple(cost_kernel(program, k, self.target) for k in program.kernels),
@@ -417,7 +453,7 @@ class Extractor:
             found = self.evaluate(moved)
             if found is not None and found[0] < key:
                 return n, found, moved
-            if deep and (found is None or _near(found[0], key, self.knobs.followup_slack)):
+            if deep and (found is None or self.near(found[1], built)):
                 for extra in self.followups(moved, None if found is None else found[1], built):
                     if self.built >= budget or self.spent():
                         return None
@@ -564,14 +600,14 @@ def extract(graph: ClassGraph, source: BlockProgram, target: Target, objective: 
     ex = Extractor(graph, source, target, objective, max_kernels, options, meter, progress)
     limit = options.exhaustive_limit
     candidates = list(ex.space(limit))
-    found: list[tuple[tuple, Built]] = []
+    # Every candidate built is priced and kept (`Extractor.cache`); the ranking below reads
+    # them all, so the searches' own results need no keeping.
     if len(candidates) <= limit and not ex.spent():
         method = "exhaustive"
         for candidate in candidates:
             if ex.spent():
                 break
-            if (r := ex.evaluate(candidate)) is not None:
-                found.append(r)
+            ex.evaluate(candidate)
     else:
         method = "local search"
         seeds = (ex.seed_from(source), ex.default_choice()) if not ex.spent() else ()
@@ -579,35 +615,27 @@ def extract(graph: ClassGraph, source: BlockProgram, target: Target, objective: 
             if ex.spent():
                 break
             # Each seed may build an equal share of what the earlier ones left.
-            r = ex.local_search(seed, ex.built + (options.max_evaluations - ex.built)
-                               // (len(seeds) - n))
-            if r is not None:
-                found.append(r)
-    original = ex.price(source)
-    if original is not None:
-        found.append((original, Built(source, (), ())))
-    if not found:
+            ex.local_search(seed, ex.built + (options.max_evaluations - ex.built)
+                            // (len(seeds) - n))
+    ex.price(source)
+    anchor, order = ex.ranked()
+    best = ex.first(order)
+    if best is None:
         raise NoCandidate(f"no program with at most {max_kernels} kernels was found")
-    key = min(f[0] for f in found)
-    # Equal keys: the smallest program text, so the result never depends on search order.
-    program = min((f[1].program for f in found if f[0] == key), key=show_program)
-    if key[0]:
+    program, cost = best
+    if not cost.legal:
         bound = f" with at most {max_kernels} kernels" if max_kernels is not None else ""
         raise NoCandidate(f"no legal program{bound} was found; the best one found is illegal: "
-                          f"{ex.cost(program).why_illegal()}")
+                          f"{cost.why_illegal()}")
     validate(program)
-    stats = ExtractStats(method, ex.priced, ex.rejected, time.perf_counter() - start, ex.stop)
-    return program, ex.cost(program), stats
+    second = ex.first(order, frozenset(k.tensor for k in program.kernels))
+    runner_up = second[1] if second is not None and second[1].legal else None
+    stats = ExtractStats(method, ex.priced, ex.rejected, time.perf_counter() - start, ex.stop,
+                         anchor, runner_up)
+    return program, cost, stats
 
 
 # --------------------------------------------------------------------------------------------
-
-
-def _near(key: tuple, current: tuple, slack: float) -> bool:
-    """Is a candidate within `slack` times the current one, so that one more change
-    below it may make it cheaper?  (A move that is invalid as built also qualifies: its
-    defaults may be what breaks it.)"""
-    return key[0] == current[0] and key[1] <= current[1] * slack
 
 
 def _prune(nodes: tuple[ENode, ...]) -> tuple[ENode, ...]:

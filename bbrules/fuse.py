@@ -88,11 +88,30 @@ class FuseResult:
         except ExplainError as e:
             return [f"no replayable chain was found: {e}"]
 
+    @property
+    def runner_up(self) -> ProgramCost | None:
+        """The best legal candidate that stores other tensors than the result (None if
+        none)."""
+        return self.extraction.runner_up
+
+    def margin(self) -> tuple[float, float] | None:
+        """How the runner-up compares: its modeled time over the result's, minus 1 (+0.012 is
+        1.2% slower), and its traffic over the result's."""
+        r = self.runner_up
+        if r is None:
+            return None
+        return r.time / self.after.time - 1, r.traffic / max(self.after.traffic, 1)
+
     def to_json(self) -> dict:
+        runner_up = None
+        if (margin := self.margin()) is not None:
+            runner_up = {**self.runner_up.to_json(), "time_margin": margin[0],
+                         "traffic_ratio": margin[1]}
         return {
             "objective": self.objective,
             "before": self.before.to_json(),
             "after": self.after.to_json(),
+            "runner_up": runner_up,
             "saturation": [s.to_json() for s in self.stats],
             "stop": self.stop,
             "budgets": self.budgets(),

@@ -1,7 +1,10 @@
 """Elementwise operators: one table that every stage reads.
 
 Each operator has its numpy implementation (used by the dense evaluator, the reference
-interpreter and the numpy backend), a flop count per element (used by the cost model), and a
+interpreter and the numpy backend), a flop count per element (used by the cost model), of
+which `special` are special-function evaluations (exp, log, sqrt, rsqrt, reciprocal, tanh:
+what a GPU's special-function units compute, priced at the target's `special_rate`; `div`
+is vector work, an IEEE division being a reciprocal refined by fused multiply-adds), and a
 CUDA C expression template over float operands `{x}` / `{y}` (used by the CUDA backend), and,
 for the operators rules may fold on constants, its egglog f64 spelling (used by the engine).
 Adding an operator here makes it known to the whole pipeline.
@@ -23,6 +26,7 @@ class OpInfo:
     flops: int
     cuda: str
     f64: str = ""  # egglog f64 arithmetic over `{x}` / `{y}`, for folding constants in rules
+    special: int = 0  # of `flops`, the special-function evaluations per element
 
 
 def _sigmoid(x: np.ndarray) -> np.ndarray:
@@ -35,28 +39,32 @@ def _gelu(x: np.ndarray) -> np.ndarray:
 
 
 def _unary(name: str, fn: Callable[[np.ndarray], np.ndarray], flops: int, cuda: str,
-           f64: str = "") -> OpInfo:
-    return OpInfo(name, fn, flops, cuda, f64)
+           f64: str = "", special: int = 0) -> OpInfo:
+    return OpInfo(name, fn, flops, cuda, f64, special)
 
 
 UNARY: dict[str, OpInfo] = {
     op.name: op
     for op in (
-        _unary("exp", np.exp, 1, "expf({x})", "(exp {x})"),
-        _unary("log", np.log, 1, "logf({x})", "(log {x})"),
-        _unary("sqrt", np.sqrt, 1, "sqrtf({x})", "(sqrt {x})"),
+        _unary("exp", np.exp, 1, "expf({x})", "(exp {x})", special=1),
+        _unary("log", np.log, 1, "logf({x})", "(log {x})", special=1),
+        _unary("sqrt", np.sqrt, 1, "sqrtf({x})", "(sqrt {x})", special=1),
         _unary("rsqrt", lambda x: 1.0 / np.sqrt(x), 1, "rsqrtf({x})",
-               "(/ 1.0 (sqrt {x}))"),
-        _unary("recip", lambda x: 1.0 / x, 1, "(1.0f / ({x}))", "(/ 1.0 {x})"),
+               "(/ 1.0 (sqrt {x}))", special=1),
+        _unary("recip", lambda x: 1.0 / x, 1, "(1.0f / ({x}))", "(/ 1.0 {x})",
+               special=1),
         _unary("abs", np.abs, 1, "fabsf({x})", "(abs {x})"),
         _unary("neg", np.negative, 1, "(-({x}))", "(neg {x})"),
         _unary("square", np.square, 1, "(({x}) * ({x}))", "(* {x} {x})"),
         _unary("relu", lambda x: np.maximum(x, 0.0), 1, "fmaxf({x}, 0.0f)"),
-        _unary("sigmoid", _sigmoid, 4, "(1.0f / (1.0f + expf(-({x}))))"),
-        _unary("silu", lambda x: x * _sigmoid(x), 5, "(({x}) / (1.0f + expf(-({x}))))"),
+        _unary("sigmoid", _sigmoid, 4, "(1.0f / (1.0f + expf(-({x}))))",
+               special=1),
+        _unary("silu", lambda x: x * _sigmoid(x), 5, "(({x}) / (1.0f + expf(-({x}))))",
+               special=1),
         _unary("gelu", _gelu, 8,
-               "(0.5f * ({x}) * (1.0f + tanhf(0.7978845608f * (({x}) + 0.044715f * ({x}) * ({x}) * ({x})))))"),
-        _unary("tanh", np.tanh, 1, "tanhf({x})"),
+               "(0.5f * ({x}) * (1.0f + tanhf(0.7978845608f * (({x}) + 0.044715f * ({x}) * ({x}) * ({x})))))",
+               special=1),
+        _unary("tanh", np.tanh, 1, "tanhf({x})", special=1),
     )
 }
 

@@ -1,9 +1,19 @@
 """Hardware targets: the handful of figures the cost model prices a block program with.
 
-A target is deliberately coarse (one global tier, one local tier per processor, peak flops,
-launch overhead): fusion decisions turn on data movement and on whether tiles fit, and these
-figures are what decide both.  Built-in targets use published figures; nothing is measured at
-run time, so costs are reproducible on any machine.
+A target is deliberately coarse (one global tier, one local tier per processor, a rate per
+compute unit, launch overhead): fusion decisions turn on data movement and on whether tiles
+fit, and these figures are what decide both.  GPU targets use published figures; the `cpu`
+target's were measured (`benchmarks/measure_cpu_target.py`); nothing is measured at run time,
+so costs are reproducible on any machine.
+
+Work is priced by the unit that does it (`bbrules.cost`): block contractions on the matrix
+unit at the rate for their operands' dtype (16-bit: `peak_flops_f16`; f32: `peak_flops_dot_f32`,
+which on H100/H200 is the TF32 tensor-core rate, the choice a compiler makes for f32 matmuls
+when it may, e.g. torch's `allow_tf32`), special functions (exp, log, rsqrt, tanh, ...) at
+`special_rate`, everything else (elementwise arithmetic, in-tile reductions, monoid combines)
+on the vector units at `peak_flops`.  `resolution` is how far apart two modeled times must be
+for the model to tell them apart: closer, they count as a tie and the one with less global
+traffic wins (`ProgramCost.key`).
 
 User targets are TOML files with the same fields, in the units people quote them in:
 
@@ -12,11 +22,18 @@ User targets are TOML files with the same fields, in the units people quote them
     global_bandwidth = 2039       # GB/s (1e9 bytes/s)
     local_capacity = 164          # KiB per processor (thread block)
     processors = 108
-    peak_flops = 19.5             # TFLOP/s, f32
-    peak_flops_f16 = 312          # TFLOP/s, f16/bf16 (tensor cores)
+    peak_flops = 19.5             # TFLOP/s, f32 vector (CUDA cores)
+    peak_flops_f16 = 312          # TFLOP/s, block matmuls on f16/bf16 operands (tensor cores)
+    peak_flops_dot_f32 = 156      # TFLOP/s, block matmuls on f32 operands; optional, default
+                                  #   peak_flops (no faster f32 matrix path)
+    special_rate = 2.44           # T evaluations/s of exp, log, rsqrt, ...; optional, default
+                                  #   peak_flops (one special function costs one f32 flop)
     launch_cost = 4               # µs per kernel
+    resolution = 0.03             # fraction; optional, default 0 (times compared exactly)
 
-Each figure must be from 1e-6 to 1e9 in its unit, so that no time or ratio overflows.
+Each figure must be from 1e-6 to 1e9 in its unit, so that no time or ratio overflows; the
+resolution from 0 to 0.5.  The defaults price every program exactly as before these optional
+fields existed, so older target files keep their meaning.
 """
 
 from __future__ import annotations
@@ -34,16 +51,26 @@ KIB = 1024
 
 @dataclass(frozen=True)
 class Target:
-    """A machine, in SI units: bytes/s, bytes, FLOP/s, seconds."""
+    """A machine, in SI units: bytes/s, bytes, FLOP/s, evaluations/s, seconds.
+
+    `peak_flops_dot_f32` and `special_rate` left at 0 take `peak_flops`, the vector rate."""
 
     name: str
     global_bandwidth: float  # B/s between global memory and the processors, whole chip
     local_capacity: int  # bytes of fast local memory one processor (thread block) may use
     processors: int  # SMs / cores that run grid points in parallel
-    peak_flops: float  # f32 FLOP/s, whole chip
-    peak_flops_f16: float  # f16/bf16 FLOP/s for block matmuls on 16-bit data, whole chip
+    peak_flops: float  # f32 FLOP/s of the vector units (CUDA cores), whole chip
+    peak_flops_f16: float  # FLOP/s of block matmuls on 16-bit operands, whole chip
     launch_cost: float  # seconds of fixed overhead per kernel
     doc: str = ""
+    peak_flops_dot_f32: float = 0.0  # FLOP/s of block matmuls on f32 operands, whole chip
+    special_rate: float = 0.0  # special-function evaluations/s, whole chip
+    resolution: float = 0.0  # modeled times closer than this fraction are a tie
+
+    def __post_init__(self) -> None:
+        for name in ("peak_flops_dot_f32", "special_rate"):
+            if not getattr(self, name):
+                object.__setattr__(self, name, self.peak_flops)
 
 
 BUILTIN_TARGETS: dict[str, Target] = {
@@ -51,13 +78,19 @@ BUILTIN_TARGETS: dict[str, Target] = {
     for t in (
         Target("h100", 3.35e12, 227 * KIB, 132, 67e12, 990e12, 4e-6,
                "NVIDIA H100 SXM: 3.35 TB/s HBM3, 227 KiB shared memory per block, 132 SMs, "
-               "67 TFLOP/s f32 (CUDA cores), ~990 TFLOP/s f16 (dense tensor cores)"),
+               "67 TFLOP/s f32 (CUDA cores), dense tensor cores ~990 TFLOP/s on f16/bf16 "
+               "operands and ~495 TFLOP/s on f32 operands (as TF32), special functions "
+               "16/SM/clock x 132 SMs x 1.98 GHz ~ 4.18e12/s; modeled times within 3% tie",
+               495e12, 4.18e12, 0.03),
         Target("h200", 4.8e12, 227 * KIB, 132, 67e12, 990e12, 4e-6,
-               "NVIDIA H200: H100 SMs with 4.8 TB/s HBM3e"),
-        Target("cpu", 20e9, 1024 * KIB, 2, 100e9, 100e9, 20e-6,
-               "a 2-core x86 server: ~20 GB/s DRAM, 1 MiB L2 per core as local memory, "
-               "~100 GFLOP/s f32 (no faster f16 path), ~20 µs interpreter/launch overhead "
-               "per kernel"),
+               "NVIDIA H200: H100 SMs with 4.8 TB/s HBM3e", 495e12, 4.18e12, 0.03),
+        Target("cpu", 17.7e9, 512 * KIB, 2, 6.46e9, 59.7e9, 1.8e-6,
+               "the 2-core AMD EPYC development server, measured with numpy 2.5 by "
+               "benchmarks/measure_cpu_target.py on 2026-12-03 (best of three runs of "
+               "--repeat 15): 17.7 GB/s DRAM copy, 512 KiB L2 per core as local memory, "
+               "batched 64x64 f32 matmul 59.7 GFLOP/s (also the f16 rate: numpy computes "
+               "in f32), exp 0.773e9/s, multiply 6.46 GFLOP/s, 1.8 µs per generated kernel; "
+               "modeled times within 5% tie", 59.7e9, 0.773e9, 0.05),
     )
 }
 
@@ -71,10 +104,18 @@ _FIELDS: dict[str, tuple[type, Callable[[float], float]]] = {
     "peak_flops_f16": (float, lambda tflop_s: tflop_s * 1e12),
     "launch_cost": (float, lambda us: us / 1e6),
 }
+# Optional figures: absent, they take the `Target` defaults (see the module docstring).
+_DEFAULTED: dict[str, tuple[type, Callable[[float], float]]] = {
+    "peak_flops_dot_f32": (float, lambda tflop_s: tflop_s * 1e12),
+    "special_rate": (float, lambda t_s: t_s * 1e12),
+    "resolution": (float, lambda fraction: fraction),
+}
 _OPTIONAL = {"name", "doc"}
 # The values a target file may give, in its units: finite, and far enough from 0 and from
 # float overflow that times, ratios and their reciprocals stay finite and positive.
 _RANGE = (1e-6, 1e9)
+# A resolution is a fraction of a modeled time; half of it is already no resolution at all.
+_RESOLUTION_RANGE = (0.0, 0.5)
 
 
 def get_target(name_or_path: str) -> Target:
@@ -102,24 +143,28 @@ def load_target(path: Path) -> Target:
     def error(key: str | None, message: str) -> SourceError:
         return SourceError(Span(str(path), _key_line(text, key), 1), message, text)
 
+    numeric = {**_FIELDS, **_DEFAULTED}
     for key in data:
-        if key not in _FIELDS and key not in _OPTIONAL:
+        if key not in numeric and key not in _OPTIONAL:
             raise error(key, f"unknown target field '{key}' (fields: "
-                             f"{', '.join([*_OPTIONAL, *_FIELDS])})")
+                             f"{', '.join([*_OPTIONAL, *numeric])})")
     missing = [k for k in _FIELDS if k not in data]
     if missing:
         raise error(None, f"target file lacks {', '.join(missing)}")
     values: dict[str, float] = {}
-    for key, (kind, to_si) in _FIELDS.items():
+    for key, (kind, to_si) in numeric.items():
+        if key not in data:
+            continue
         v = data[key]
         ok = isinstance(v, int) if kind is int else isinstance(v, (int, float))
         if isinstance(v, bool) or not ok:
             raise error(key, f"'{key}' must be {'an integer' if kind is int else 'a number'}")
-        if not v > 0:
+        low, high = _RESOLUTION_RANGE if key == "resolution" else _RANGE
+        if key != "resolution" and not v > 0:
             raise error(key, f"'{key}' must be positive")
-        if not _RANGE[0] <= v <= _RANGE[1]:
-            raise error(key, f"'{key}' must be from {_RANGE[0]:g} to {_RANGE[1]:g} in its "
-                             f"unit (see the bbrules.targets docstring)")
+        if not low <= v <= high:
+            raise error(key, f"'{key}' must be from {low:g} to {high:g} in its unit (see the "
+                             f"bbrules.targets docstring)")
         values[key] = kind(to_si(v))
     for key in _OPTIONAL:
         if key in data and not isinstance(data[key], str):
