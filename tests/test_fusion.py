@@ -78,6 +78,19 @@ def test_attention_becomes_flash_attention(pack):
     assert r.stop == "saturated"
 
 
+@pytest.mark.parametrize("target, n", [("h200", 4096), ("h100", 512), ("h200", 512)])
+def test_attention_stores_no_scores_on_the_faster_chip_and_at_short_sequences(pack, target, n):
+    """Flash Attention at N = 512 has 8 query blocks for 132 SMs; priced by unit (its dots on
+    tensor cores), and with modeled-time ties going to less traffic, it still beats storing S."""
+    dims = {"q": (n, 64), "k": (n, 64)}
+    r = fuse(lower(load_program(EXAMPLES / "attention.bbp", dims)), pack, get_target(target))
+    p = r.program
+    assert [k.tensor for k in p.kernels] == ["O"] and set(p.tensors) == {"Q", "K", "V", "O"}
+    tile = n * 64 * 4  # Q, K, V and O are n x 64 f32
+    assert r.after.traffic == 2 * tile + p.dims["q"].blocks * 2 * tile
+    assert r.runner_up is not None and r.runner_up.n_kernels > 1
+
+
 def test_flash_attention_computes_attention(pack):
     dims = {"q": (256, 64), "k": (256, 64)}
     r = fused(EXAMPLES / "attention.bbp", pack, dims)
