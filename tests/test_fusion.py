@@ -286,8 +286,8 @@ def test_decoder_layer_never_stores_the_attention_scores(pack):
     attention runs as Flash Attention inside one kernel), is legal, has fewer kernels and
     computes the dense evaluator's numbers as `bbrules run` judges them.  (Not
     `assert_matches_dense`: its 1e-5 max-norm bound is tighter than float32 allows for the
-    layer's chained reductions with unit-variance weights; the unfused program through the interpreter
-    misses it too, by 2e-5 to 8e-5 depending on the seed.)"""
+    layer's chained reductions with unit-variance weights; the unfused program through the
+    interpreter misses it too, by 2e-5 to 8e-5 depending on the seed.)"""
     path = EXAMPLES / "decoder_layer.bbp"
     dims = {"s": (128, 64), "t": (128, 64), "h": (2, 1), "e": (128, 64), "n": (128, 64),
             "f": (192, 64)}
