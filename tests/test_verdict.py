@@ -23,6 +23,7 @@ EXAMPLES = ROOT / "examples"
 # Every example at a size that keeps several blocks per axis but runs in a second.
 SMALL = {
     "attention": ["q=128/32", "k=256/64", "d=64"],
+    "decoder_layer": ["s=128/64", "t=128/64", "h=2/1", "e=128/64", "n=128/64", "f=192/64"],
     "gated_mlp": ["m=64/32", "e=128/64", "f=256/64", "n=128/64"],
     "layernorm_matmul": ["m=128/64", "e=256/64", "n=128/64"],
     "rmsnorm_ffn_swiglu": ["m=16/8", "e=128/64", "f=64/4", "n=128"],
