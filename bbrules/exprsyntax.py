@@ -329,13 +329,9 @@ class Resolver:
 
     def _operands(self, e: Expr) -> tuple[Expr, ...]:
         """The subexpressions whose values `e` is built from."""
+        if (operands := _arithmetic(e)) is not None:
+            return operands
         match e:
-            case Neg(Num()):
-                return ()
-            case Neg(x):
-                return (x,)
-            case BinOp(_, x, y):
-                return (x, y)
             case Call():
                 kind, _ = self._callee(e)
                 if kind is None:
@@ -489,13 +485,9 @@ class Resolver:
         return fold(root, self._constant, self._constant_operands)
 
     def _constant_operands(self, e: Expr) -> tuple[Expr, ...]:
+        if (operands := _arithmetic(e)) is not None:
+            return operands
         match e:
-            case Neg(Num()):
-                return ()
-            case Neg(x):
-                return (x,)
-            case BinOp(_, x, y):
-                return (x, y)
             case Call(f, (PatVar(),)) if f in _SIZES:
                 return ()
             case Call(f, args) if (f in UNARY and len(args) == 1
@@ -521,6 +513,19 @@ class Resolver:
                 return CExpr(f, tuple(kids))
         raise self.error(e.span, "expected constant arithmetic over ?c, numbers, block(?a), "
                                    "extent(?a) and trips(?a)")
+
+
+def _arithmetic(e: Expr) -> tuple[Expr, ...] | None:
+    """The operands of a negation or of infix arithmetic (a negated number is a constant of
+    its own); None for any other expression."""
+    match e:
+        case Neg(Num()):
+            return ()
+        case Neg(x):
+            return (x,)
+        case BinOp(_, x, y):
+            return (x, y)
+    return None
 
 
 Resolver._resolvers = {

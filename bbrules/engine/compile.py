@@ -196,13 +196,9 @@ class _RuleCompiler:
         def text(p: Pattern, kids: list[str]) -> str:
             match p:
                 case PVar(name):
-                    if name not in self.term_vars:
-                        self.error(f"'{name}' is not bound by the left-hand side")
-                    return name
+                    return self.bound(name, self.term_vars)
                 case PConst(name):
-                    if name not in self.const_vars:
-                        self.error(f"'{name}' is not bound by the left-hand side")
-                    return f"(Cst {name})"
+                    return f"(Cst {self.bound(name, self.const_vars)})"
                 case CExpr() | AxisSize():
                     k = self.var("k")
                     self.facts.append(f"(= {k} {self.const_expr(p)})")
@@ -210,6 +206,12 @@ class _RuleCompiler:
             return self.node(p, iter(kids))
 
         return fold(root, text, parts)
+
+    def bound(self, name: str, names: set[str]) -> str:
+        """`name`, which the left-hand side must bind (it is among `names`)."""
+        if name not in names:
+            self.error(f"'{name}' is not bound by the left-hand side")
+        return name
 
     def node(self, p: Pattern, kids: Iterator[str]) -> str:
         """One constructor application whose children's texts come from `kids`, in order."""
@@ -227,9 +229,7 @@ class _RuleCompiler:
         def text(e: object, args: list[str]) -> str:
             match e:
                 case PConst(name):
-                    if name not in self.const_vars:
-                        self.error(f"'{name}' is not bound by the left-hand side")
-                    return name
+                    return self.bound(name, self.const_vars)
                 case Const(v):
                     return _f64(v)
                 case AxisSize(kind, axis):
