@@ -163,7 +163,7 @@ def schedule_kernel(store: Store, trips: Mapping[str, int]) -> KernelSchedule:
         """Append each node's step to its loop body after the steps it needs (post-order).
 
         The stack holds nodes still to visit (`(node, path)`) and steps ready to append
-        (`(loop path, step)`, pushed below the visits of what they need).
+        (`(None, loop path, step)`, pushed below the visits of what they need).
         """
         visits: list[tuple[Node, Path] | tuple[None, LoopPath, Step | LoopPath]] = [(root, ())]
         while visits:

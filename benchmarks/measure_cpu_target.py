@@ -149,7 +149,7 @@ def toml_text(f: Figures, date: str) -> str:
            f"numpy {np.__version__}")
     lines = [f"# Measured by benchmarks/measure_cpu_target.py on {date}; units as in "
              f"targets/a100.toml.",
-             f'name = "cpu-measured"', f"doc = {json.dumps(doc)}"]
+             'name = "cpu-measured"', f"doc = {json.dumps(doc)}"]
     lines += [f"{k} = {v}" for k, v in asdict(f).items()]
     return "\n".join(lines) + "\n"
 
