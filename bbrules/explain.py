@@ -130,7 +130,7 @@ class Explainer:
     def check_budget(self) -> None:
         spent = self.meter.over() if self.meter is not None else None
         if spent is not None:
-            raise ExplainError(f"the fusion's {spent} was reached before a chain was found")
+            raise ExplainError(f"the fusion's {spent} ran out first")
 
     def carried(self, load: Load) -> Node | None:
         """The value a load of an intermediate carries (renamed to the load's axes)."""
