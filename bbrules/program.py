@@ -58,6 +58,7 @@ class Reduction:
 
 Expr = Union[Number, Ref, Apply, Reduction]
 T = TypeVar("T")
+E = TypeVar("E")  # any tree: nodes are told apart by identity
 
 
 @dataclass(frozen=True)
@@ -106,16 +107,17 @@ def sum_factors(e: Expr) -> tuple[Expr, ...]:
     return operands(e)
 
 
-def fold(root: Expr, combine: Callable[[Expr, list[T]], T],
-         parts: Callable[[Expr], tuple[Expr, ...]] = operands) -> T:
+def fold(root: E, combine: Callable[[E, list[T]], T],
+         parts: Callable[[E], tuple[E, ...]] = operands) -> T:
     """`combine(e, [value of each part])` bottom-up from the leaves, without recursion: an
-    expression thousands of terms long is as deep, and every pass over expressions walks
-    through here.  `parts` says what a node is computed from (by default its operands; a
-    lowering of `sum[k] a * b` may fold over the factors instead of the product).  It is
-    asked once per node, parents before children and left to right, so it may also check or
-    record things in the order the expression is written."""
+    expression thousands of terms long is as deep, and every pass over a tree of syntax walks
+    through here (program expressions; with their own `parts`, block and rule syntax, rule
+    patterns and constant arithmetic).  `parts` says what a node is computed from (by default
+    its operands; a lowering of `sum[k] a * b` may fold over the factors instead of the
+    product).  It is asked once per node, parents before children and left to right, so it
+    may also check or record things in the order the expression is written."""
     values: dict[int, T] = {}
-    stack: list[tuple[Expr, tuple[Expr, ...] | None]] = [(root, None)]
+    stack: list[tuple[E, tuple[E, ...] | None]] = [(root, None)]
     while stack:
         e, ps = stack.pop()
         if ps is not None:

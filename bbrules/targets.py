@@ -94,28 +94,39 @@ BUILTIN_TARGETS: dict[str, Target] = {
     )
 }
 
-# TOML field -> (expected kind, conversion of the file's unit to SI; see the module docstring).
-# Dividing by 1e6 (not multiplying by 1e-6) keeps "2.5 µs" exactly 2.5e-6.
-_FIELDS: dict[str, tuple[type, Callable[[float], float]]] = {
-    "global_bandwidth": (float, lambda gb_s: gb_s * 1e9),
-    "local_capacity": (int, lambda kib: kib * KIB),
-    "processors": (int, lambda n: n),
-    "peak_flops": (float, lambda tflop_s: tflop_s * 1e12),
-    "peak_flops_f16": (float, lambda tflop_s: tflop_s * 1e12),
-    "launch_cost": (float, lambda us: us / 1e6),
-}
-# Optional figures: absent, they take the `Target` defaults (see the module docstring).
-_DEFAULTED: dict[str, tuple[type, Callable[[float], float]]] = {
-    "peak_flops_dot_f32": (float, lambda tflop_s: tflop_s * 1e12),
-    "special_rate": (float, lambda t_s: t_s * 1e12),
-    "resolution": (float, lambda fraction: fraction),
-}
-_OPTIONAL = {"name", "doc"}
 # The values a target file may give, in its units: finite, and far enough from 0 and from
 # float overflow that times, ratios and their reciprocals stay finite and positive.
 _RANGE = (1e-6, 1e9)
 # A resolution is a fraction of a modeled time; half of it is already no resolution at all.
 _RESOLUTION_RANGE = (0.0, 0.5)
+
+
+@dataclass(frozen=True)
+class _Field:
+    """A numeric field of a target file: its kind, the conversion of the file's unit to SI
+    (see the module docstring) and the range the file's value must lie in."""
+
+    kind: type
+    to_si: Callable[[float], float]
+    range: tuple[float, float] = _RANGE
+
+
+# Dividing by 1e6 (not multiplying by 1e-6) keeps "2.5 µs" exactly 2.5e-6.
+_FIELDS: dict[str, _Field] = {
+    "global_bandwidth": _Field(float, lambda gb_s: gb_s * 1e9),
+    "local_capacity": _Field(int, lambda kib: kib * KIB),
+    "processors": _Field(int, lambda n: n),
+    "peak_flops": _Field(float, lambda tflop_s: tflop_s * 1e12),
+    "peak_flops_f16": _Field(float, lambda tflop_s: tflop_s * 1e12),
+    "launch_cost": _Field(float, lambda us: us / 1e6),
+}
+# Optional figures: absent, they take the `Target` defaults (see the module docstring).
+_DEFAULTED: dict[str, _Field] = {
+    "peak_flops_dot_f32": _Field(float, lambda tflop_s: tflop_s * 1e12),
+    "special_rate": _Field(float, lambda t_s: t_s * 1e12),
+    "resolution": _Field(float, lambda fraction: fraction, _RESOLUTION_RANGE),
+}
+_OPTIONAL = {"name", "doc"}
 
 
 def get_target(name_or_path: str) -> Target:
@@ -152,20 +163,20 @@ def load_target(path: Path) -> Target:
     if missing:
         raise error(None, f"target file lacks {', '.join(missing)}")
     values: dict[str, float] = {}
-    for key, (kind, to_si) in numeric.items():
+    for key, f in numeric.items():
         if key not in data:
             continue
         v = data[key]
-        ok = isinstance(v, int) if kind is int else isinstance(v, (int, float))
+        ok = isinstance(v, int) if f.kind is int else isinstance(v, (int, float))
         if isinstance(v, bool) or not ok:
-            raise error(key, f"'{key}' must be {'an integer' if kind is int else 'a number'}")
-        low, high = _RESOLUTION_RANGE if key == "resolution" else _RANGE
-        if key != "resolution" and not v > 0:
+            raise error(key, f"'{key}' must be {'an integer' if f.kind is int else 'a number'}")
+        low, high = f.range
+        if low > 0 and not v > 0:
             raise error(key, f"'{key}' must be positive")
         if not low <= v <= high:
             raise error(key, f"'{key}' must be from {low:g} to {high:g} in its unit (see the "
                              f"bbrules.targets docstring)")
-        values[key] = kind(to_si(v))
+        values[key] = f.kind(f.to_si(v))
     for key in _OPTIONAL:
         if key in data and not isinstance(data[key], str):
             raise error(key, f"'{key}' must be a string")

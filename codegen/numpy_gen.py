@@ -37,10 +37,9 @@ import numpy as np
 from bbrules.ir import (ELEMENTWISE_KINDS, Axis, Binary, BlockProgram, BlockReduce, Const, Dim,
                         Dot, Get, IRError, KindTable, Load, Node, Reduce, Store, TileType, Tuple,
                         Var, children, is_elementwise, operator, postorder, rebuild, show_kernel,
-                        tile_type, type_of, validate)
+                        tile_type, transform, type_of, validate)
 from bbrules.ops import ELEMENTWISE, TILE_REDUCE, OpInfo
 from bbrules.plan import plan_for
-from bbrules.program import fold
 from bbrules.schedule import Loop, Step
 from bbrules.targets import Target, get_target
 
@@ -603,7 +602,7 @@ _LEFT_NEUTRAL = {("add", 0.0), ("mul", 1.0), ("max", float("-inf")), ("min", flo
 
 def _with_identity(e: Node, identity: Mapping[str, Node]) -> Node:
     """`e` with the accumulator variables replaced by the identity, neutral operations removed."""
-    def simplify(n: Node, kids: list[Node]) -> Node:
+    def simplify(n: Node, kids: tuple[Node, ...]) -> Node:
         match n:
             case Var(name) if name in identity:
                 return identity[name]
@@ -613,12 +612,9 @@ def _with_identity(e: Node, identity: Mapping[str, Node]) -> Node:
                     return x
                 if isinstance(x, Const) and (op, x.value) in _LEFT_NEUTRAL:
                     return y
-                return Binary(op, x, y)
-            case _ if is_elementwise(n):
-                return rebuild(n, tuple(kids))
-        return n
+        return rebuild(n, kids)
 
-    return fold(e, simplify, lambda n: children(n) if is_elementwise(n) else ())
+    return transform(e, simplify)
 
 
 def _fresh_state(r: Reduce) -> tuple[bool, ...]:
