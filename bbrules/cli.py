@@ -32,6 +32,7 @@ from .inputs import random_inputs
 from .ir import BlockProgram, show_program
 from .lower import lower
 from .memory import default_budget, run_bytes
+from .options import Meter
 from .packs import discover_packs, load_each, merge_all, pack_directories
 from .program import Program
 from .rule import RulePack
@@ -372,8 +373,8 @@ def _fuse_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--iterations", type=_integer(1), default=Budget.iterations,
                    help="iteration budget per stage")
     p.add_argument("--seconds", type=_seconds, default=Budget.seconds,
-                   help="time budget of fusion: saturation, read-back and extraction together "
-                        "(the best program found in time is the result)")
+                   help="time budget of fusion: loading the rule packs, saturation, read-back "
+                        "and extraction together (the best program found in time is the result)")
     p.add_argument("--memory", type=_size, default=default_budget(), metavar="BYTES",
                    help="memory budget (e.g. 512M, 16G; default: half the machine's memory): "
                         "fusion keeps its resident memory under it, and run refuses a program "
@@ -390,9 +391,10 @@ def _progress_arg(p: argparse.ArgumentParser) -> None:
 def _fuse(args: argparse.Namespace, program: BlockProgram) -> FuseResult:
     budget = Budget(nodes=args.nodes, iterations=args.iterations, seconds=args.seconds,
                     memory=max(1, args.memory // 2**20))
+    meter = Meter(budget)  # loading the packs counts against the time budget too
     try:
         return fuse(program, _load_packs(args), get_target(args.target), args.objective,
-                    args.max_kernels, budget, _progress(args))
+                    args.max_kernels, budget, _progress(args), meter=meter)
     except NoCandidate as e:
         raise UsageError(str(e)) from None
 

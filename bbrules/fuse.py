@@ -123,18 +123,22 @@ class FuseResult:
 
 def fuse(p: BlockProgram, pack: RulePack, target: Target, objective: str = "time",
          max_kernels: int | None = None, budget: Budget = Budget(),
-         progress: Progress | None = None, options: Options = Options()) -> FuseResult:
+         progress: Progress | None = None, options: Options = Options(),
+         meter: Meter | None = None) -> FuseResult:
     """Fuse `p` with the rules of `pack`, minimising `objective` ("time" or "traffic") on
     `target`, with at most `max_kernels` kernels if given, within `budget` (its time and
     memory bound saturation, read-back and extraction together; the best program found in
     time is the result, `p` itself at worst).
+
+    `meter`: the clock of `budget` when it started before this call (a command's, which
+    counts loading the packs too); a new one by default.
 
     Raises `extract.NoCandidate` when no legal program satisfies `max_kernels`.
     """
     validate(p)
     before = cost_program(p, target)
     before.key(objective)  # rejects an unknown objective before any work
-    meter = Meter(budget)
+    meter = meter or Meter(budget)
     compiled = compile_pack(pack)
     sat = Saturator(compiled, {n: (d.extent, d.block) for n, d in p.dims.items()}, options)
     sat.add_terms({k.tensor: k.value for k in p.kernels},

@@ -97,14 +97,15 @@ def test_extraction_out_of_time_returns_the_input_program():
 
 def test_apply_reports_the_budget_that_stopped_each_phase(capsys):
     args = ["apply", str(CHAIN), "--rules", str(EXPLOSIVE), "--dim", "m=64/16",
-            "--seconds", "0.5"]
+            "--seconds", "1"]
     # The first run also checks the pack's soundness (once: the verdict is cached), which the
-    # fusion budget does not cover; the timed run is the second.
+    # fusion budget does not cover; the timed run is the second.  Its budget covers loading
+    # the packs too: the whole command overruns it only by what egglog does uninterrupted.
     assert main([*args, "--json"]) == 0
     budgets = json.loads(capsys.readouterr().out)["budgets"]
     assert set(budgets) >= {"saturation fuse", "extraction", "read-back of firings"}
     start = time.perf_counter()
     assert main(args) == 0
-    assert time.perf_counter() - start < 0.5 * 4
+    assert time.perf_counter() - start < 1 * 2
     out = capsys.readouterr().out
     assert "node limit" in out or "time limit" in out

@@ -266,10 +266,12 @@ class Saturator:
             return self._run_rules(active), False
         updated = held = False
         for rs in sorted(active, key=lambda r: (growth[r], r)):
+            if share.meter.over(share.until) is not None:  # the rest wait, not even recorded
+                return updated, True
             if updated:  # on the graph the rules applied before it changed
                 fresh = self._record([rs], self.iteration + 1).get(rs, 0)
                 growth[rs] = max(growth[rs], fresh * self.growth_per_match(rs))
-            if growth[rs] > room or share.meter.over(share.until) is not None:
+            if growth[rs] > room:
                 held = True
                 continue
             updated |= self._run_rules([rs])
