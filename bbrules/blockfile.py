@@ -2,7 +2,7 @@
 
 A fused program is worth keeping: `bbrules apply -o out.bbk` writes one, and `show`, `cost` and
 `run` read it back without fusing again.  The file is self-contained: its dims, tensors, the
-monoids its reductions use, and one `kernel` block per store.  An optional `source "x.bbp"` line
+monoids its reductions use, and one `kernel` block per kernel (its grid and its stores).  An optional `source "x.bbp"` line
 records the program it was fused from (relative to the .bbk file), followed by that program's
 text (`| ` lines), so the CLI can compare the two wherever the file is copied.  Everything read
 is validated; a mistake is a `SourceError` at its position.
@@ -14,11 +14,13 @@ import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from lark import v_args
+
 from .errors import SourceError, Span, read_source
 from .exprsyntax import (Expr, ExprTransformer, MonoidDecl, Name, Resolver, Scope, Size, parse,
                          resolve_monoid)
-from .ir import (BUILTIN_MONOIDS, DTYPE_BYTES, BlockProgram, Dim, IRError, Monoid, Store,
-                 TensorDecl, validate)
+from .ir import (BUILTIN_MONOIDS, DTYPE_BYTES, BlockProgram, Dim, IRError, Kernel, Monoid,
+                 Store, TensorDecl, validate)
 
 
 @dataclass(frozen=True)
@@ -60,13 +62,19 @@ class _Let:
 
 
 @dataclass(frozen=True)
-class _Kernel:
-    name: Name
-    axes: tuple[Name, ...]
-    lets: tuple[_Let, ...]
+class _Store:
     target: Name
-    target_axes: tuple[Name, ...]
+    axes: tuple[Name, ...]
     value: Expr
+
+
+@dataclass(frozen=True)
+class _Kernel:
+    name: Name | None  # the store named in a one-store header (`kernel Y[r, c]:`)
+    grid: tuple[Name, ...]
+    lets: tuple[_Let, ...]
+    stores: tuple[_Store, ...]
+    span: Span
 
 
 class _BlockTransformer(ExprTransformer):
@@ -98,10 +106,17 @@ class _BlockTransformer(ExprTransformer):
         name, value = children
         return _Let(self._name(name), value)
 
-    def kernel(self, children: list) -> _Kernel:
-        name, axes, *lets, target, target_axes, value = children
-        return _Kernel(self._name(name), axes, tuple(lets),
-                       self._name(target), target_axes, value)
+    def store(self, children: list) -> _Store:
+        target, axes, value = children
+        return _Store(self._name(target), axes, value)
+
+    @v_args(meta=True)
+    def kernel(self, meta, children: list) -> _Kernel:
+        name = self._name(children.pop(0)) if not isinstance(children[0], tuple) else None
+        grid, *rest = children
+        lets = tuple(c for c in rest if isinstance(c, _Let))
+        stores = tuple(c for c in rest if isinstance(c, _Store))
+        return _Kernel(name, grid, lets, stores, name.span if name else self.span(meta))
 
 
 # Resolution ------------------------------------------------------------------------------------
@@ -132,14 +147,14 @@ class _Builder:
             if isinstance(d, MonoidDecl):
                 self.monoid(d)
         kernels = [d for d in decls if isinstance(d, _Kernel)]
-        stores = tuple(self.kernel(k) for k in kernels)
+        built = tuple(self.kernel(k) for k in kernels)
         outputs = tuple(t.name for t in self.tensors.values() if t.role == "output")
         if not outputs:
             lines = self.text.rstrip().split("\n")
             raise self.error(Span(self.path, len(lines), len(lines[-1]) + 1),
                              "the block program declares no outputs (`output Y[axes] : f32` "
                              "and a kernel storing Y)")
-        program = BlockProgram(self.dims, self.tensors, stores, outputs)
+        program = BlockProgram(self.dims, self.tensors, built, outputs)
         self.validate(program, kernels)
         if decls and isinstance(decls[0], _Source):
             return BlockFile(program, decls[0].path, decls[0].span, decls[0].text)
@@ -175,11 +190,18 @@ class _Builder:
             raise self.error(d.name.span, f"'{name}' is a built-in monoid")
         self.monoids[name] = resolve_monoid(d, self.text)
 
-    def kernel(self, k: _Kernel) -> Store:
-        header = (k.name.name, [a.name for a in k.axes])
-        if (k.target.name, [a.name for a in k.target_axes]) != header:
-            raise self.error(k.target.span, f"kernel {k.name.name}[{_axes(k.axes)}] must end "
-                                            f"by storing {k.name.name}[{_axes(k.axes)}]")
+    def kernel(self, k: _Kernel) -> Kernel:
+        if k.name is not None:
+            header = (k.name.name, [a.name for a in k.grid])
+            (first, *more) = k.stores
+            if more or (first.target.name, [a.name for a in first.axes]) != header:
+                raise self.error(first.target.span,
+                                 f"kernel {k.name.name}[{_axes(k.grid)}] must store exactly "
+                                 f"{k.name.name}[{_axes(k.grid)}] (a kernel of several stores "
+                                 f"names only its grid: `kernel [{_axes(k.grid)}]:`)")
+        for a in k.grid:
+            if a.name not in self.dims:
+                raise self.error(a.span, f"unknown axis '{a.name}' (not declared with dim)")
         scope = Scope(self.text, monoids={**BUILTIN_MONOIDS, **self.monoids},
                       dims=frozenset(self.dims), tensors=self.tensors)
         resolver = Resolver(scope)
@@ -187,7 +209,9 @@ class _Builder:
             if let.name.name in scope.locals:
                 raise self.error(let.name.span, f"'{let.name.name}' is already bound")
             scope.locals[let.name.name] = resolver.value(let.value)
-        return Store(k.name.name, tuple(a.name for a in k.axes), resolver.value(k.value))
+        return Kernel(tuple(a.name for a in k.grid),
+                      tuple(Store(s.target.name, tuple(a.name for a in s.axes),
+                                  resolver.value(s.value)) for s in k.stores))
 
     def validate(self, program: BlockProgram, kernels: list[_Kernel]) -> None:
         """`ir.validate`, kernel by kernel, so an error points at the kernel that causes it."""
@@ -195,8 +219,8 @@ class _Builder:
             try:
                 validate(replace(program, kernels=program.kernels[:i + 1], outputs=()))
             except IRError as e:
-                raise self.error(k.name.span, str(e)) from None
-        stored = {k.tensor for k in program.kernels}
+                raise self.error(k.span, str(e)) from None
+        stored = {s.tensor for s in program.stores}
         for o in program.outputs:
             if o not in stored:
                 raise self.error(self.tensor_spans[o], f"output '{o}' is never stored")

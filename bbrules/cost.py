@@ -4,11 +4,12 @@ Fusion is judged by this model, so it prices exactly what the code generators em
 the kernel's plan (`plan.plan_once`: loops, buffers, residency), never a structure of its
 own.  Per kernel:
 
-Executions.  A kernel's grid is its store axes; `grid_points` is the product of their block
-counts.  A step inside loops L1..Ln executes grid_points x trips(L1) x ... x trips(Ln) times.
+Executions.  `grid_points` is the product of the block counts of the kernel's grid axes.  A
+step inside loops L1..Ln (reductions' loops and map loops) executes grid_points x trips(L1) x
+... x trips(Ln) times.
 
 Traffic.  Each `Load` step reads its tile (product of the block sizes of its axes x the
-tensor's itemsize) every time it executes; the kernel writes its stored tensor once, whole.
+tensor's itemsize) every time it executes; the kernel writes each stored tensor once, whole.
 
 Resident inputs.  A load the plan keeps resident (a program input re-read by a loop it does not
 depend on, whose *slab* -- everything one grid point reads of it -- fits) is read once per grid
@@ -50,10 +51,10 @@ from dataclasses import asdict, dataclass
 from functools import lru_cache
 from typing import Mapping
 
-from .ir import (ELEMENTWISE_KINDS, BlockProgram, BlockReduce, Const, Dim, Dot, Get, KindTable,
-                 Load, Monoid, Node, Reduce, Store, TensorDecl, Tuple, Var, is_elementwise,
+from .ir import (ELEMENTWISE_KINDS, BlockProgram, BlockReduce, Const, Dim, Dot, Get, Kernel,
+                 KindTable, Load, Monoid, Node, Reduce, TensorDecl, Tuple, Var, is_elementwise,
                  operator, postorder)
-from .plan import LoopPlan, Op, Value, kernel_uses, plan_once
+from .plan import LoopPlan, Op, Value, WritePlan, kernel_uses, plan_once
 from .plan import clear_cache as _clear_plans
 from .targets import Target
 
@@ -93,9 +94,9 @@ NO_WORK = Work()
 
 @dataclass(frozen=True)
 class KernelCost:
-    """The cost of one kernel (one store).  `time` is infinite when the kernel is illegal."""
+    """The cost of one kernel.  `time` is infinite when the kernel is illegal."""
 
-    tensor: str
+    tensors: tuple[str, ...]  # what it stores
     grid: tuple[str, ...]
     grid_points: int
     bytes_read: int
@@ -156,7 +157,7 @@ class ProgramCost:
     def why_illegal(self) -> str:
         """Each kernel whose local footprint exceeds the target's capacity, with both sizes."""
         capacity = fmt_bytes(self.target.local_capacity)
-        return "; ".join(f"kernel {k.tensor} needs {fmt_bytes(k.footprint)} of local memory "
+        return "; ".join(f"kernel {','.join(k.tensors)} needs {fmt_bytes(k.footprint)} of local memory "
                          f"(its tiles at these block sizes), {self.target.name} has {capacity}"
                          for k in self.kernels if not k.legal)
 
@@ -208,7 +209,7 @@ class ProgramCost:
         for k in self.kernels:
             note = "ILLEGAL" if not k.legal else (
                 "resident " + ",".join(k.resident) if k.resident else "")
-            rows.append((k.tensor, "[" + ", ".join(k.grid) + "]", str(k.grid_points),
+            rows.append((",".join(k.tensors), "[" + ", ".join(k.grid) + "]", str(k.grid_points),
                          str(k.loops), fmt_bytes(k.bytes_read), fmt_bytes(k.bytes_written),
                          fmt_flops(k.flops), fmt_bytes(k.footprint), fmt_time(k.time), note))
         rows.append(("total", "", "", str(sum(k.loops for k in self.kernels)),
@@ -234,7 +235,7 @@ class ProgramCost:
         kernels = []
         for k in self.kernels:
             d = asdict(k)
-            d.update(grid=list(k.grid), resident=list(k.resident), time=finite(k.time),
+            d.update(tensors=list(k.tensors), grid=list(k.grid), resident=list(k.resident), time=finite(k.time),
                      traffic=k.traffic, work=k.work.to_json())
             kernels.append(d)
         return {
@@ -290,10 +291,10 @@ def cost_program(p: BlockProgram, target: Target) -> ProgramCost:
     return ProgramCost(tuple(cost_kernel(p, k, target) for k in p.kernels), target, compulsory)
 
 
-def cost_kernel(p: BlockProgram, store: Store, target: Target) -> KernelCost:
-    """Cost one kernel of `p` (its monoids must be registered, as `cost_program` does)."""
-    axes, tensors = _uses(store)
-    return _cost_kernel(store, tuple(d for a, d in p.dims.items() if a in axes),
+def cost_kernel(p: BlockProgram, kernel: Kernel, target: Target) -> KernelCost:
+    """Cost one kernel of `p`."""
+    axes, tensors = _uses(kernel)
+    return _cost_kernel(kernel, tuple(d for a, d in p.dims.items() if a in axes),
                         tuple(p.tensors[t] for t in tensors), target)
 
 
@@ -311,17 +312,17 @@ def _tensor_bytes(p: BlockProgram, t: TensorDecl) -> int:
 
 
 @lru_cache(maxsize=1 << 14)
-def _uses(store: Store) -> tuple[frozenset[str], tuple[str, ...]]:
+def _uses(kernel: Kernel) -> tuple[frozenset[str], tuple[str, ...]]:
     """The axes and tensors (sorted) a kernel mentions: what its cost depends on besides the
     target.  Its dims are passed in program order, which orders the axes of its tiles."""
-    axes, tensors = kernel_uses(store)
+    axes, tensors = kernel_uses(kernel)
     return axes, tuple(sorted(tensors))
 
 
 @lru_cache(maxsize=1 << 14)
-def _cost_kernel(store: Store, dims: tuple[Dim, ...], decls: tuple[TensorDecl, ...],
+def _cost_kernel(kernel: Kernel, dims: tuple[Dim, ...], decls: tuple[TensorDecl, ...],
                  target: Target) -> KernelCost:
-    return _KernelCoster(store, {d.name: d for d in dims}, {t.name: t for t in decls},
+    return _KernelCoster(kernel, {d.name: d for d in dims}, {t.name: t for t in decls},
                          target).cost()
 
 
@@ -405,15 +406,15 @@ class _KernelCoster:
     """One kernel's plan, walked once for traffic and flops; footprint and legality are the
     plan's."""
 
-    def __init__(self, store: Store, dims: Mapping[str, Dim], tensors: Mapping[str, TensorDecl],
-                 target: Target):
-        self.store = store
+    def __init__(self, kernel: Kernel, dims: Mapping[str, Dim],
+                 tensors: Mapping[str, TensorDecl], target: Target):
+        self.kernel = kernel
         self.dims = dims
         self.tensors = tensors
         self.target = target
-        self.plan = plan_once(store, dims, tensors, target.local_capacity)
-        self.grid = frozenset(store.axes)
-        self.grid_points = math.prod(dims[a].blocks for a in store.axes)
+        self.plan = plan_once(kernel, dims, tensors, target.local_capacity)
+        self.grid = frozenset(kernel.grid)
+        self.grid_points = math.prod(dims[a].blocks for a in kernel.grid)
         self.sizes: dict[frozenset[str], int] = {}
         self.read = 0
         self.work = NO_WORK
@@ -433,10 +434,10 @@ class _KernelCoster:
         plan = self.plan
         self.walk(plan.body, self.grid_points)
         self.read += sum(self.slab_bytes(n) for n in plan.resident) * self.grid_points
-        stored = self.tensors[self.store.tensor]
-        written = math.prod(self.dims[a].extent for a in stored.axes) * stored.itemsize
+        written = sum(math.prod(self.dims[a].extent for a in t.axes) * t.itemsize
+                      for t in map(self.tensors.__getitem__, self.kernel.tensors))
         time = self.time(self.read + written) if plan.fits else math.inf
-        return KernelCost(self.store.tensor, self.store.axes, self.grid_points, self.read,
+        return KernelCost(self.kernel.tensors, self.kernel.grid, self.grid_points, self.read,
                           written, self.work.total, plan.footprint, plan.fits, time,
                           len(plan.loops), tuple(dict.fromkeys(n.tensor for n in plan.resident)),
                           self.work)
@@ -444,6 +445,8 @@ class _KernelCoster:
     def walk(self, ops: list[Op], runs: int) -> None:
         """Traffic and work of `ops`, which execute `runs` times."""
         for op in ops:
+            if isinstance(op, WritePlan):
+                continue  # the written tensors are counted whole
             if isinstance(op, LoopPlan):
                 self.walk(op.body, runs * op.trips)
                 for acc in op.accs:

@@ -101,7 +101,7 @@ class _Edge:
 
 def stored_values(p: BlockProgram) -> dict[str, tuple[tuple[str, ...], Node]]:
     """What a load of each intermediate carries in the e-graph: its axes and stored value."""
-    return {k.tensor: (k.axes, k.value) for k in p.kernels}
+    return {k.tensor: (k.axes, k.value) for k in p.stores}
 
 
 class Explainer:
@@ -290,9 +290,9 @@ class Explainer:
 
     def chain(self, result: BlockProgram) -> list[Step]:
         """The steps that turn each kernel of the input into the same kernel of `result`."""
-        source = {k.tensor: k.value for k in self.source.kernels}
+        source = {k.tensor: k.value for k in self.source.stores}
         out: list[Step] = []
-        for k in result.kernels:
+        for k in result.stores:
             root = self.graph.named[k.tensor]
             target = self.target_goal(k.value, root)
             got, steps = self.derive(source[k.tensor], target)
@@ -363,7 +363,7 @@ def replay(source: BlockProgram, steps: list[Step], rules: Mapping[str, Rule]
 
     Raises `ExplainError` at the first step that does not replay.
     """
-    values = {k.tensor: k.value for k in source.kernels}
+    values = {k.tensor: k.value for k in source.stores}
     stored = stored_values(source)
 
     def carried(load: Load) -> Node | None:

@@ -52,6 +52,7 @@ from typing import Callable, Iterable, Iterator, Mapping, TypeAlias
 
 from .cost import ProgramCost, cost_kernel
 from .engine import ClassGraph, ENode
+from .grouping import group_kernels
 from .ir import (BlockProgram, IRError, Load, Node, Store, TensorDecl,
                  TileType, postorder, sched_deps, show_program, type_of, validate)
 from .options import Meter, Options
@@ -134,7 +135,7 @@ class Extractor:
         self.target = target
         self.objective = objective
         self.max_kernels = max_kernels
-        self.stored = tuple(k.tensor for k in source.kernels)
+        self.stored = tuple(k.tensor for k in source.stores)
         self.options = {c: _prune(ns) for c, ns in graph.classes.items()}
         self.load_option = {c: {n.attrs[0]: i for i, n in enumerate(ns) if self.is_stored_load(n)}
                             for c, ns in self.options.items()}
@@ -150,7 +151,10 @@ class Extractor:
         self.built = 0
         self.priced = 0
         self.rejected = 0
-        self.cache: dict[tuple[Store, ...], ProgramCost | None] = {}
+        # Per candidate (its stores): its program launched as `grouping` decides, that
+        # program's cost, and the key of its stores launched one kernel each.
+        self.cache: dict[tuple[Store, ...], tuple[BlockProgram, ProgramCost, tuple] | None] = {}
+        self.grouped = True  # which key the search descends on (see `extract`)
         self.kernel_checks: dict[Store, bool] = {}
         self.shortlist: dict[int, list[int]] = {}
         self.tree: dict[int, tuple[int, float]] | None = None
@@ -231,33 +235,46 @@ class Extractor:
                 self.kernel_checks[store] = False
         return self.kernel_checks[store]
 
-    def program(self, kernels: tuple[Store, ...]) -> BlockProgram:
-        stored = {k.tensor for k in kernels}
+    def program(self, stores: tuple[Store, ...]) -> BlockProgram:
+        """The program of `stores`, one kernel each (`grouping` decides the launches)."""
+        stored = {k.tensor for k in stores}
         tensors = {n: t for n, t in self.source.tensors.items()
                    if t.role == "input" or n in stored}
-        return BlockProgram(self.source.dims, tensors, kernels, self.source.outputs)
+        return BlockProgram.of_stores(self.source.dims, tensors, stores, self.source.outputs)
 
     # -- pricing
 
     def price(self, program: BlockProgram) -> tuple | None:
-        """The search's sort key of a program (time bands counted from 1 s), or None if it
-        has too many kernels."""
-        kernels = tuple(program.kernels)
-        if kernels not in self.cache:
+        """The search's sort key of a candidate (time bands counted from 1 s), or None if it
+        has too many kernels even launched as `grouping` decides.  The key is the grouped
+        program's, or with `self.grouped` false the key of one kernel per store."""
+        stores = program.stores
+        if stores not in self.cache:
             self.priced += 1
-            cost = None
-            if self.max_kernels is None or len(kernels) <= self.max_kernels:
-                cost = self.cost(program)
-            else:
+            grouped = group_kernels(program, self.key)
+            cost = self.cost(grouped)
+            if self.max_kernels is not None and len(grouped.kernels) > self.max_kernels:
                 self.rejected += 1
-            self.cache[kernels] = cost
-        cost = self.cache[kernels]
-        return None if cost is None else cost.key(self.objective)
+                self.cache[stores] = None
+            else:
+                plain = self.cost(program) if grouped is not program else cost
+                self.cache[stores] = (grouped, cost, plain.key(self.objective))
+        entry = self.cache[stores]
+        if entry is None:
+            return None
+        return entry[1].key(self.objective) if self.grouped else entry[2]
+
+    def key(self, program: BlockProgram) -> tuple | None:
+        """A launched program's cost key, None if it has more kernels than allowed."""
+        if self.max_kernels is not None and len(program.kernels) > self.max_kernels:
+            return None
+        return self.cost(program).key(self.objective)
 
     def near(self, a: Built, b: Built) -> bool:
         """Is candidate `a` as legal as `b` and within `Options.followup_slack` times its
         objective, so that one more change below it may make it cheaper?"""
-        ca, cb = self.cache[tuple(a.program.kernels)], self.cache[tuple(b.program.kernels)]
+        ea, eb = self.cache[a.program.stores], self.cache[b.program.stores]
+        ca, cb = ea and ea[1], eb and eb[1]
         return (ca is not None and cb is not None and ca.legal == cb.legal
                 and ca.value(self.objective) <= cb.value(self.objective)
                 * self.knobs.followup_slack)
@@ -265,7 +282,7 @@ class Extractor:
     def ranked(self) -> tuple[float, Callable[[ProgramCost], tuple]]:
         """The final order of every candidate priced: the anchor of its time bands (the best
         legal time priced) and the key under it."""
-        anchor = min((c.time for c in self.cache.values() if c is not None and c.legal),
+        anchor = min((e[1].time for e in self.cache.values() if e is not None and e[1].legal),
                      default=1.0)
         return anchor, lambda c: c.key(self.objective, anchor)
 
@@ -273,14 +290,12 @@ class Extractor:
               ) -> tuple[BlockProgram, ProgramCost] | None:
         """The first priced candidate in `order` that does not store exactly the tensors
         `other_than`, equal keys broken by the program text."""
-        priced = [(order(c), kernels) for kernels, c in self.cache.items()
-                  if c is not None and frozenset(k.tensor for k in kernels) != other_than]
+        priced = [(order(e[1]), e) for stores, e in self.cache.items()
+                  if e is not None and frozenset(k.tensor for k in stores) != other_than]
         if not priced:
             return None
         key = min(k for k, _ in priced)
-        program = min((self.program(kernels) for k, kernels in priced if k == key),
-                      key=show_program)
-        return program, self.cache[tuple(program.kernels)]
+        return min((e[:2] for k, e in priced if k == key), key=lambda e: show_program(e[0]))
 
     def cost(self, program: BlockProgram) -> ProgramCost:
         return ProgramCost(tuple(cost_kernel(program, k, self.target) for k in program.kernels),
@@ -311,7 +326,7 @@ class Extractor:
     def seed_from(self, program: BlockProgram) -> Choice:
         """The choice that rebuilds `program` (a program whose terms are in the e-graph)."""
         choice = self.default_choice()
-        for k in program.kernels:
+        for k in program.stores:
             root = self.graph.named[k.tensor]
             for n in postorder(k.value):
                 c = self.graph.lookup(n)
@@ -610,13 +625,20 @@ def extract(graph: ClassGraph, source: BlockProgram, target: Target, objective: 
             ex.evaluate(candidate)
     else:
         method = "local search"
+        # Each seed is searched twice: descending on the grouped key, and on the key of one
+        # kernel per store, whose walk grouping can make a local optimum of (a candidate
+        # that stores two projections is cheap once they share a launch).  Every candidate
+        # is ranked by its grouped cost either way.
         seeds = (ex.seed_from(source), ex.default_choice()) if not ex.spent() else ()
-        for n, seed in enumerate(seeds):
+        runs = [(seed, grouped) for grouped in (True, False) for seed in seeds]
+        for n, (seed, grouped) in enumerate(runs):
             if ex.spent():
                 break
-            # Each seed may build an equal share of what the earlier ones left.
+            ex.grouped = grouped
+            # Each run may build an equal share of what the earlier ones left.
             ex.local_search(seed, ex.built + (options.max_evaluations - ex.built)
-                            // (len(seeds) - n))
+                            // (len(runs) - n))
+        ex.grouped = True
     ex.price(source)
     anchor, order = ex.ranked()
     best = ex.first(order)
@@ -628,7 +650,7 @@ def extract(graph: ClassGraph, source: BlockProgram, target: Target, objective: 
         raise NoCandidate(f"no legal program{bound} was found; the best one found is illegal: "
                           f"{cost.why_illegal()}")
     validate(program)
-    second = ex.first(order, frozenset(k.tensor for k in program.kernels))
+    second = ex.first(order, frozenset(k.tensor for k in program.stores))
     runner_up = second[1] if second is not None and second[1].legal else None
     stats = ExtractStats(method, ex.priced, ex.rejected, time.perf_counter() - start, ex.stop,
                          anchor, runner_up)

@@ -141,8 +141,8 @@ def fuse(p: BlockProgram, pack: RulePack, target: Target, objective: str = "time
     meter = meter or Meter(budget)
     compiled = compile_pack(pack)
     sat = Saturator(compiled, {n: (d.extent, d.block) for n, d in p.dims.items()}, options)
-    sat.add_terms({k.tensor: k.value for k in p.kernels},
-                  {k.tensor: (k.axes, k.value) for k in p.kernels})
+    sat.add_terms({k.tensor: k.value for k in p.stores},
+                  {k.tensor: (k.axes, k.value) for k in p.stores})
     stats = sat.run(budget, progress, meter=meter)
     if progress:
         progress("extracting")

@@ -6,7 +6,10 @@ any particular monoid:
 
 - global memory is a dict of full arrays: the inputs, plus one array per stored tensor that
   starts filled with NaN, so a read before the write shows up in the result;
-- kernels run in order; each runs its value once per block of its store axes (the grid);
+- kernels run in order, and a kernel's stores one after another (they never read one
+  another's tensors, so how a kernel shares work between them, and which of a store's axes are
+  its grid and which its map loops, cannot change a value); each store runs its value once per
+  block of its axes;
 - a `Reduce` is a Python loop over the blocks of its axis that folds the body with the monoid's
   own identity / combine / finalize expressions.
 
@@ -279,10 +282,10 @@ def run(program: BlockProgram, inputs: dict[str, np.ndarray]) -> dict[str, np.nd
     validate(program)
     _check_inputs(program, inputs)
     memory = {name: np.array(inputs[name], dtype=F32) for name in program.inputs}
-    for k in program.kernels:
+    for k in program.stores:
         shape = tuple(program.extent(a) for a in program.tensors[k.tensor].axes)
         memory.setdefault(k.tensor, np.full(shape, np.nan, dtype=F32))
     with np.errstate(all="ignore"):
-        for k in program.kernels:
+        for k in program.stores:
             _KernelRun(program, memory, k).run()
-    return {k.tensor: memory[k.tensor] for k in program.kernels}
+    return {k.tensor: memory[k.tensor] for k in program.stores}

@@ -28,7 +28,8 @@ EXHAUSTIVE_SPLIT = 10
 def lower(program: Program) -> BlockProgram:
     """The unfused block program of `program`, validated."""
     kernels = tuple(_kernel(program, s) for s in program.statements)
-    block = BlockProgram(dict(program.dims), dict(program.tensors), kernels, program.outputs)
+    block = BlockProgram.of_stores(dict(program.dims), dict(program.tensors), kernels,
+                                   program.outputs)
     validate(block)
     return block
 

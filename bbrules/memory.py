@@ -41,7 +41,7 @@ def run_bytes(program: BlockProgram, reference: Program | None) -> int:
         total += sum(4 * 8 * _elements(program.dims, program.tensors[o].axes)
                      for o in program.outputs)
     tiles = 0
-    for k in program.kernels:
+    for k in program.stores:
         others = {a for n in postorder(k.value) if isinstance(n, Load) for a in n.axes}
         others -= set(k.axes)
         tile = prod(program.extent(a) for a in k.axes) * prod(program.block(a) for a in others)

@@ -7,8 +7,9 @@ kernel allocates, and nothing else decides loops, buffers or placement.
 What the plan decides, in order:
 
 - *Loops*: `bbrules.schedule` places every node and merges sibling loops.  Every `Compute` step
-  becomes a `Value` and every `Loop` a `LoopPlan`, numbered in execution order (`seq`) with the
-  loops enclosing them (`path`); each records who reads it (`uses`).
+  becomes a `Value`, every `Loop` (a reduction's or a map loop) a `LoopPlan` and every `Write`
+  a `WritePlan`, numbered in execution order (`seq`) with the loops enclosing them (`path`);
+  each value records who reads it (`uses`).
 - *Residency*: a load of a program input inside a loop over an axis it does not depend on would
   be re-read every iteration.  Its slab (the tile over all non-grid axes: everything one grid
   point reads of it) is instead loaded once and kept for the whole kernel, admitted in
@@ -50,10 +51,10 @@ from functools import lru_cache
 from operator import itemgetter
 from typing import Literal, Mapping
 
-from .ir import (Binary, BlockProgram, BlockReduce, Const, Dim, Dot, Get, IRError, Load, Monoid,
-                 Node, Reduce, Store, TensorDecl, Tuple, Var, children, is_elementwise, postorder,
-                 shape)
-from .schedule import Compute, KernelSchedule, Loop, Step, schedule_kernel
+from .ir import (Binary, BlockProgram, BlockReduce, Const, Dim, Dot, Get, IRError, Kernel, Load,
+                 Monoid, Node, Reduce, Store, TensorDecl, Tuple, Var, children, is_elementwise,
+                 postorder, shape)
+from .schedule import Compute, KernelSchedule, Loop, Step, Write, schedule_kernel
 
 MAX_THREADS = 256  # threads per block: the launch bound every kernel is compiled for
 ALIGN = 16  # bytes: every buffer starts at this alignment (one vector load)
@@ -105,7 +106,7 @@ class Buffer:
 @dataclass(eq=False)
 class Site:
     """A step that evaluates expressions over one iteration space (`shape`): a combine or
-    the kernel's store."""
+    one of the kernel's writes."""
 
     seq: int
     path: tuple[int, ...]
@@ -182,7 +183,19 @@ class LoopPlan:
         return self.loop.axis
 
 
-Op = Value | LoopPlan
+@dataclass(eq=False)
+class WritePlan:
+    """One store of the kernel: `result`'s tile written to `store.tensor` at `site`, at the
+    block index of each store axis in `blocks` (the grid's, a map loop's, or None for an axis
+    of one block)."""
+
+    store: Store
+    result: Value
+    site: Site
+    blocks: dict[str, BlockIndex]
+
+
+Op = Value | LoopPlan | WritePlan
 
 
 @dataclass(frozen=True)
@@ -224,13 +237,12 @@ def micro_tile(order: tuple[str, ...], blocks: Mapping[str, int],
 class KernelPlan:
     """Everything a backend needs to know about one kernel besides the text it writes."""
 
-    store: Store
+    kernel: Kernel
     schedule: KernelSchedule
     body: list[Op]  # in execution order
     values: list[Value]  # every computed value, in execution order
     loops: list[LoopPlan]  # by id
-    result: Value  # what the store writes
-    store_site: Site
+    writes: list[WritePlan]  # in execution order
     buffers: list[Buffer]  # every buffer, in definition order, placed
     resident: tuple[Load, ...]  # loads whose slabs stay for the whole kernel
     threads: int
@@ -239,49 +251,52 @@ class KernelPlan:
 
     @property
     def grid(self) -> tuple[str, ...]:
-        return self.store.axes
+        return self.kernel.grid
 
     @property
     def fits(self) -> bool:
         return self.footprint <= self.capacity
 
 
-def plan_kernel(store: Store, dims: Mapping[str, Dim], tensors: Mapping[str, TensorDecl],
+def plan_kernel(kernel: Kernel, dims: Mapping[str, Dim], tensors: Mapping[str, TensorDecl],
                 capacity: int) -> KernelPlan:
     """The plan of one kernel.  `dims` must hold the kernel's axes in program order (it orders
     the axes of every tile); `capacity` is the target's local memory per processor."""
-    return _plan(store, tuple(dims.values()), tuple(tensors.values()), capacity)
+    return _plan(kernel, tuple(dims.values()), tuple(tensors.values()), capacity)
 
 
 @lru_cache(maxsize=1 << 14)
-def _plan(store: Store, dims: tuple[Dim, ...], decls: tuple[TensorDecl, ...],
+def _plan(kernel: Kernel, dims: tuple[Dim, ...], decls: tuple[TensorDecl, ...],
           capacity: int) -> KernelPlan:
-    return _Planner(store, {d.name: d for d in dims}, {t.name: t for t in decls},
+    return _Planner(kernel, {d.name: d for d in dims}, {t.name: t for t in decls},
                     capacity).plan()
 
 
-def plan_once(store: Store, dims: Mapping[str, Dim], tensors: Mapping[str, TensorDecl],
+def plan_once(kernel: Kernel, dims: Mapping[str, Dim], tensors: Mapping[str, TensorDecl],
               capacity: int) -> KernelPlan:
     """`plan_kernel`, not cached: for a caller that keeps only what it derives from the plan.
 
     The cost model caches its kernel costs and prices thousands of candidate kernels; keeping
     their plans (tens of objects each) as well made every full garbage collection walk them.
     """
-    return _Planner(store, dict(dims), dict(tensors), capacity).plan()
+    return _Planner(kernel, dict(dims), dict(tensors), capacity).plan()
 
 
-def kernel_uses(store: Store) -> tuple[frozenset[str], frozenset[str]]:
+def kernel_uses(kernel: Kernel) -> tuple[frozenset[str], frozenset[str]]:
     """Every axis and every tensor a kernel mentions: the dims and tensors its plan depends
     on."""
-    axes: set[str] = set(store.axes)
-    tensors: set[str] = {store.tensor}
-    for n in postorder(store.value):
-        match n:
-            case Load(t, a):
-                tensors.add(t)
-                axes.update(a)
-            case Reduce(a, _, _) | Dot(a, _, _) | BlockReduce(_, a, _):
-                axes.add(a)
+    axes: set[str] = set(kernel.grid)
+    tensors: set[str] = set()
+    for store in kernel.stores:
+        axes.update(store.axes)
+        tensors.add(store.tensor)
+        for n in postorder(store.value):
+            match n:
+                case Load(t, a):
+                    tensors.add(t)
+                    axes.update(a)
+                case Reduce(a, _, _) | Dot(a, _, _) | BlockReduce(_, a, _):
+                    axes.add(a)
     return frozenset(axes), frozenset(tensors)
 
 
@@ -353,38 +368,35 @@ _FOLD_IDENTITY = {"add": 0.0, "max": float("-inf"), "min": float("inf")}
 
 
 class _Planner:
-    def __init__(self, store: Store, dims: Mapping[str, Dim],
+    def __init__(self, kernel: Kernel, dims: Mapping[str, Dim],
                  tensors: Mapping[str, TensorDecl], capacity: int):
-        self.store = store
+        self.kernel = kernel
         self.dims = dims
         self.tensors = tensors
         self.capacity = capacity
         self.trips = {a: d.blocks for a, d in dims.items()}
         self.dim_order = list(dims)
         self.orders: dict[frozenset[str], tuple[str, ...]] = {}
-        self.grid = frozenset(store.axes)
+        self.grid = frozenset(kernel.grid)
         self.seq = 0
         self.values: list[Value] = []
         self.loops: list[LoopPlan] = []
         self.buffers: list[Buffer] = []
         self.rereads: list[Value] = []  # input loads inside a loop they do not depend on
-        self.blocks: dict[str, BlockIndex] = {a: "grid" for a in store.axes}
+        self.writes: list[WritePlan] = []
+        self.blocks: dict[str, BlockIndex] = {a: "grid" for a in kernel.grid}
         self.looped: tuple[str, ...] = ()
 
     def plan(self) -> KernelPlan:
-        schedule = schedule_kernel(self.store, self.trips)
-        top = _Scope(None)
-        body = self._build(schedule.body, top, ())
-        result = top.lookup(self.store.value)
-        store_site = Site(self._next(), (), frozenset(self.store.axes))
-        result.uses.append(store_site)
-        resident = self._resident(store_site.seq)
+        schedule = schedule_kernel(self.kernel, self.trips)
+        body = self._build(schedule.body, _Scope(None), ())
+        resident = self._resident(self._next())
         self._decide()
         threads = self._threads()
-        self._allocate(result, store_site, threads)
+        self._allocate(threads)
         footprint = _assign_offsets(self.buffers)
-        return KernelPlan(self.store, schedule, body, self.values, self.loops, result,
-                          store_site, self.buffers, resident, threads, footprint, self.capacity)
+        return KernelPlan(self.kernel, schedule, body, self.values, self.loops, self.writes,
+                          self.buffers, resident, threads, footprint, self.capacity)
 
     # -- the model of the schedule
 
@@ -407,6 +419,8 @@ class _Planner:
                 scope.bound[step.node] = v
                 if len(self.values) > made:
                     ops.append(v)
+            elif isinstance(step, Write):
+                ops.append(self._write(step.store, scope, path))
             else:
                 op = self._loop(step, scope, path)
                 ops.append(op)
@@ -415,6 +429,14 @@ class _Planner:
                     scope.bound[acc.reduce] = result
                     ops.append(result)
         return ops
+
+    def _write(self, store: Store, scope: _Scope, path: tuple[int, ...]) -> WritePlan:
+        result = scope.lookup(store.value)
+        site = Site(self._next(), path, frozenset(store.axes))
+        result.uses.append(site)
+        w = WritePlan(store, result, site, {a: self.blocks.get(a) for a in store.axes})
+        self.writes.append(w)
+        return w
 
     def _new(self, kind: str, n: Node, args: tuple[Value, ...], sh: frozenset[str],
              path: tuple[int, ...], **kw) -> Value:
@@ -612,7 +634,7 @@ class _Planner:
 
     def _threads(self) -> int:
         """Enough threads for the largest iteration space, in whole warps, at most MAX_THREADS."""
-        spaces = [math.prod(self.dims[a].block for a in self.store.axes)]
+        spaces = [math.prod(self.dims[a].block for a in w.store.axes) for w in self.writes]
         for x in self.values:
             spaces.append(math.prod(self.dims[a].block for a in x.shape))
             if x.kind in ("breduce", "dot"):
@@ -646,7 +668,7 @@ class _Planner:
                 at = self.loops[path[len(b.path)]].end
             b.last = max(b.last, at)
 
-    def _allocate(self, result: Value, store_site: Site, threads: int) -> None:
+    def _allocate(self, threads: int) -> None:
         for x in self.values:
             if x.mode == "local":
                 dtype = self._tile_dtype(x.node) if x.kind == "load" else LOCAL_DTYPE
@@ -683,7 +705,8 @@ class _Planner:
                     self._touch(reads + list(acc.states), site.seq, site.path)
                 for t in acc.tmps:
                     t.last = t.first
-        self._touch(self._underlying(result), store_site.seq, ())
+        for w in self.writes:
+            self._touch(self._underlying(w.result), w.site.seq, w.site.path)
 
 
 @lru_cache(maxsize=1 << 12)
@@ -747,9 +770,9 @@ def _assign_offsets(bufs: list[Buffer]) -> int:
     return peak
 
 
-def plan_for(p: BlockProgram, store: Store, capacity: int) -> KernelPlan:
-    """The plan of kernel `store` of program `p` on a target with `capacity` bytes of local
-    memory per processor."""
-    axes, tensors = kernel_uses(store)
-    return plan_kernel(store, {a: d for a, d in p.dims.items() if a in axes},
+def plan_for(p: BlockProgram, kernel: Kernel, capacity: int) -> KernelPlan:
+    """The plan of `kernel` of program `p` on a target with `capacity` bytes of local memory
+    per processor."""
+    axes, tensors = kernel_uses(kernel)
+    return plan_kernel(kernel, {a: d for a, d in p.dims.items() if a in axes},
                        {t: p.tensors[t] for t in sorted(tensors)}, capacity)

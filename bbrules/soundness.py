@@ -107,7 +107,8 @@ def _case(rule: Rule, inst: Instance) -> _Case:
     for k in left + right:
         tensors[k.tensor] = TensorDecl(k.tensor, k.axes, "f32", "output")
     kernels = (*stored.values(), *left, *right)
-    program = BlockProgram(inst.dims, tensors, kernels, tuple(k.tensor for k in left + right))
+    program = BlockProgram.of_stores(inst.dims, tensors, kernels,
+                                     tuple(k.tensor for k in left + right))
     try:
         validate(program)
     except IRError as e:

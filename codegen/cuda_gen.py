@@ -3,7 +3,15 @@
 Why it looks the way it does:
 
 - *One thread block per grid point.*  `blockIdx.x` linearises the block indices of the kernel's
-  grid (its store axes); every loop of the schedule runs sequentially inside the thread block.
+  grid axes (a kernel with no grid axes is one thread block); every loop of the schedule runs
+  sequentially inside the thread block.
+- *A kernel makes several stores*, each stored tensor a parameter of its own.  A store's axes
+  that are not grid axes are *map loops*: a loop over the axis' blocks, with no accumulator or
+  merged with sibling reductions over the same axis, whose body writes the current block of
+  the store; what does not depend on the loop's axis is computed once, before it, and shared
+  by every store.  Map loops nest (a store outside the grid on two axes walks both), and a
+  write is emitted where the schedule places it (`plan.WritePlan`), reading the current block
+  of every map loop around it.
 - *Everything but the text comes from the kernel's plan* (`bbrules.plan`), the plan the cost
   model prices: its loops (merged sibling reductions share one loop carrying several
   accumulators), what is inlined, materialised, accumulated in place or resident, and every
@@ -51,7 +59,7 @@ from bbrules.ir import (ELEMENTWISE_KINDS, Binary, BlockProgram, BlockReduce, Co
                         operator, postorder, validate)
 from bbrules.ops import BINARY, TILE_REDUCE
 from bbrules.plan import (MAX_THREADS, Accumulation, BlockIndex, Buffer, KernelPlan, LoopPlan,
-                          MicroTile, Op, Value, plan_for)
+                          MicroTile, Op, Value, WritePlan, plan_for)
 from bbrules.targets import Target, get_target
 
 __all__ = ["MAX_THREADS", "CompileError", "CudaModule", "KernelInfo", "compile_check",
@@ -158,11 +166,11 @@ class KernelInfo:
     """One `__global__` function and how to launch it."""
 
     name: str
-    tensor: str  # the tensor it stores
+    tensors: tuple[str, ...]  # the tensors it stores, in store order
     grid: int  # thread blocks: one per grid point
     threads: int  # threads per block (any count up to MAX_THREADS is correct)
     shared_bytes: int  # dynamic shared memory per block
-    params: tuple[str, ...]  # tensors passed, in argument order (the stored one first)
+    params: tuple[str, ...]  # tensors passed, in argument order (the stored ones first)
     signature: tuple[str, ...]  # the C type of each parameter
 
 
@@ -201,14 +209,14 @@ def generate(p: BlockProgram, target: Target | str | None = None) -> CudaModule:
     if target is None or isinstance(target, str):
         target = get_target(target or "h100")
     kernels, bodies, helpers = [], [], set()
-    for i, store in enumerate(p.kernels):
-        plan = plan_for(p, store, target.local_capacity)
+    for i, kernel in enumerate(p.kernels):
+        plan = plan_for(p, kernel, target.local_capacity)
         if not plan.fits:
             raise UsageError(
-                f"kernel {store.tensor}: its tiles need {plan.footprint} bytes of shared "
+                f"kernel {kernel.name}: its tiles need {plan.footprint} bytes of shared "
                 f"memory, more than the {target.local_capacity} a thread block has on "
                 f"{target.name}; choose smaller blocks or a less fused program")
-        gen = _KernelGen(p, plan, f"k{i}_{_c_name(store.tensor)}")
+        gen = _KernelGen(p, plan, f"k{i}_{_c_name(kernel.name)}")
         info, body = gen.emit()
         kernels.append(info)
         bodies.append(body)
@@ -241,7 +249,7 @@ def _literal(v: float) -> str:
     return f"({s}f)" if v32 < 0 else f"{s}f"
 
 
-# --------------------------------------------------------------------------------------------# --------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------
 # One kernel: its plan (`bbrules.plan`) says what is computed where, what is materialised, and
 # every buffer's offset; this writes the text.
 
@@ -306,7 +314,8 @@ def _(n: Var, r: _Reader) -> str:
 
 @EXPR.on(*ELEMENTWISE_KINDS)
 def _(n: Node, r: _Reader) -> str:
-    return operator(n).cuda.format(**{v: r.child(i) for i, v in enumerate("xyz"[:len(children(n))])})
+    operands = "xyz"[:len(children(n))]
+    return operator(n).cuda.format(**{v: r.child(i) for i, v in enumerate(operands)})
 
 
 @EXPR.on(Load, Get, Reduce)
@@ -320,14 +329,14 @@ class _KernelGen:
     def __init__(self, p: BlockProgram, plan: KernelPlan, name: str):
         self.p = p
         self.plan = plan
-        self.store = plan.store
+        self.kernel = plan.kernel
         self.name = name
         self.formats: set[str] = set()  # 16-bit storage formats whose converters it needs
         self.counter = 0  # for fresh C names
         self.regs: dict[Value, str] = {}  # register values: their C names
-        self.dirty = False  # while emitting: has a register step read shared memory since
-        # the last barrier?
-        self.grid_vars = {a: f"bb_g_{_c_name(a)}" for a in plan.store.axes}
+        self.dirty = False  # while emitting: has a register step or a write read shared
+        # memory since the last barrier?
+        self.grid_vars = {a: f"bb_g_{_c_name(a)}" for a in plan.grid}
 
     def _block_var(self, b: BlockIndex, axis: str) -> str:
         if b == "grid":
@@ -337,15 +346,15 @@ class _KernelGen:
     # -- text
 
     def emit(self) -> tuple[KernelInfo, str]:
-        params = [self.store.tensor] + list(dict.fromkeys(
-            x.node.tensor for x in self.plan.values if x.kind == "load"
-            and x.node.tensor != self.store.tensor))
+        stored = self.kernel.tensors
+        params = list(stored) + list(dict.fromkeys(
+            x.node.tensor for x in self.plan.values if x.kind == "load"))
         signature = []
         for t in params:
             fmt = FORMATS[self.p.tensors[t].dtype]
             if fmt is not FORMATS["f32"]:
                 self.formats.add(self.p.tensors[t].dtype)
-            signature.append(fmt.ctype + "*" if t == self.store.tensor
+            signature.append(fmt.ctype + "*" if t in stored
                              else f"const {fmt.ctype}*")
         w = _Writer()
         w("const int bb_tid = threadIdx.x;")
@@ -357,18 +366,17 @@ class _KernelGen:
         self._decode_grid(w)
         self._resident(w)
         self._ops(w, self.plan.body)
-        self._store(w)
         args = ", ".join(f"{ct} __restrict__ g_{_c_name(t)}" for t, ct in zip(params, signature))
         text = "\n".join([f'extern "C" __global__ void __launch_bounds__({MAX_THREADS}) '
                           f"{self.name}({args}) {{", *w.lines, "}", ""])
-        grid = math.prod(self.p.blocks(a) for a in self.store.axes)
-        info = KernelInfo(self.name, self.store.tensor, grid, self.plan.threads,
+        grid = math.prod(self.p.blocks(a) for a in self.plan.grid)
+        info = KernelInfo(self.name, stored, grid, self.plan.threads,
                           self.plan.footprint, tuple(params), tuple(signature))
         return info, text
 
     def _decode_grid(self, w: _Writer) -> None:
-        axes = tuple(a for a in self.store.axes if self.p.blocks(a) > 1)
-        for a in self.store.axes:
+        axes = tuple(a for a in self.plan.grid if self.p.blocks(a) > 1)
+        for a in self.plan.grid:
             if self.p.blocks(a) == 1:
                 w(f"const int {self.grid_vars[a]} = 0;")
         if len(axes) == 1:
@@ -392,7 +400,8 @@ class _KernelGen:
         self.dirty = False
 
     def _before_write(self, w: _Writer) -> None:
-        """A register step may still be reading storage this write reuses: wait for it."""
+        """A register step or a write may still be reading storage that this step overwrites:
+        wait for it."""
         if self.dirty:
             self._barrier(w)
 
@@ -400,6 +409,8 @@ class _KernelGen:
         for op in ops:
             if isinstance(op, LoopPlan):
                 self._loop_text(w, op)
+            elif isinstance(op, WritePlan):
+                self._write(w, op)
             elif op.mode == "register":
                 self.regs[op] = self._fresh("r")
                 e = _Elem(w, {})
@@ -698,7 +709,7 @@ class _KernelGen:
     def _has_work(self, op: LoopPlan) -> bool:
         """Does the loop's body do anything (a one-trip loop over aliased tiles does not)?"""
         return any(len(red.in_place) < red.monoid.arity for red in op.accs) or any(
-            isinstance(o, LoopPlan) or o.mode in ("local", "register", "accumulate")
+            isinstance(o, (LoopPlan, WritePlan)) or o.mode in ("local", "register", "accumulate")
             for o in op.body)
 
     def _combine(self, w: _Writer, red: Accumulation) -> None:
@@ -732,17 +743,23 @@ class _KernelGen:
                            e.w(f"{self._at(s, e.coords)} = {self._at(t, e.coords)};"))
             self._barrier(w)
 
-    def _store(self, w: _Writer) -> None:
-        s = self.store
+    def _write(self, w: _Writer, op: WritePlan) -> None:
+        """Store the current block of `op.store`: the grid's block, each enclosing map loop's.
+
+        It only reads shared memory, so the next step that overwrites any of it (the next
+        iteration of a map loop, a later buffer placed over a dead one) waits at a barrier.
+        """
+        s = op.store
         fmt = FORMATS[self.p.tensors[s.tensor].dtype]
-        blocks = {a: self.grid_vars[a] for a in s.axes}
+        blocks = {a: self._block_var(b, a) for a, b in op.blocks.items()}
 
         def write(e: _Elem) -> None:
             offset = self._global_offset(s.tensor, s.axes, blocks, e.coords)
             target = f"g_{_c_name(s.tensor)}[{offset}]"
-            e.w(f"{target} = {fmt.from_float.format(self._val(self.plan.result, e))};")
+            e.w(f"{target} = {fmt.from_float.format(self._val(op.result, e))};")
 
         self._each(w, s.axes, write)
+        self.dirty = True
 
 
 # --------------------------------------------------------------------------------------------
@@ -760,7 +777,8 @@ SOURCE = {source!r}
 # name -> (shape, dtype, role)
 TENSORS = {tensors!r}
 OUTPUTS = {outputs!r}
-# (function, grid, threads per block, dynamic shared memory bytes, tensor arguments)
+# (function, grid, threads per block, dynamic shared memory bytes, tensor arguments, stored
+# tensors)
 KERNELS = {kernels!r}
 
 _functions = {{}}
@@ -793,7 +811,7 @@ def run(**inputs):
             if x.shape != shape:
                 raise ValueError(f"input '{{name}}' has shape {{x.shape}}, expected {{shape}}")
             memory[name] = x
-    for name, grid, threads, shared_bytes, params in KERNELS:
+    for name, grid, threads, shared_bytes, params, _ in KERNELS:
         for t in params:
             if t not in memory:
                 shape, dtype, _ = TENSORS[t]
@@ -801,7 +819,7 @@ def run(**inputs):
                                      cp.float16 if dtype == "f16" else cp.uint16)
         _function(name, shared_bytes)((grid,), (threads,), tuple(memory[t] for t in params),
                                       shared_mem=shared_bytes)
-    stored = dict.fromkeys(k[4][0] for k in KERNELS)
+    stored = dict.fromkeys(t for k in KERNELS for t in k[5])
     return {{t: memory[t] if TENSORS[t][1] == "f16" else from_storage(memory[t], TENSORS[t][1], cp)
             for t in stored}}
 '''
@@ -813,7 +831,8 @@ def _launcher(source: str, kernels: tuple[KernelInfo, ...], tensors: dict[str, T
         source=source,
         tensors={n: (t.shape, t.dtype, t.role) for n, t in tensors.items()},
         outputs=outputs,
-        kernels=[(k.name, k.grid, k.threads, k.shared_bytes, k.params) for k in kernels],
+        kernels=[(k.name, k.grid, k.threads, k.shared_bytes, k.params, k.tensors)
+                 for k in kernels],
         to_storage=inspect.getsource(to_storage).replace("xp=np", "xp=cp"),
         from_storage=inspect.getsource(from_storage).replace("xp=np", "xp=cp"))
 

@@ -12,9 +12,17 @@ Why it looks the way it does:
   does not depend on / span that axis.  Broadcasting by axis name is then plain numpy broadcasting,
   and a contraction over all query blocks is one large `np.matmul`.  Inside a loop over an axis the
   tiles hold the loop's current block of it (size 1 in the blocks dimension).
+- *A kernel makes several stores* and returns every tensor it stores.  A store's axes that are
+  not grid axes are *map loops*: a Python loop over the axis' blocks (on its own, or merged with
+  sibling reductions over the same axis, as the plan's `Loop` says) whose body assigns the
+  current block of the store into its output array, allocated before the kernel's first step.
+  What does not depend on a map loop's axis is computed once, before the loop, and shared by
+  every store; map loops nest.  A store outside every loop is the whole vectorised tile,
+  returned as it is when it is a fresh array, else copied into a new one.
 - *Peak memory follows the program's tiles*: loads are views of the global arrays, temporaries
   are deleted after their last use, and nothing allocates more than the tiles the schedule holds
-  (a fused attention never allocates N x N; an unfused one materialises what its stores store).
+  and the tensors the kernels store (a fused attention never allocates N x N; an unfused one
+  materialises what its stores store).
 - *Monoids are data.*  Identity, combine and finalize are emitted from the monoid's expressions,
   never special-cased by name, so online softmax and Welford need no code of their own.
 - Static shapes are known while generating, so reshapes and transposes around `np.matmul` are
@@ -35,12 +43,12 @@ from typing import AbstractSet, Callable, Mapping, Sequence, Union
 import numpy as np
 
 from bbrules.ir import (ELEMENTWISE_KINDS, Axis, Binary, BlockProgram, BlockReduce, Const, Dim,
-                        Dot, Get, IRError, KindTable, Load, Node, Reduce, Store, TileType, Tuple,
-                        Var, children, is_elementwise, operator, postorder, rebuild, show_kernel,
-                        tile_type, transform, type_of, validate)
+                        Dot, Get, IRError, Kernel, KindTable, Load, Node, Reduce, Store, TileType,
+                        Tuple, Var, children, is_elementwise, operator, postorder, rebuild,
+                        show_kernel, tile_type, transform, type_of, validate)
 from bbrules.ops import ELEMENTWISE, TILE_REDUCE, OpInfo
 from bbrules.plan import plan_for
-from bbrules.schedule import Loop, Step
+from bbrules.schedule import Loop, Step, Write, walk_steps
 from bbrules.targets import Target, get_target
 
 _INFIX = {"add": "+", "sub": "-", "mul": "*", "div": "/"}
@@ -319,23 +327,26 @@ def _(n: Dot, w: _KernelWriter) -> _Stmt:
 class _KernelWriter:
     """Writes the function for one kernel by walking its schedule."""
 
-    def __init__(self, p: BlockProgram, store: Store, fn_name: str, params: Mapping[str, str],
-                 fns: _Functions, capacity: int):
+    def __init__(self, p: BlockProgram, kernel: Kernel, fn_name: str, params: Mapping[str, str],
+                 outputs: Mapping[str, str], fns: _Functions, capacity: int):
         self.p = p
-        self.store = store
+        self.kernel = kernel
         self.fn_name = fn_name
         self.params = params
+        self.outputs = outputs  # stored tensor -> the name of its array
         self.fns = fns
-        self.schedule = plan_for(p, store, capacity).schedule
-        used = {a for n in postorder(store.value) for a in _axes_of(n)}
-        self.layout = _Layout(store.axes, tuple(a for a in p.dims if a in used
-                                                and a not in store.axes), p.dims)
-        self.taken = set(params.values())
+        self.schedule = plan_for(p, kernel, capacity).schedule
+        used = {a for k in kernel.stores for n in postorder(k.value) for a in _axes_of(n)}
+        used.update(a for k in kernel.stores for a in k.axes)
+        self.layout = _Layout(kernel.grid, tuple(a for a in p.dims if a in used
+                                                 and a not in kernel.grid), p.dims)
+        self.taken = {*params.values(), *outputs.values()}
         self.counter = 0
         self.scopes: list[dict[Node, Code]] = [{}]
         self.loop_vars: dict[Axis, str] = {}
         self.reads: set[str] = set()
         self.owned: set[str] = set()
+        self.returned: set[str] = set()  # arrays a store returns as they are
 
     # ---------------------------------------------------------------- names and lookup
 
@@ -366,13 +377,20 @@ class _KernelWriter:
     # ---------------------------------------------------------------- steps
 
     def write(self) -> list[str]:
-        k = self.store
-        grid = ", ".join(f"{a}: {self.p.blocks(a)} x {self.p.block(a)}" for a in k.axes)
+        """The function: its outputs stored block by block allocated first, then every step."""
+        k = self.kernel
+        grid = ", ".join(f"{a}: {self.p.blocks(a)} x {self.p.block(a)}" for a in k.grid)
+        stored = ", ".join(f"{s.tensor}[{', '.join(s.axes)}]" for s in k.stores)
         head = [f"def {self.fn_name}({', '.join(self.params.values())}):",
-                f'    """Kernel {k.tensor}[{", ".join(k.axes)}], all grid blocks at once '
-                f'({grid or "no grid axes"})."""']
+                f'    """Kernel {stored}, all grid blocks at once ({grid or "no grid axes"})."""']
+        looped = {step.store.tensor for step, loops in walk_steps(self.schedule.body)
+                  if isinstance(step, Write) and loops}
+        for s in k.stores:
+            if s.tensor in looped:
+                extents = tuple(self.p.extent(a) for a in s.axes)
+                head.append(f"    {self.outputs[s.tensor]} = np.empty({_shape_text(extents)}, f32)")
         stmts = self.steps(self.schedule.body)
-        stmts.append(self.store_stmt())
+        stmts.append(_Stmt([f"return {', '.join(self.outputs[t] for t in k.tensors)}"]))
         return head + _assemble(stmts, "    ", final_is_return=True)
 
     def steps(self, steps: Sequence[Step]) -> list[_Stmt]:
@@ -381,6 +399,8 @@ class _KernelWriter:
             self.reads = set()
             if isinstance(step, Loop):
                 out += self.loop(step)
+            elif isinstance(step, Write):
+                out.append(self.store(step.store))
             elif (stmt := self.compute(step.node)) is not None:
                 self.owned |= stmt.owned
                 out.append(stmt)
@@ -453,12 +473,17 @@ class _KernelWriter:
         """Accumulators, the loop over the axis' blocks, the finalizers.
 
         A loop over an axis of one block has no `for`: its statements join the enclosing body,
-        so liveness (and overwriting dying temporaries) works across it.
+        so liveness (and overwriting dying temporaries) works across it.  (Only a reduction's
+        loop can have one block: a map loop is never over an axis of one block.)
         """
         d = self.p.dims[loop.axis]
         looping = d.blocks > 1
         folds = ", ".join(dict.fromkeys(r.monoid.name for r in loop.reduces))
-        init = [f"# loop over {loop.axis} ({d.blocks} x {d.block}) folding {folds}" if looping
+        stores = ", ".join(step.store.tensor for step, _ in walk_steps(loop.body)
+                           if isinstance(step, Write))
+        does = " and ".join(([f"folding {folds}"] if folds else [])
+                            + ([f"storing {stores}"] if stores else []))
+        init = [f"# loop over {loop.axis} ({d.blocks} x {d.block}) {does}" if looping
                 else f"# {folds} over {loop.axis}: one block, no loop"]
         states: list[tuple[Reduce, list[str]]] = []
         for r in loop.reduces:
@@ -488,12 +513,12 @@ class _KernelWriter:
         accs = tuple(a for _, acc in states for a in acc)
         owned = frozenset(a for r, acc in states for a, fresh in zip(acc, _fresh_state(r)) if fresh)
         self.owned |= owned
-        done = self.finalize(states)
         lines = init + [f"for {var} in range(0, {d.extent}, {d.block}):"]
         lines += _assemble(body, "    ", final_is_return=False)
         uses = frozenset().union(*(s.uses for s in body))
         escapes = frozenset().union(*(s.escapes for s in body))
-        return [_Stmt(lines, accs, uses, owned, escapes=escapes), done]
+        stmt = _Stmt(lines, accs, uses, owned, escapes=escapes)
+        return [stmt, self.finalize(states)] if states else [stmt]
 
     def combine(self, r: Reduce, acc: list[str]) -> _Stmt:
         """Fold this iteration's contribution into the accumulators (simultaneously).
@@ -578,20 +603,32 @@ class _KernelWriter:
         self.owned |= owned
         return _Stmt(lines, tuple(defs), frozenset(self.reads), frozenset(owned))
 
-    def store_stmt(self) -> _Stmt:
-        """Return the stored tensor; a fresh array of the full grid shape needs no copy."""
-        k = self.store
-        self.reads = set()
-        value = self.lookup(k.value)
-        assert isinstance(value, str)
+    def store(self, k: Store) -> _Stmt:
+        """Write the stored tile at the current block of every map loop around it.
+
+        Inside map loops, the block goes into the output array allocated at the top; outside
+        every loop the tile is the whole tensor: a fresh array is returned as it is (never to be
+        overwritten afterwards), anything else is copied into a new one.
+        """
+        value = self.tile(k.value)
+        lay = self.layout
+        groups = [[lay.block_dim(a), lay.element_dim(a)] if a in lay.grid else [lay.element_dim(a)]
+                  for a in k.axes]
+        tile = _from_layout(value, self.dims(k.value), groups)
+        out = self.outputs[k.tensor]
+        index = [f"{v}:{v} + {self.p.block(a)}" if (v := self.loop_vars.get(a)) else ":"
+                 for a in k.axes]
+        while index and index[-1] == ":":
+            index.pop()
+        uses = frozenset(self.reads)
+        if index:
+            return _Stmt([f"{out}[{', '.join(index)}] = {tile}"], uses=uses)
+        if value in self.owned and value not in self.returned:
+            self.returned.add(value)
+            return _Stmt([f"{out} = {tile}"], uses=uses, escapes=frozenset((value,)))
         extents = tuple(self.p.extent(a) for a in k.axes)
-        full = self.layout.shape(TileType(frozenset(k.axes), frozenset(k.axes)), ())
-        if value in self.owned:
-            return _Stmt([f"return {value}.reshape{_shape_text(extents)}"], uses=frozenset(self.reads))
-        out = self.fresh("out")
-        return _Stmt([f"{out} = np.empty({_shape_text(extents)}, f32)",
-                      f"{out}.reshape{_shape_text(full)}[...] = {value}",
-                      f"return {out}"], uses=frozenset(self.reads))
+        return _Stmt([f"{out} = np.empty({_shape_text(extents)}, f32)", f"{out}[...] = {tile}"],
+                     uses=uses)
 
 
 # (operator, constant) pairs where the constant is a neutral element on that side
@@ -642,7 +679,7 @@ def _axes_of(n: Node) -> tuple[Axis, ...]:
 def _assemble(stmts: list[_Stmt], indent: str, final_is_return: bool) -> list[str]:
     """Lines of one body: temporaries it defines are deleted after their last use, and a step
     that is the last use of a fresh temporary of its own shape overwrites it instead of
-    allocating."""
+    allocating.  When the last statement returns, nothing is deleted just before it."""
     last: dict[str, int] = {}
     owned: set[str] = set()
     escaped: set[str] = set()
@@ -660,13 +697,14 @@ def _assemble(stmts: list[_Stmt], indent: str, final_is_return: bool) -> list[st
         lines = s.in_place[reusable[0]] if reusable else s.lines
         out += [indent + line for line in lines]
         dead = [name for name, j in last.items() if j == i]
-        if dead and not (final_is_return and i == len(stmts) - 1):
+        if dead and not (final_is_return and i >= len(stmts) - 2):
             out.append(f"{indent}del {', '.join(dead)}")
     return out
 
 
-def _kernel_params(p: BlockProgram, k: Store, names: Mapping[str, str]) -> dict[str, str]:
-    tensors = dict.fromkeys(n.tensor for n in postorder(k.value) if isinstance(n, Load))
+def _kernel_params(p: BlockProgram, k: Kernel, names: Mapping[str, str]) -> dict[str, str]:
+    tensors = dict.fromkeys(n.tensor for s in k.stores for n in postorder(s.value)
+                            if isinstance(n, Load))
     return {t: names[t] for t in tensors}
 
 
@@ -683,19 +721,21 @@ def generate(p: BlockProgram, target: Target | str | None = None) -> str:
         names[t] = _identifier(t, set(names.values()))
     fns = _Functions()
     taken = set(names.values())
-    kernels: list[tuple[str, Store, list[str]]] = []
+    kernels: list[tuple[str, Kernel, list[str]]] = []
     for k in p.kernels:
-        fn_name = _identifier(f"kernel_{k.tensor}", taken)
+        fn_name = _identifier(f"kernel_{k.name}", taken)
         taken.add(fn_name)
         params = _kernel_params(p, k, names)
-        body = _KernelWriter(p, k, fn_name, params, fns, target.local_capacity).write()
+        outputs = {t: names[t] for t in k.tensors}
+        body = _KernelWriter(p, k, fn_name, params, outputs, fns, target.local_capacity).write()
         kernels.append((fn_name, k, body))
 
     out = [f'"""numpy code generated by bbrules: {len(p.kernels)} kernel(s).',
            "",
            "Each tile holds every grid block at once: a (blocks, block) pair of dimensions per grid",
            "axis, then one dimension per other axis of the kernel, size 1 where the tile has no such",
-           'axis.  Each Python loop walks the blocks of one reduction axis."""',
+           "axis.  Each Python loop walks the blocks of one axis, folding reductions over it and/or",
+           'storing one block per iteration of the tensors whose axes extend beyond the grid."""',
            "",
            "import numpy as np",
            ""]
@@ -726,7 +766,7 @@ _INPUT_HELPER = [
 
 
 def _run_function(p: BlockProgram, names: Mapping[str, str],
-                  kernels: list[tuple[str, Store, list[str]]]) -> list[str]:
+                  kernels: list[tuple[str, Kernel, list[str]]]) -> list[str]:
     lines = [*_INPUT_HELPER, "", "",
              "def run(**inputs):",
              '    """Run every kernel in order; return every stored tensor by name (float32)."""']
@@ -736,8 +776,8 @@ def _run_function(p: BlockProgram, names: Mapping[str, str],
     lines.append('    with np.errstate(all="ignore"):')
     for fn_name, k, _ in kernels:
         args = ", ".join(_kernel_params(p, k, names).values())
-        lines.append(f"        {names[k.tensor]} = {fn_name}({args})")
-    stored = dict.fromkeys(k.tensor for k in p.kernels)
+        lines.append(f"        {', '.join(names[t] for t in k.tensors)} = {fn_name}({args})")
+    stored = [k.tensor for k in p.stores]
     lines.append(f"    return {{{', '.join(f'{t!r}: {names[t]}' for t in stored)}}}")
     return lines
 

@@ -55,8 +55,8 @@ def program(dims: dict[str, tuple[int, int]], inputs: dict[str, tuple[str, ...]]
     for k in kernels:
         tensors[k.tensor] = TensorDecl(k.tensor, k.axes, dtype,
                                        "output" if k.tensor in outputs else "temp")
-    return BlockProgram({n: Dim(n, e, b) for n, (e, b) in dims.items()}, tensors,
-                        tuple(kernels), outputs)
+    return BlockProgram.of_stores({n: Dim(n, e, b) for n, (e, b) in dims.items()}, tensors,
+                                  tuple(kernels), outputs)
 
 
 def rand(*shape: int, seed: int = 0, loc: float = 0.0) -> np.ndarray:

@@ -48,7 +48,7 @@ def flash_attention() -> BlockProgram:
     m = BlockReduce("max", "k", s)
     p = Unary("exp", Binary("sub", s, m))
     body = Tuple((m, BlockReduce("sum", "k", p), Dot("k", p, Load("V", ("k", "d")))))
-    return BlockProgram(
+    return BlockProgram.of_stores(
         _dims(q=(8, 4), k=(12, 4), d=(4, 4)),
         _tensors(("Q", ("q", "d"), "input"), ("K", ("k", "d"), "input"),
                  ("V", ("k", "d"), "input"), ("O", ("q", "d"), "output")),
@@ -70,7 +70,7 @@ def every_node() -> BlockProgram:
     clipped = Binary("min", Binary("max", norm, Const(float("-inf"))), Const(float("inf")))
     scores = Reduce("e", SUM, Dot("e", Load("Y", ("s", "e")), xk))
     low = Reduce("k", MIN, BlockReduce("min", "k", scores))
-    return BlockProgram(
+    return BlockProgram.of_stores(
         _dims(s=(8, 4), k=(8, 4), e=(16, 8)),
         _tensors(("X", ("s", "e"), "input"), ("Y", ("s", "e"), "temp"),
                  ("Z", ("s",), "output")),
@@ -104,7 +104,7 @@ def test_a_declared_monoid_travels_with_the_program() -> None:
     text = show_program(flash_attention()).replace(ONLINE.name, "online_blockfile_fresh")
     program = parse_block_program(text).program
     assert program.monoids["online_blockfile_fresh"].combine == ONLINE.combine
-    [reduce] = [n for k in program.kernels for n in postorder(k.value)
+    [reduce] = [n for k in program.stores for n in postorder(k.value)
                 if isinstance(n, Reduce) and n.axis == "k"]
     assert reduce.monoid is program.monoids["online_blockfile_fresh"]
 
@@ -121,7 +121,7 @@ def test_hand_written_file() -> None:
     assert program.dims == {"q": Dim("q", 8, 8)}
     assert program.tensors["A"] == TensorDecl("A", ("q",), "f16", "input")
     a = Load("A", ("q",))
-    assert program.kernels[0].value == Binary(
+    assert program.stores[0].value == Binary(
         "sub", Binary("mul", Unary("exp", a), Unary("exp", a)),
         Binary("mul", Const(2.0), Unary("neg", a)))
 
@@ -151,7 +151,14 @@ output B[q] : f32
     (_HEAD + "kernel B[q]:\n  B[q] = bsum(k, load(A[q, k]))\n",
      5, 8, "kernel B: a store needs shape == deps == ['q']"),
     (_HEAD + "kernel B[q]:\n  C[q] = load(A[q, k])\n",
-     6, 3, "kernel B[q] must end by storing B[q]"),
+     6, 3, "kernel B[q] must store exactly B[q]"),
+    (_HEAD + "kernel B[q]:\n  B[q] = load(A[q, k])\n  C[q] = load(A[q, k])\n",
+     6, 3, "a kernel of several stores names only its grid: `kernel [q]:`"),
+    (_HEAD + "kernel [q, z]:\n  B[q] = bsum(k, load(A[q, k]))\n",
+     5, 12, "unknown axis 'z'"),
+    (_HEAD + "output C[q, k] : f32\nkernel [q]:\n  B[q] = reduce(k, sum, bsum(k, load(A[q, k])))\n"
+     "  C[q, k] = load(B[q]) + load(A[q, k])\n",
+     6, 1, "kernel B_C: C reads 'B', which the same kernel stores"),
     (_HEAD + "kernel B[q]:\n  let t = load(A[q, k])\n  let t = t\n  B[q] = t\n",
      7, 7, "'t' is already bound"),
     (_HEAD + "kernel B[q]:\n  B[q] = reduce(k, sum, bsum(k, ?x))\n",

@@ -28,7 +28,7 @@ def test_apply_writes_a_block_program_that_show_cost_and_run_read_back(tmp_path,
     out = tmp_path / "flash.bbk"
     assert main(["apply", ATTENTION, *SMALL, "-o", str(out)]) == 0
     fused = load_block_program(out)
-    assert [k.tensor for k in fused.program.kernels] == ["O"]
+    assert [k.tensor for k in fused.program.stores] == ["O"]
     assert fused.source is not None
     capsys.readouterr()
     assert main(["show", str(out)]) == 0

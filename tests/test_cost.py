@@ -87,7 +87,7 @@ def test_unfused_attention_traffic_matches_the_closed_form(dims, blocks):
     p = lower(load_program(ATTENTION, dims))
     cost = cost_program(p, H100)
     want = unfused_attention_traffic(*blocks, 64)
-    assert {k.tensor: (k.bytes_read, k.bytes_written) for k in cost.kernels} == want
+    assert {k.tensors[0]: (k.bytes_read, k.bytes_written) for k in cost.kernels} == want
     assert cost.traffic == sum(r + w for r, w in want.values())
     n_q, n_k = blocks[0] * blocks[1], blocks[2] * blocks[3]
     assert cost.compulsory == F * (n_q * 64 + 2 * n_k * 64 + n_q * 64)  # Q, K, V in; O out
@@ -153,7 +153,7 @@ def test_512_by_512_score_tiles_do_not_fit_local_memory():
     cost = cost_program(lower(load_program(ATTENTION, {"q": (4096, 512), "k": (4096, 512)})),
                         H100)
     s = cost.kernels[0]
-    assert s.tensor == "S" and not s.legal and s.time == math.inf
+    assert s.tensors == ("S",) and not s.legal and s.time == math.inf
     assert s.footprint >= 512 * 512 * F > H100.local_capacity
     assert not cost.legal and cost.time == math.inf
 
@@ -348,7 +348,7 @@ def test_a_dot_before_a_loop_of_one_trip_is_its_accumulator():
     # (64 x 64) and the dot's, which is the loop's accumulator; the scaling is computed as S
     # is stored.  Rows of 64 are padded by one element against bank conflicts.
     cost = cost_program(lower(load_program(ATTENTION)), H100)
-    assert cost.kernels[0].tensor == "S"
+    assert cost.kernels[0].tensors == ("S",)
     assert cost.kernels[0].footprint == 3 * F * 64 * 65
 
 
@@ -469,7 +469,7 @@ def test_equal_kernels_built_apart_share_one_cached_cost():
     # extraction builds every candidate from fresh nodes: equal kernels must still be found
     first, again = flash_attention(256, 32), flash_attention(256, 32)
     k1, k2 = first.kernels[0], again.kernels[0]
-    assert k1 == k2 and k1 is not k2 and k1.value.x is not k2.value.x
+    assert k1 == k2 and k1 is not k2 and k1.stores[0].value.x is not k2.stores[0].value.x
     assert cost_kernel(again, k2, H100) is cost_kernel(first, k1, H100)
     other = flash_attention(256, 64)
     assert cost_kernel(other, other.kernels[0], H100) != cost_kernel(first, k1, H100)
@@ -496,7 +496,7 @@ def test_table_and_json_report_every_kernel_and_the_lower_bound():
     assert f"compulsory 4.00 MiB ({ratio:.2f}x the lower bound)" in table
     data = json.loads(json.dumps(cost.to_json()))
     assert data["traffic"] == cost.traffic and data["compulsory"] == cost.compulsory
-    assert [k["tensor"] for k in data["kernels"]] == list("SMELPO")
+    assert [k["tensors"] for k in data["kernels"]] == [[t] for t in "SMELPO"]
     assert data["kernels"][0]["grid"] == ["q", "k"]
 
 

@@ -164,7 +164,7 @@ def test_apply_with_a_bad_resolution_exits_2_with_file_line_col(tmp_path, capsys
 
 def candidate(t: Target, time_us: float, traffic: int, kernels: int = 1) -> ProgramCost:
     """A program of `kernels` equal kernels taking `time_us` and moving `traffic` in all."""
-    k = KernelCost("T", ("m",), 1, traffic // kernels, 0, 0, 0, True, time_us * 1e-6 / kernels,
+    k = KernelCost(("T",), ("m",), 1, traffic // kernels, 0, 0, 0, True, time_us * 1e-6 / kernels,
                    0, ())
     return ProgramCost((k,) * kernels, t, 0)
 

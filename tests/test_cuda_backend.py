@@ -11,6 +11,7 @@ generator can be specific to the standard rule pack.
 from __future__ import annotations
 
 import dataclasses
+import math
 import shutil
 import sys
 from pathlib import Path
@@ -20,6 +21,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 from bbrules import interp
+from bbrules.blockfile import load_block_program, parse_block_program
 from bbrules.codegen.cuda_gen import (MAX_THREADS, CompileError, CudaModule, compile_check,
                                       from_storage, generate, to_storage)
 from bbrules.cost import cost_kernel
@@ -39,6 +41,7 @@ from irbuild import (WELFORD, add, attention_reference, flash_attention, mul, on
 from strategies import programs
 
 EXAMPLES = sorted((Path(__file__).parent.parent / "examples").glob("*.bbp"))
+MULTI = sorted((Path(__file__).parent / "programs" / "multi").glob("*.bbk"))
 
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
 needs_cxx = pytest.mark.skipif(shutil.which("g++") is None,
@@ -80,7 +83,7 @@ def small_example(path: Path) -> BlockProgram:
             a = group[a]
         return a
 
-    for k in declared.kernels:
+    for k in declared.stores:
         for n in postorder(k.value):
             if isinstance(n, Load):
                 for declared_axis, used in declared.tensor_axes_dim(n):
@@ -269,6 +272,131 @@ def test_race_check_sees_a_missing_barrier():
 
 
 # --------------------------------------------------------------------------------------------
+# Kernels of several stores, and map loops: every block program in tests/programs/multi, and
+# a few written here (nested map loops, an empty grid, a grid axis of one block).
+
+MAP_LOOPS = {
+    # Y walks the blocks of i and, inside, of j (w[j] is resident); Z's reduction over j
+    # shares Y's loop over j.  The grid axis h has one block.
+    "nested_map_loops": """\
+dim h = 2
+dim i = 32 / 8
+dim j = 96 / 32
+input X[h, i, j] : f32
+input w[j] : f32
+output Y[h, i, j] : f32
+output Z[h, i] : f32
+
+kernel [h]:
+  Y[h, i, j] = exp(load(X[h, i, j])) * load(w[j])
+  Z[h, i] = reduce(j, max, bmax(j, load(X[h, i, j])))
+""",
+    # One thread block: per block of rows, a reduction loop over c, then a map loop over c
+    # that reads the reduction's result.
+    "softmax_numerator_in_one_block": """\
+dim r = 48 / 16
+dim c = 64 / 16
+input X[r, c] : f32
+output Y[r, c] : f32
+output M[r] : f32
+
+kernel []:
+  let t0 = reduce(c, max, bmax(c, load(X[r, c])))
+  Y[r, c] = exp(load(X[r, c]) - t0)
+  M[r] = t0
+""",
+}
+MULTI_STORE = [*(p.stem for p in MULTI), *MAP_LOOPS]
+
+
+def multi_store_program(name: str) -> BlockProgram:
+    if name in MAP_LOOPS:
+        return parse_block_program(MAP_LOOPS[name], f"<{name}>").program
+    return load_block_program(next(p for p in MULTI if p.stem == name)).program
+
+
+def test_multi_store_programs_exercise_several_stores_map_loops_and_an_empty_grid():
+    """Guard on the programs the tests below use."""
+    programs = {name: multi_store_program(name) for name in MULTI_STORE}
+    assert {"one_processor", "qkv", "rowsum_add", "softmax_row",
+            "stats_then_normalise"} <= set(programs)
+    kernels = [k for p in programs.values() for k in p.kernels]
+    assert sum(len(k.stores) > 1 for k in kernels) >= 5
+    assert any(not k.grid for k in kernels)
+    assert any(len(k.map_axes(s)) > 1 for k in kernels for s in k.stores)  # nested
+    for name, p in programs.items():
+        assert any(len(k.stores) > 1 or any(k.map_axes(s) for s in k.stores)
+                   for k in p.kernels), name
+
+
+@needs_cxx
+@pytest.mark.parametrize("name", MULTI_STORE)
+def test_multi_store_kernels_run_like_the_interpreter(name):
+    p = multi_store_program(name)
+    module = check_emulated(p, threads=(None, 32, 48))
+    assert [k.tensors for k in module.kernels] == [k.tensors for k in p.kernels]
+    for info, kernel in zip(module.kernels, p.kernels, strict=True):
+        assert info.params[:len(kernel.stores)] == kernel.tensors
+        assert info.grid == math.prod(p.blocks(a) for a in kernel.grid)
+
+
+def test_the_grid_has_one_thread_block_per_point_of_the_kernels_grid_axes():
+    grids = {name: [k.grid for k in generate(multi_store_program(name)).kernels]
+             for name in ("one_processor", "rowsum_add", "stats_then_normalise",
+                          "nested_map_loops")}
+    assert grids == {"one_processor": [1], "rowsum_add": [4], "stats_then_normalise": [4, 16],
+                     "nested_map_loops": [1]}
+
+
+@needs_nvcc
+@pytest.mark.parametrize("name", MULTI_STORE)
+def test_multi_store_kernels_compile_for_sm90(name):
+    module = generate(multi_store_program(name))
+    resources = compile_check(module.source)
+    assert set(resources) == {k.name for k in module.kernels}
+    assert all(0 < r.registers <= 255 and r.spill_bytes == 0 for r in resources.values())
+
+
+@pytest.mark.parametrize("name", MULTI_STORE)
+def test_multi_store_kernels_allocate_the_cost_models_footprint(name):
+    p = multi_store_program(name)
+    target = get_target("h100")
+    for info, kernel in zip(generate(p, target).kernels, p.kernels, strict=True):
+        assert info.shared_bytes == cost_kernel(p, kernel, target).footprint > 0
+
+
+@needs_cxx
+@pytest.mark.parametrize("name", MULTI_STORE)
+def test_multi_store_kernels_have_no_data_races(name):
+    assert _race_report(generate(multi_store_program(name))) == ""
+
+
+@needs_cxx
+def test_a_map_loop_waits_for_its_write_before_reloading_its_tiles():
+    """A write reads every element of the tile of v[j]; the next iteration's first step loads
+    the next block of v into the same storage, with other threads.  Without the barrier after
+    the write, ThreadSanitizer sees the race."""
+    p = parse_block_program("""\
+dim i = 32 / 8
+dim j = 64 / 16
+input v[j] : f32
+input a[i, j] : f32
+output c[i, j] : f32
+
+kernel [i]:
+  c[i, j] = load(v[j]) * load(a[i, j])
+""").program
+    module = generate(p)
+    assert _race_report(module) == ""
+    lines = module.source.splitlines()
+    write = next(i for i, line in enumerate(lines) if "g_c[" in line)
+    barrier = next(i for i in range(write, len(lines)) if lines[i].strip() == "__syncthreads();")
+    assert lines[barrier + 1].strip() == "}"  # the last step of the map loop's body
+    broken = dataclasses.replace(module, source="\n".join(lines[:barrier] + lines[barrier + 1:]))
+    assert "data race" in _race_report(broken)
+
+
+# --------------------------------------------------------------------------------------------
 # Limits and the toolchain
 
 
@@ -285,8 +413,8 @@ def test_shared_memory_is_the_cost_models_footprint(name):
     p = FUSED[name]() if name in FUSED else lower(load_program(
         next(e for e in EXAMPLES if e.stem == name)))
     target = get_target("h100")
-    for info, store in zip(generate(p, target).kernels, p.kernels):
-        assert info.shared_bytes == cost_kernel(p, store, target).footprint
+    for info, kernel in zip(generate(p, target).kernels, p.kernels, strict=True):
+        assert info.shared_bytes == cost_kernel(p, kernel, target).footprint
 
 
 def test_offsets_into_tensors_past_2_to_the_31_elements_are_64_bit():
@@ -340,11 +468,25 @@ def test_launcher_converts_16_bit_tensors(monkeypatch):
     assert_matches(got, interp.run(p, inputs), rtol=2e-2)
 
 
+@needs_cxx
+def test_launcher_returns_every_tensor_a_kernel_stores(monkeypatch):
+    p = multi_store_program("rowsum_add")
+    module = generate(p)
+    monkeypatch.setitem(sys.modules, "cupy", fake_cupy(module))
+    inputs = random_inputs(p, seed=6)
+    got = module.runner()(**inputs)
+    assert set(got) == {"c", "d"}
+    assert_matches(got, interp.run(p, inputs))
+
+
 @needs_gpu
-@pytest.mark.parametrize("name", [*FUSED, *(p.stem for p in EXAMPLES)])
+@pytest.mark.parametrize("name", [*FUSED, *(p.stem for p in EXAMPLES), *MULTI_STORE])
 def test_kernels_on_the_gpu_match_the_interpreter(name):
-    p = FUSED[name]() if name in FUSED else small_example(
-        next(e for e in EXAMPLES if e.stem == name))
+    if name in MULTI_STORE:
+        p = multi_store_program(name)
+    else:
+        p = FUSED[name]() if name in FUSED else small_example(
+            next(e for e in EXAMPLES if e.stem == name))
     module = generate(p)
     inputs = random_inputs(p, seed=1)
     got = {t: a.get() for t, a in module.runner()(**inputs).items()}

@@ -132,8 +132,8 @@ output Y
 """, "renamed.bbp"))
     sat = Saturator(compile_pack(parse_rules("rule forward: load(store(?v)) => ?v", "f.bbr")),
                     {n: (d.extent, d.block) for n, d in prog.dims.items()})
-    sat.add_terms({k.tensor: k.value for k in prog.kernels},
-                  {k.tensor: (k.axes, k.value) for k in prog.kernels})
+    sat.add_terms({k.tensor: k.value for k in prog.stores},
+                  {k.tensor: (k.axes, k.value) for k in prog.stores})
     sat.run()
     g = sat.freeze()
     forwarded = Reduce("d", SUM, Dot("d", Binary("mul", Load("X", ("s", "d")), Const(2.0)),

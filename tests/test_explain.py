@@ -42,7 +42,7 @@ def test_the_chain_replays_to_the_extracted_program(pack, fused, name):
     r = fused[name]
     rules = {rule.name: rule for rule in pack.rules}
     values = replay(r.source, r.chain, rules)
-    for k in r.program.kernels:
+    for k in r.program.stores:
         assert values[k.tensor] == k.value, k.tensor
     for s in r.chain:
         assert s.before != s.after
@@ -112,9 +112,9 @@ def test_a_chain_through_rules_whose_result_is_one_of_their_variables(pack):
     r = fuse(program, pack, get_target("h100"))
     rules = {rule.name: rule for rule in pack.rules}
     values = replay(r.source, r.chain, rules)
-    assert [values[k.tensor] for k in r.program.kernels] == [k.value for k in r.program.kernels]
+    assert [values[k.tensor] for k in r.program.stores] == [k.value for k in r.program.stores]
     assert "mul_one" in [s.rule for s in r.chain]
-    assert "Binary" not in {type(n).__name__ for k in r.program.kernels
+    assert "Binary" not in {type(n).__name__ for k in r.program.stores
                             for n in postorder(k.value)}
 
 

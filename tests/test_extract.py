@@ -37,8 +37,8 @@ def standard():
 
 def saturated(program: BlockProgram, pack) -> ClassGraph:
     sat = Saturator(compile_pack(pack), {n: (d.extent, d.block) for n, d in program.dims.items()})
-    sat.add_terms({k.tensor: k.value for k in program.kernels},
-                  {k.tensor: (k.axes, k.value) for k in program.kernels})
+    sat.add_terms({k.tensor: k.value for k in program.stores},
+                  {k.tensor: (k.axes, k.value) for k in program.stores})
     sat.run(Budget())
     return sat.freeze()
 
@@ -60,7 +60,7 @@ def attention_terms():
 
 def with_output(p: BlockProgram, value) -> BlockProgram:
     tensors = {n: t for n, t in p.tensors.items() if t.role != "temp"}
-    return BlockProgram(p.dims, tensors, (Store("O", ("q", "d"), value),), p.outputs)
+    return BlockProgram.of_stores(p.dims, tensors, (Store("O", ("q", "d"), value),), p.outputs)
 
 
 def test_three_pass_and_two_loop_forms_are_in_the_egraph_but_not_extracted(pack):
@@ -70,7 +70,7 @@ def test_three_pass_and_two_loop_forms_are_in_the_egraph_but_not_extracted(pack)
     assert g.lookup(three_pass) == g.named["O"]
     assert g.lookup(two_loops) == g.named["O"]
     fused, cost, _ = extract(g, p, H100)
-    (kernel,) = fused.kernels
+    (kernel,) = fused.stores
     assert kernel.value not in (three_pass, two_loops)
     assert isinstance(kernel.value, Reduce) and kernel.value.monoid.name == "softmax"
     # Both rejected forms are legal one-kernel programs, just costlier.
@@ -129,10 +129,10 @@ def test_every_reference_to_a_tensor_is_forwarded_at_once(pack, monkeypatch):
     p = lower(parse_program(SCALED_SELF_ATTENTION, "scaled.bbp"))
     g = saturated(p, pack)
     fused = descend_from_input(g, p)
-    assert [k.tensor for k in fused.kernels] == ["O"]
+    assert [k.tensor for k in fused.stores] == ["O"]
     assert set(fused.tensors) == {"X", "G", "O"}
     monkeypatch.setattr(Extractor, "tensor_moves", lambda self, choice, built: [])
-    assert [k.tensor for k in descend_from_input(g, p).kernels] == ["Y", "O"]
+    assert [k.tensor for k in descend_from_input(g, p).stores] == ["Y", "O"]
 
 
 def test_users_of_a_shared_value_switch_away_from_it_together(pack, monkeypatch):
@@ -144,7 +144,7 @@ def test_users_of_a_shared_value_switch_away_from_it_together(pack, monkeypatch)
     g = saturated(p, pack)
 
     def reductions(program: BlockProgram) -> list[tuple[str, str]]:
-        (kernel,) = program.kernels
+        (kernel,) = program.stores
         return sorted((n.axis, n.monoid.name) for n in postorder(kernel.value)
                       if isinstance(n, Reduce))
 
@@ -162,7 +162,7 @@ def test_never_costlier_than_the_input():
     p = lower(load_program(EXAMPLES / "softmax.bbp"))
     g = saturated(p, worse)
     fused, cost, _ = extract(g, p, H100)
-    assert fused.kernels == p.kernels
+    assert fused.stores == p.stores
     assert cost.key() == cost_program(p, H100).key()
 
 
@@ -220,8 +220,8 @@ def test_equal_subterms_of_candidates_are_one_object(pack):
     ex = Extractor(saturated(p, pack), p, H100)
     unfused = ex.build(ex.seed_from(p)).program
     fused = ex.build(ex.default_choice()).program
-    first = {n: n for k in unfused.kernels for n in postorder(k.value)}
-    shared = [n for k in fused.kernels for n in postorder(k.value) if n in first]
+    first = {n: n for k in unfused.stores for n in postorder(k.value)}
+    shared = [n for k in fused.stores for n in postorder(k.value) if n in first]
     assert any(isinstance(n, Dot) for n in shared)
     assert all(first[n] is n for n in shared)
 
@@ -234,9 +234,9 @@ def test_ill_scoped_candidates_are_rejected():
                "B": TensorDecl("B", ("q",), role="input"),
                "O": TensorDecl("O", ("q", "k"), role="output")}
     value = Unary("exp", Load("A", ("q", "k")))
-    p = BlockProgram(dims, tensors, (Store("O", ("q", "k"), value),), ("O",))
+    p = BlockProgram.of_stores(dims, tensors, (Store("O", ("q", "k"), value),), ("O",))
     graph = ClassGraph({0: (ENode("Unary", ("exp",), (1,)), ENode("Load", ("B", ("q",)), ())),
                         1: (ENode("Load", ("A", ("q", "k")), ()),)}, {"O": 0})
     fused, _, stats = extract(graph, p, H100)
-    assert fused.kernels == p.kernels
+    assert fused.stores == p.stores
     assert stats.rejected >= 1

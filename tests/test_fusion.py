@@ -66,7 +66,7 @@ def test_attention_becomes_flash_attention(pack):
     r = fused(EXAMPLES / "attention.bbp", pack)
     p = r.program
     (kernel,) = p.kernels
-    assert kernel.axes == ("q", "d") and p.dims["d"].blocks == 1  # grid over query blocks
+    assert kernel.grid == ("q", "d") and p.dims["d"].blocks == 1  # grid over query blocks
     assert set(p.tensors) == {"Q", "K", "V", "O"}  # nothing N x N is stored
     (loop,) = loops(p)
     assert loop.axis == "k"
@@ -86,7 +86,7 @@ def test_attention_stores_no_scores_on_the_faster_chip_and_at_short_sequences(pa
     dims = {"q": (n, 64), "k": (n, 64)}
     r = fuse(lower(load_program(EXAMPLES / "attention.bbp", dims)), pack, get_target(target))
     p = r.program
-    assert [k.tensor for k in p.kernels] == ["O"] and set(p.tensors) == {"Q", "K", "V", "O"}
+    assert [k.tensor for k in p.stores] == ["O"] and set(p.tensors) == {"Q", "K", "V", "O"}
     tile = n * 64 * 4  # Q, K, V and O are n x 64 f32
     assert r.after.traffic == 2 * tile + p.dims["q"].blocks * 2 * tile
     assert r.runner_up is not None and r.runner_up.n_kernels > 1
@@ -95,7 +95,7 @@ def test_attention_stores_no_scores_on_the_faster_chip_and_at_short_sequences(pa
 def test_flash_attention_computes_attention(pack):
     dims = {"q": (256, 64), "k": (256, 64)}
     r = fused(EXAMPLES / "attention.bbp", pack, dims)
-    assert [k.tensor for k in r.program.kernels] == ["O"]
+    assert [k.tensor for k in r.program.stores] == ["O"]
     assert_matches_dense(EXAMPLES / "attention.bbp", r.program, dims)
 
 
@@ -125,7 +125,7 @@ def test_identity_elements_do_not_stop_fusion(pack, old, new):
     assert old in text
     reference = fused(EXAMPLES / "attention.bbp", pack)
     r = fuse(lower(parse_program(text.replace(old, new), "attention.bbp")), pack, H100)
-    assert r.program.kernels == reference.program.kernels
+    assert r.program.stores == reference.program.stores
     assert (r.after.traffic, r.after.flops, r.after.time) == \
         (reference.after.traffic, reference.after.flops, reference.after.time)
 
@@ -134,7 +134,7 @@ def flash_form(r, reference) -> bool:
     """Whether `r` is attention's Flash form: one kernel, one loop over `k` folding a 3-tuple
     with the softmax monoid, and the global traffic of `reference` (attention.bbp fused)."""
     p = r.program
-    if [k.tensor for k in p.kernels] != ["O"] or r.after.traffic != reference.traffic:
+    if [k.tensor for k in p.stores] != ["O"] or r.after.traffic != reference.traffic:
         return False
     (loop,) = loops(p)
     reds = loop.reduces
@@ -174,7 +174,7 @@ def test_self_attention_becomes_flash_attention(pack, objective, dims):
     r = fused(EXAMPLES / "self_attention.bbp", pack, dims, objective=objective)
     p = r.program
     (kernel,) = p.kernels
-    assert kernel.axes == ("s", "d") and set(p.tensors) == {"X", "O"}  # nothing s x t stored
+    assert kernel.grid == ("s", "d") and set(p.tensors) == {"X", "O"}  # nothing s x t stored
     (loop,) = loops(p)
     assert loop.axis == "t"
     (red,) = loop.reduces
@@ -347,5 +347,5 @@ def test_fused_program_is_self_contained(pack):
     r = fused(EXAMPLES / "attention.bbp", pack, {"q": (256, 64), "k": (256, 64)})
     assert set(r.program.monoids) == {"softmax"}
     back = parse_block_program(show_program(r.program), "fused.bbk").program
-    assert back.kernels == r.program.kernels
+    assert back.stores == r.program.stores
     assert back.monoids == r.program.monoids

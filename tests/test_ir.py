@@ -2,10 +2,10 @@
 
 import pytest
 
-from bbrules.ir import (SUM, MAX, Binary, BlockProgram, BlockReduce, Const, Dim, Dot, Get, IRError, Load,
-                        Monoid, Node, Reduce, Store, TensorDecl, Tuple, Unary, Var, deps,
-                        loops_under, postorder, sched_deps, shape, show_kernel, show_node, type_of,
-                        validate)
+from bbrules.ir import (SUM, MAX, Binary, BlockProgram, BlockReduce, Const, Dim, Dot, Get, IRError,
+                        Kernel, Load, Monoid, Node, Reduce, Store, TensorDecl, Tuple, Unary, Var,
+                        deps, loops_under, postorder, sched_deps, shape, show_kernel, show_node,
+                        type_of, validate)
 
 Q = Load("Q", ("q", "d"))
 K = Load("K", ("k", "d"))
@@ -85,7 +85,7 @@ def _program(*kernels: Store, outputs=("O",)) -> BlockProgram:
         "S": TensorDecl("S", ("q", "k")),
         "O": TensorDecl("O", ("q", "k"), role="output"),
     }
-    return BlockProgram(dims, tensors, kernels, outputs)
+    return BlockProgram.of_stores(dims, tensors, kernels, outputs)
 
 
 def test_validate_accepts_a_well_formed_program():
@@ -121,8 +121,9 @@ def test_monoids_of_one_name_defined_differently_stay_apart():
                "O": TensorDecl("O", ("q",), role="output"),
                "P": TensorDecl("P", ("q",), role="output")}
     dims = {"q": Dim("q", 8, 4), "k": Dim("k", 8, 4), "d": Dim("d", 4, 4)}
-    both = BlockProgram(dims, tensors, (Store("O", ("q",), summed),
-                                        Store("P", ("q",), Get(0, online))), ("O", "P"))
+    both = BlockProgram.of_stores(dims, tensors, (Store("O", ("q",), summed),
+                                                  Store("P", ("q",), Get(0, online))),
+                                  ("O", "P"))
     with pytest.raises(IRError, match="two different monoids named 'test_online'"):
         validate(both)
 
@@ -136,7 +137,7 @@ def test_printing_uses_infix_with_minimal_parentheses():
 
 def test_shared_subterms_print_once_as_let_bindings():
     e = Unary("exp", Binary("sub", S, Reduce("k", MAX, BlockReduce("max", "k", S))))
-    text = show_kernel(Store("E", ("q", "k"), e))
+    text = show_kernel(Kernel.of(Store("E", ("q", "k"), e)))
     assert text.count("dot(d,") == 1
     assert "let t0 = " in text
 

@@ -30,7 +30,7 @@ PASSES = [interp, cost, numpy_gen, cuda_gen]
 
 def _nodes_of(program) -> set:
     """Every node of a program, its monoids' expressions included."""
-    roots = [k.value for k in program.kernels]
+    roots = [k.value for k in program.stores]
     for m in program.monoids.values():
         roots += [*m.identity, *m.combine, *m.finalize]
     return {n for r in roots for n in postorder(r)}
@@ -69,9 +69,9 @@ def test_every_term_kind_goes_through_the_egraph_and_back() -> None:
     assert {k.name for k, _ in CONSTRUCTORS.values()} == egg_kinds
     sat = Saturator(compile_pack(RulePack("none", monoids=list(program.monoids.values()))),
                     {d.name: (d.extent, d.block) for d in program.dims.values()})
-    sat.add_terms({k.tensor: k.value for k in program.kernels})
+    sat.add_terms({k.tensor: k.value for k in program.stores})
     graph = sat.freeze()
-    for k in program.kernels:
+    for k in program.stores:
         assert graph.lookup(k.value) == graph.named[k.tensor]
         for n in postorder(k.value):
             node = graph.enode_of(n)

@@ -24,7 +24,7 @@ dim k = 12 / 4
 dim d = 4 / 2
 input Q[q, d], K[k, d], V[k, d], s[d], w[k] : f32
 """ + body)
-    return list(lower(p).kernels)
+    return list(lower(p).stores)
 
 
 def test_attention_lowers_to_one_kernel_per_statement():
@@ -32,7 +32,7 @@ def test_attention_lowers_to_one_kernel_per_statement():
     S, M, E, L, P = (Load(t, ax) for t, ax in [("S", ("q", "k")), ("M", ("q",)),
                                                ("E", ("q", "k")), ("L", ("q",)),
                                                ("P", ("q", "k"))])
-    assert p.kernels == (
+    assert p.stores == (
         Store("S", ("q", "k"), Binary("mul", Reduce("d", SUM, Dot("d", Q, K)), Const(0.125))),
         Store("M", ("q",), Reduce("k", MAX, BlockReduce("max", "k", S))),
         Store("E", ("q", "k"), Unary("exp", Binary("sub", S, M))),
@@ -49,8 +49,8 @@ def test_every_example_lowers_to_a_valid_program_with_dots_for_its_contractions(
     program = load_program(EXAMPLES / name)
     block = lower(program)
     validate(block)
-    assert [k.tensor for k in block.kernels] == [s.target for s in program.statements]
-    for k in block.kernels:
+    assert [k.tensor for k in block.stores] == [s.target for s in program.statements]
+    for k in block.stores:
         for n in postorder(k.value):
             if isinstance(n, Dot):
                 # a block matmul: neither operand is a 3-axis tile (an axis of block 1, like a
@@ -61,7 +61,7 @@ def test_every_example_lowers_to_a_valid_program_with_dots_for_its_contractions(
 
 def test_matmuls_of_the_ffn_are_dots():
     block = lower(load_program(EXAMPLES / "rmsnorm_ffn_swiglu.bbp"))
-    kernels = {k.tensor: k.value for k in block.kernels}
+    kernels = {k.tensor: k.value for k in block.stores}
     assert kernels["A"] == Reduce("e", SUM, Dot("e", Load("XN", ("m", "e")),
                                                   Load("W1", ("e", "f"))))
     assert kernels["Y"] == Reduce("f", SUM, Dot("f", Load("H", ("m", "f")),
@@ -70,7 +70,7 @@ def test_matmuls_of_the_ffn_are_dots():
 
 def test_renamed_reference_loads_under_its_use_names():
     block = lower(load_program(EXAMPLES / "self_attention.bbp"))
-    assert block.kernels[0].value == Binary(
+    assert block.stores[0].value == Binary(
         "div", Reduce("d", SUM, Dot("d", Load("X", ("s", "d")), Load("X", ("t", "d")))),
         Unary("sqrt", Const(64.0)))
 

@@ -2,8 +2,10 @@
 
 Every example at small shapes (several blocks per axis, non-square blocks, and one block per
 axis), hand-built fused programs (Flash Attention with an online-softmax monoid, LayerNorm +
-matmul with a Welford monoid, both built in `irbuild` and unknown to the backend), the loops the
-generated code runs (exactly the schedule's), its peak memory, and random programs.
+matmul with a Welford monoid, both built in `irbuild` and unknown to the backend), kernels of
+several stores and map loops (the block programs of tests/programs/multi, a fused example, and
+small hand-written kernels), the loops the generated code runs (exactly the schedule's), its
+peak memory, and random programs.
 """
 
 from __future__ import annotations
@@ -17,12 +19,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 from bbrules import dense, interp
+from bbrules.blockfile import load_block_program, parse_block_program
 from bbrules.codegen import numpy_gen
 from bbrules.frontend import load_program, parse_program
+from bbrules.fuse import fuse
 from bbrules.inputs import random_inputs
 from bbrules.ir import (SUM, MAX, BlockProgram, BlockReduce, Const, Dot, Get, Load, Monoid, Reduce, Store,
                         Unary, Var)
 from bbrules.lower import lower
+from bbrules.packs import load_packs
 from bbrules.plan import plan_for
 from bbrules.targets import get_target
 
@@ -31,6 +36,8 @@ from irbuild import (WELFORD, add, attention_reference, div, flash_attention, mu
 from strategies import programs
 
 EXAMPLES = sorted((Path(__file__).parent.parent / "examples").glob("*.bbp"))
+MULTI_DIR = Path(__file__).parent / "programs" / "multi"
+MULTI = sorted(MULTI_DIR.glob("*.bbk"))
 H100 = get_target("h100")
 
 # Small replacement (extent, block) pairs: several blocks of unequal sizes per axis, and a
@@ -77,7 +84,7 @@ def test_examples_match_interpreter_and_dense(path, pool):
     got = numpy_gen.run(block, inputs)
     ref = interp.run(block, inputs)
     want = dense.evaluate(ast, inputs, dtype=np.float64)
-    assert set(got) == set(ref) == {k.tensor for k in block.kernels}
+    assert set(got) == set(ref) == {s.tensor for s in block.stores}
     for name in got:
         assert got[name].dtype == np.float32
         assert got[name].shape == ref[name].shape
@@ -250,3 +257,149 @@ def test_random_programs(source):
     for name in ref:
         assert_close(got[name], ref[name], f"{name} vs interpreter in\n{source}")
         assert_close(got[name], want[name], f"{name} vs dense in\n{source}")
+
+
+# --------------------------------------------------------------------------------------------
+# Kernels of several stores, and map loops: a store's axes outside the grid.
+
+
+def kernel_body(source: str, fn: str) -> str:
+    """The text of generated function `fn`."""
+    start = source.index(f"def {fn}(")
+    return source[start:source.index("\n\n\n", start)]
+
+
+def assert_matches_interpreter(p: BlockProgram, inputs: dict[str, np.ndarray]) -> None:
+    got = numpy_gen.run(p, inputs)
+    ref = interp.run(p, inputs)
+    assert set(got) == set(ref) == {s.tensor for s in p.stores}
+    for name in ref:
+        assert got[name].dtype == np.float32
+        assert got[name].shape == ref[name].shape
+        assert not np.isnan(ref[name]).any(), f"{name}: the interpreter left blocks unwritten"
+        np.testing.assert_allclose(got[name], ref[name], rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+def test_the_multi_store_programs_are_what_these_tests_cover():
+    assert {p.stem for p in MULTI} == {"rowsum_add", "softmax_row", "stats_then_normalise",
+                                       "one_processor", "qkv"}
+    programs = {path.stem: load_block_program(path).program for path in MULTI}
+    assert any(len(k.stores) > 1 for p in programs.values() for k in p.kernels)
+    assert any(k.map_axes(s) for p in programs.values() for k in p.kernels for s in k.stores)
+    assert any(not k.grid for p in programs.values() for k in p.kernels)
+
+
+@pytest.mark.parametrize("path", MULTI, ids=[p.stem for p in MULTI])
+def test_multi_store_programs_match_interpreter(path):
+    p = load_block_program(path).program
+    assert_matches_interpreter(p, random_inputs(p, seed=0))
+    source = numpy_gen.generate(p)
+    assert python_loops(source) == scheduled_loops(p)
+    for k in p.kernels:
+        body = kernel_body(source, f"kernel_{k.name}")
+        assert body.rstrip().endswith(f"return {', '.join(k.tensors)}")
+        for s in k.stores:  # a store in a map loop writes one block per iteration
+            written = re.findall(rf"^\s*{s.tensor}\[(.*)\] = ", body, re.MULTILINE)
+            assert bool(written) == bool(k.map_axes(s)), s.tensor
+            assert all(re.search(rf"{a}0_*:{a}0_* \+ {p.block(a)}", written[0])
+                       for a in k.map_axes(s))
+
+
+def test_one_processor_nests_map_loops_over_every_axis():
+    """`kernel []`: no grid, so c walks i and then j, and s shares both loops (its sum over j
+    is folded in c's loop over j, which loads a and b once)."""
+    p = load_block_program(MULTI_DIR / "one_processor.bbk").program
+    body = kernel_body(numpy_gen.generate(p), "kernel_c_s")
+    assert python_loops(body) == 2
+    assert re.search(r"^        for j0 in range", body, re.MULTILINE)  # nested in the i loop
+    assert body.count("a[") == body.count("b[") == 1
+    assert "c[i0:i0 + 8, j0:j0 + 16] = " in body and "s[i0:i0 + 8] = " in body
+
+
+def test_fused_rowsum_add_is_one_kernel_that_matches_the_interpreter():
+    path = Path(__file__).parent.parent / "examples" / "rowsum_add.bbp"
+    ast = load_program(path, dims={"i": (64, 16), "j": (1024, 256)})
+    p = fuse(lower(ast), load_packs([]), get_target("h100")).program
+    assert len(lower(ast).kernels) == 2
+    assert len(p.kernels) == 1
+    (k,) = p.kernels
+    assert set(k.tensors) == {"c", "d"} and k.grid == ("i",)
+    inputs = random_inputs(ast, seed=0)
+    assert_matches_interpreter(p, inputs)
+    got = numpy_gen.run(p, inputs)
+    assert_close(got["d"], inputs["b"].sum(1), "d vs numpy")
+    body = kernel_body(numpy_gen.generate(p), f"kernel_{k.name}")
+    assert python_loops(body) == 1 and body.count("b[") == 1  # b is read once
+
+
+def bbk(body: str, dims: str = "dim i = 24 / 8\ndim j = 32 / 16\n") -> BlockProgram:
+    return parse_block_program(dims + body).program
+
+
+def test_map_loop_over_the_leading_axis_of_a_store():
+    """The grid is the store's last axis: each iteration writes rows i0:i0 + 8, all columns."""
+    p = bbk("input a[i, j] : f32\noutput c[i, j] : f32\noutput s[j] : f32\n"
+            "kernel [j]:\n"
+            "  c[i, j] = exp(load(a[i, j]))\n"
+            "  s[j] = reduce(i, sum, bsum(i, load(a[i, j])))\n")
+    inputs = random_inputs(p, seed=2)
+    assert_matches_interpreter(p, inputs)
+    body = kernel_body(numpy_gen.generate(p), "kernel_c_s")
+    assert "c[i0:i0 + 8] = " in body and python_loops(body) == 1
+
+
+def test_grid_in_another_order_than_the_store_axes():
+    p = bbk("input a[i, j] : f32\noutput c[i, j] : f32\n"
+            "kernel [j, i]:\n  c[i, j] = load(a[i, j]) * 3\n")
+    assert p.kernels[0].grid == ("j", "i")
+    inputs = random_inputs(p, seed=3)
+    assert_matches_interpreter(p, inputs)
+    assert_close(numpy_gen.run(p, inputs)["c"], inputs["a"] * 3, "vs numpy")
+
+
+def test_a_map_axis_of_one_block_has_no_loop():
+    p = bbk("input a[i, j] : f32\noutput c[i, j] : f32\noutput s[i] : f32\n"
+            "kernel [i]:\n"
+            "  c[i, j] = load(a[i, j]) + 1\n"
+            "  s[i] = reduce(j, sum, bsum(j, load(a[i, j])))\n",
+            dims="dim i = 24 / 8\ndim j = 16 / 16\n")
+    assert_matches_interpreter(p, random_inputs(p, seed=4))
+    assert python_loops(numpy_gen.generate(p)) == 0
+
+
+def test_stores_of_one_value_get_arrays_of_their_own():
+    """Two stores of one fresh tile outside every loop: the first may return the tile itself,
+    the second must copy it."""
+    p = bbk("input a[i, j] : f32\noutput x[i, j] : f32\noutput y[i, j] : f32\n"
+            "kernel [i, j]:\n"
+            "  x[i, j] = exp(load(a[i, j]))\n"
+            "  y[i, j] = exp(load(a[i, j]))\n")
+    inputs = random_inputs(p, seed=5)
+    assert_matches_interpreter(p, inputs)
+    got = numpy_gen.run(p, inputs)
+    assert not np.shares_memory(got["x"], got["y"])
+    got["x"][...] = 0.0
+    assert_close(got["y"], np.exp(inputs["a"]), "y after overwriting x")
+
+
+def test_a_row_softmax_stored_block_by_block_allocates_only_tiles():
+    """The statistics loop and the map loop each hold one column block of every row: nothing
+    of the row's full width is allocated but the output."""
+    r, c, bc = 256, 4096, 256
+    text = (MULTI_DIR / "softmax_row.bbk").read_text()
+    assert "dim r = 64 / 16\ndim c = 128 / 32\n" in text
+    p = parse_block_program(text.replace("dim c = 128 / 32", f"dim c = {c} / {bc}")
+                            .replace("dim r = 64 / 16", f"dim r = {r} / 16")).program
+    module = numpy_gen.load(p)
+    inputs = {"X": rand(r, c, seed=6)}
+    tracemalloc.start()
+    try:
+        got = module.run(**inputs)["Y"]
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    x = inputs["X"].astype(np.float64)
+    want = np.exp(x - x.max(1, keepdims=True))
+    assert_close(got, want / want.sum(1, keepdims=True), "vs numpy")
+    tile = r * bc * 4
+    assert peak <= r * c * 4 + 2 * tile + 2**16

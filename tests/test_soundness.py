@@ -55,7 +55,7 @@ def test_sound_rules_pass(monkeypatch) -> None:
     two_way = sum(r.bidirectional for r in pack.rules)
     assert len(programs) == 10 * (len(pack.rules) + two_way)
     # The loops tried run over one block and over several.
-    trips = {p.blocks(n.axis) for p in programs for k in p.kernels
+    trips = {p.blocks(n.axis) for p in programs for k in p.stores
              for n in postorder(k.value) if isinstance(n, Reduce)}
     assert 1 in trips and max(trips) > 1
 

@@ -246,14 +246,14 @@ def test_check_of_a_rule_folding_to_nan(tmp_path, capsys):
 
 
 def test_a_nan_constant_prints_and_reads_back():
-    program = BlockProgram({"r": Dim("r", 8, 4)},
-                           {"X": TensorDecl("X", ("r",), "f32", "input"),
-                            "Y": TensorDecl("Y", ("r",), "f32", "output")},
-                           (Store("Y", ("r",), Binary("add", Load("X", ("r",)),
-                                                     Const(float("nan")))),), ("Y",))
+    program = BlockProgram.of_stores({"r": Dim("r", 8, 4)},
+                                     {"X": TensorDecl("X", ("r",), "f32", "input"),
+                                      "Y": TensorDecl("Y", ("r",), "f32", "output")},
+                                     (Store("Y", ("r",), Binary("add", Load("X", ("r",)),
+                                                               Const(float("nan")))),), ("Y",))
     text = show_program(program)
     assert "+ nan" in text
-    back = parse_block_program(text).program.kernels[0].value
+    back = parse_block_program(text).program.stores[0].value
     assert isinstance(back.y, Const) and back.y.value != back.y.value
 
 

@@ -4,7 +4,8 @@
 - `nodes`: the value-node kinds, each declared once with its type rule;
 - `types`: tile types (shape, dependencies);  `typecheck`: `type_of`, `sched_deps`, `loops_under`;
 - `monoid`: monoids as data, held by the reductions that use them;
-- `program`: dims, tensors, stores (kernels), block programs and `validate`;
+- `program`: dims, tensors, stores, kernels (a grid and its stores), block programs and
+  `validate`;
 - `axes`: renaming axes in terms;  `show`: the block syntax printer.
 """
 
@@ -14,8 +15,8 @@ from .kinds import (KINDS, Kind, KindTable, Sort, attrs, build, children, is_ele
 from .monoid import BUILTIN_MONOIDS, MAX, MIN, SUM, Monoid, monoids_used, var_names
 from .nodes import (ELEMENTWISE_KINDS, MAX_COMPONENTS, Binary, BlockReduce, Const, Dot, Get,
                     Load, Node, Reduce, Tuple, Unary, Var, Where)
-from .program import (DTYPE_BYTES, BlockProgram, Dim, DimError, Store, TensorDecl, checked_dim,
-                      validate)
+from .program import (DTYPE_BYTES, BlockProgram, Dim, DimError, Kernel, Store, TensorDecl,
+                      checked_dim, validate)
 from .show import fmt_number, show_kernel, show_monoid, show_node, show_program
 from .typecheck import deps, loops_under, sched_deps, shape, tile_type, type_of
 from .types import SCALAR, Axis, AxisSet, IRError, TileType, Type, union

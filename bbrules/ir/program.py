@@ -91,22 +91,69 @@ class Store:
 
 
 @dataclass(frozen=True)
+class Kernel:
+    """One launch: a processor per block of the `grid` axes, each making every store.
+
+    A store's axes that are not grid axes are *map loops* inside the kernel: the processor
+    walks their blocks in order and stores one block per iteration.  What a store computes
+    without depending on a map loop's axis is computed once per grid point, before the loop,
+    and shared by every store of the kernel: so a softmax over a blocked row computes its
+    statistics once and then normalises block by block, and a sibling reduction and map loop
+    over one axis (`c = a + b` with `d = rowsum(b)`) load `b` once.  A store never reads a
+    tensor that its own kernel stores.
+    """
+
+    grid: tuple[Axis, ...]
+    stores: tuple[Store, ...]
+
+    @staticmethod
+    def of(store: Store) -> Kernel:
+        """The kernel of one store over its own axes (one processor per stored block)."""
+        return Kernel(store.axes, (store,))
+
+    @property
+    def name(self) -> str:
+        """The tensors it stores, joined by '_' (what a generated kernel is called after)."""
+        return "_".join(s.tensor for s in self.stores)
+
+    @property
+    def tensors(self) -> tuple[str, ...]:
+        return tuple(s.tensor for s in self.stores)
+
+    def map_axes(self, store: Store) -> tuple[Axis, ...]:
+        """The map loops of `store`, outermost first: its axes that are not grid axes."""
+        return tuple(a for a in store.axes if a not in self.grid)
+
+
+@dataclass(frozen=True)
 class BlockProgram:
-    """Kernels (stores) in execution order, over declared dims and tensors."""
+    """Kernels in execution order, over declared dims and tensors."""
 
     dims: dict[str, Dim]
     tensors: dict[str, TensorDecl]
-    kernels: tuple[Store, ...]
+    kernels: tuple[Kernel, ...]
     outputs: tuple[str, ...]
 
     def __hash__(self) -> int:
         return hash(self.kernels)
 
+    @staticmethod
+    def of_stores(dims: dict[str, Dim], tensors: dict[str, TensorDecl],
+                  stores: tuple[Store, ...] | list[Store], outputs: tuple[str, ...]
+                  ) -> BlockProgram:
+        """A program of one kernel per store, each over the store's own axes."""
+        return BlockProgram(dims, tensors, tuple(Kernel.of(s) for s in stores), outputs)
+
+    @property
+    def stores(self) -> tuple[Store, ...]:
+        """Every store of every kernel, in execution order."""
+        return tuple(s for k in self.kernels for s in k.stores)
+
     @property
     def monoids(self) -> dict[str, Monoid]:
         """The definitions of every non-builtin monoid the kernels use (what a block file
         writes out, so that a program is self-contained)."""
-        return monoids_used(self.kernels)
+        return monoids_used(self.stores)
 
     @property
     def inputs(self) -> tuple[str, ...]:
@@ -134,7 +181,27 @@ def validate(p: BlockProgram) -> None:
     """
     p.monoids  # two different monoids of one name cannot be written to one file
     written: set[str] = set()
-    for k in p.kernels:
+    for kernel in p.kernels:
+        _check_kernel(p, kernel, written)
+        written.update(kernel.tensors)
+    for o in p.outputs:
+        if o not in written:
+            raise IRError(f"output '{o}' is never stored")
+
+
+def _check_kernel(p: BlockProgram, kernel: Kernel, written: set[str]) -> None:
+    if not kernel.stores:
+        raise IRError("a kernel that stores nothing")
+    if len(set(kernel.tensors)) != len(kernel.stores):
+        raise IRError(f"kernel {kernel.name} stores one tensor twice")
+    for a in kernel.grid:
+        if a not in p.dims:
+            raise IRError(f"kernel {kernel.name}: unknown grid axis '{a}'")
+    if len(set(kernel.grid)) != len(kernel.grid):
+        raise IRError(f"kernel {kernel.name}: repeated grid axis")
+    for k in kernel.stores:
+        if k.tensor in written:
+            raise IRError(f"tensor '{k.tensor}' is stored twice")
         decl = p.tensors.get(k.tensor)
         if decl is None:
             raise IRError(f"store into undeclared tensor '{k.tensor}'")
@@ -154,12 +221,14 @@ def validate(p: BlockProgram) -> None:
             raise IRError(f"kernel {k.tensor}: a loop in it needs axes "
                           f"{sorted(sched_deps(k.value) - want)} that the kernel does not "
                           f"iterate over")
+        if not set(kernel.grid) <= want:
+            raise IRError(f"kernel {kernel.name}: grid axes {sorted(set(kernel.grid) - want)} "
+                          f"are not axes of {k.tensor}")
         for n in postorder(k.value):
+            if isinstance(n, Load) and n.tensor in kernel.tensors:
+                raise IRError(f"kernel {kernel.name}: {k.tensor} reads '{n.tensor}', which "
+                              f"the same kernel stores")
             _check_node(p, n, written, k.tensor)
-        written.add(k.tensor)
-    for o in p.outputs:
-        if o not in written:
-            raise IRError(f"output '{o}' is never stored")
 
 
 def _check_node(p: BlockProgram, n: Node, written: set[str], kernel: str) -> None:

@@ -10,7 +10,7 @@ from typing import Any
 from .kinds import Sort, children, is_node, kind_of, postorder
 from .monoid import Monoid
 from .nodes import Binary, Const, Load, Node, Var
-from .program import BlockProgram, Store
+from .program import BlockProgram, Kernel
 
 INFIX = {"add": ("+", 1), "sub": ("-", 1), "mul": ("*", 2), "div": ("/", 2)}
 
@@ -84,24 +84,37 @@ def _pieces(n: Any, prec: int, names: dict[Node, str] | None) -> list[Piece]:
     return [*pieces, ")"]
 
 
-def _shared_nodes(root: Node) -> list[Node]:
-    """Non-leaf nodes used more than once under root, in post-order: they get a local name."""
+def _shared_nodes(roots: tuple[Node, ...]) -> list[Node]:
+    """Non-leaf nodes used more than once under the roots, in post-order: they get a local
+    name."""
     uses: dict[Node, int] = {}
-    for n in postorder(root):
-        for c in children(n):
-            uses[c] = uses.get(c, 0) + 1
-    return [n for n in postorder(root)
+    for root in roots:
+        for n in postorder(root):
+            for c in children(n):
+                uses[c] = uses.get(c, 0) + 1
+    for root in roots:  # a root another root also uses is shared too
+        if root in uses:
+            uses[root] += 1
+    return [n for n in dict.fromkeys(m for root in roots for m in postorder(root))
             if uses.get(n, 0) > 1 and children(n)]
 
 
-def show_kernel(k: Store) -> str:
-    """A kernel as `let` bindings for shared subterms followed by its store."""
+def show_kernel(k: Kernel) -> str:
+    """A kernel as `let` bindings for shared subterms followed by its stores.
+
+    The header names the store and its axes when the kernel is one store over its own axes
+    (`kernel Y[r, c]:`), and otherwise only the grid (`kernel [r]:`): the stores' other axes
+    are its map loops."""
     names: dict[Node, str] = {}
-    lines = [f"kernel {k.tensor}[{', '.join(k.axes)}]:"]
-    for i, n in enumerate(_shared_nodes(k.value)):
+    if len(k.stores) == 1 and k.grid == k.stores[0].axes:
+        lines = [f"kernel {k.stores[0].tensor}[{', '.join(k.grid)}]:"]
+    else:
+        lines = [f"kernel [{', '.join(k.grid)}]:"]
+    for i, n in enumerate(_shared_nodes(tuple(s.value for s in k.stores))):
         lines.append(f"  let t{i} = {show_node(n, names)}")
         names[n] = f"t{i}"
-    lines.append(f"  {k.tensor}[{', '.join(k.axes)}] = {show_node(k.value, names)}")
+    for s in k.stores:
+        lines.append(f"  {s.tensor}[{', '.join(s.axes)}] = {show_node(s.value, names)}")
     return "\n".join(lines)
 
 

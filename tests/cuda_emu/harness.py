@@ -128,7 +128,7 @@ def emulate(module: CudaModule, inputs: dict[str, np.ndarray],
         entry = getattr(lib, f"bb_emu_{k.name}")
         entry.argtypes = (ctypes.c_uint, ctypes.c_uint, ctypes.c_ulong, ctypes.c_void_p)
         entry(k.grid, threads or k.threads, k.shared_bytes, args)
-    stored = dict.fromkeys(k.tensor for k in module.kernels)
+    stored = dict.fromkeys(t for k in module.kernels for t in k.tensors)
     return {t: from_storage(memory[t], module.tensors[t].dtype) for t in stored}
 
 

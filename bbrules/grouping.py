@@ -1,0 +1,78 @@
+"""Which stores share a kernel, and over which grid: a scheduling decision, priced exactly.
+
+The e-graph decides what each stored tensor's value is; this module decides how the stores are
+launched.  It starts from one kernel per store over the store's own axes and takes, while one
+lowers the program's cost key (`ProgramCost.key`, so near-ties in time go to less traffic),
+the first of two kinds of move:
+
+- *Narrow a grid*: a store whose value reduces over one of its own axes (a softmax whose row
+  statistics were forwarded into the normalisation) recomputes that reduction for every block
+  of the axis.  With the axis taken out of the grid it becomes a map loop, and the reduction,
+  which does not depend on the map loop's axis, runs once per grid point before it.
+- *Merge two kernels*: kernels that load a common tensor may share a launch over the axes
+  their grids have in common; the scheduler then shares the loads and loops they have in
+  common (Q, K and V projections reading one normalised row; `c = a + b` beside
+  `d = rowsum(b)`).  The later kernel moves up to the earlier one, so it must read nothing that
+  the earlier one, or a kernel between them, stores.
+
+Every candidate is priced whole, and kernel costs are cached, so a move costs one new kernel's
+plan at most.  The moves are tried in program order, so the result does not depend on hashing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Callable
+
+from .ir import BlockProgram, Kernel, Load, Reduce, postorder
+
+Price = Callable[[BlockProgram], "tuple | None"]  # a program's cost key; None if rejected
+
+
+def group_kernels(p: BlockProgram, price: Price) -> BlockProgram:
+    """`p` with its stores launched as cheaply as the moves above find, by `price`."""
+    best = price(p)
+    if best is None:
+        return p
+    while True:
+        for kernels in _moves(p):
+            q = replace(p, kernels=kernels)
+            key = price(q)
+            if key is not None and key < best:
+                p, best = q, key
+                break
+        else:
+            return p
+
+
+def _moves(p: BlockProgram):
+    """Every program one move away from `p`, lazily, in program order."""
+    ks = p.kernels
+    for i, k in enumerate(ks):
+        narrow = _narrowed(k, p)
+        if narrow is not None:
+            yield ks[:i] + (narrow,) + ks[i + 1:]
+    loads = [_loaded(k) for k in ks]
+    for i, k in enumerate(ks):
+        stored_since: set[str] = set()
+        for j in range(i + 1, len(ks)):
+            stored_since.update(ks[j - 1].tensors)
+            if loads[j] & stored_since:
+                continue  # j reads something stored at or after i: it cannot move up to i
+            if not loads[i] & loads[j]:
+                continue  # nothing to share but a launch
+            grid = tuple(a for a in k.grid if a in ks[j].grid)
+            merged = Kernel(grid, k.stores + ks[j].stores)
+            yield ks[:i] + (merged,) + ks[i + 1:j] + ks[j + 1:]
+
+
+def _narrowed(k: Kernel, p: BlockProgram) -> Kernel | None:
+    """`k` without the grid axes that one of its stores reduces over inside its value."""
+    reduced = {n.axis for s in k.stores for n in postorder(s.value) if isinstance(n, Reduce)}
+    grid = tuple(a for a in k.grid if a not in reduced or p.blocks(a) == 1)
+    return Kernel(grid, k.stores) if grid != k.grid else None
+
+
+def _loaded(k: Kernel) -> frozenset[str]:
+    return frozenset(n.tensor for s in k.stores for n in postorder(s.value)
+                     if isinstance(n, Load))
