@@ -2,9 +2,10 @@
 
 A fused program is worth keeping: `bbrules apply -o out.bbk` writes one, and `show`, `cost` and
 `run` read it back without fusing again.  The file is self-contained: its dims, tensors, the
-monoids its reductions use, and one `kernel` block per kernel (its grid and its stores).  An optional `source "x.bbp"` line
-records the program it was fused from (relative to the .bbk file), followed by that program's
-text (`| ` lines), so the CLI can compare the two wherever the file is copied.  Everything read
+monoids its reductions use, and one `kernel` block per kernel (its grid and its stores).  An
+optional `source "x.bbp"` line records the program it was fused from (relative to the .bbk
+file), followed by that program's text (`| ` lines), so the CLI can compare the two wherever the
+file is copied.  Everything read
 is validated; a mistake is a `SourceError` at its position.
 """
 

@@ -157,8 +157,8 @@ class ProgramCost:
     def why_illegal(self) -> str:
         """Each kernel whose local footprint exceeds the target's capacity, with both sizes."""
         capacity = fmt_bytes(self.target.local_capacity)
-        return "; ".join(f"kernel {','.join(k.tensors)} needs {fmt_bytes(k.footprint)} of local memory "
-                         f"(its tiles at these block sizes), {self.target.name} has {capacity}"
+        return "; ".join(f"kernel {','.join(k.tensors)} needs {fmt_bytes(k.footprint)} of local "
+                         f"memory (its tiles at these block sizes), {self.target.name} has {capacity}"
                          for k in self.kernels if not k.legal)
 
     @property
@@ -235,8 +235,8 @@ class ProgramCost:
         kernels = []
         for k in self.kernels:
             d = asdict(k)
-            d.update(tensors=list(k.tensors), grid=list(k.grid), resident=list(k.resident), time=finite(k.time),
-                     traffic=k.traffic, work=k.work.to_json())
+            d.update(tensors=list(k.tensors), grid=list(k.grid), resident=list(k.resident),
+                     time=finite(k.time), traffic=k.traffic, work=k.work.to_json())
             kernels.append(d)
         return {
             "target": self.target.name,
