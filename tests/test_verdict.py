@@ -28,6 +28,8 @@ SMALL = {
     "layernorm_matmul": ["m=128/64", "e=256/64", "n=128/64"],
     "rmsnorm_ffn_swiglu": ["m=16/8", "e=128/64", "f=64/4", "n=128"],
     "rmsnorm_matmul": ["m=128/64", "e=256/64", "n=128/64"],
+    "residual_rmsnorm": ["t=64/16", "e=512/128"],
+    "rmsnorm_qkv": ["t=64/16", "e=128/32", "q=128/32", "k=64/32"],
     "rowsum_add": ["i=64/16", "j=256/64"],
     "self_attention": ["s=128/64", "t=128/64", "d=64"],
     "softmax": ["r=128/64", "c=512/256"],
