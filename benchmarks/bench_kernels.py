@@ -3,9 +3,11 @@
 For each case (a program, a target, sizes) this fuses the unfused lowering with the standard
 pack under the default objective and reports: kernels before and after, global traffic and
 modeled time before and after, whether a tensor over both sequence axes (attention scores) is
-stored, the work by unit (matrix, special-function, vector), and the runner-up with its margin.
-The cases are those issue 9 asks about that the IR can say today: attention at N = 4096 on
-h100 and h200 and at N = 512, the decoder layer, the norm examples.  (Numerical accuracy of the
+stored, the work by unit (matrix, special-function, vector), the runner-up with its margin, and
+the launches: each kernel's grid and the tensors it stores.  The cases are those issue 9 asks
+about that the IR can say today: attention at N = 4096 on h100 and h200 and at N = 512, the
+decoder layer, the norm examples, and the kernels of several stores (the paper's first figure,
+softmax over a blocked row, a residual add with RMSNorm, RMSNorm with Q, K and V projections).  (Numerical accuracy of the
 fused LayerNorm is `bench_norm_accuracy.py`'s.)
 
     python benchmarks/bench_kernels.py [--json PATH]
@@ -50,6 +52,12 @@ CASES = (
     Case("decoder layer", "decoder_layer", "h100", sequence=("s", "t")),
     Case("layernorm + matmul", "layernorm_matmul", "h100"),
     Case("rmsnorm + FFN-SwiGLU", "rmsnorm_ffn_swiglu", "h100"),
+    Case("c = a + b, d = rowsum(b)", "rowsum_add", "h100"),
+    Case("softmax r=4096/64", "softmax", "h100"),
+    Case("softmax r=4096/16", "softmax", "h100", {"r": (4096, 16)}),
+    Case("residual + rmsnorm", "residual_rmsnorm", "h100"),
+    Case("rmsnorm + QKV t=4096", "rmsnorm_qkv", "h100"),
+    Case("rmsnorm + QKV t=16384", "rmsnorm_qkv", "h100", {"t": (16384, 64)}),
 )
 
 
@@ -70,6 +78,7 @@ def measure(case: Case, pack) -> dict:
         "time": [r.before.time, r.after.time],
         "scores_stored": scores,
         "work": r.after.work.to_json(),
+        "launches": [f"[{','.join(k.grid)}]:{','.join(k.tensors)}" for k in r.program.kernels],
         "runner_up": None if runner is None else {
             "kernels": runner.n_kernels, "time": runner.time, "time_margin": margin[0],
             "traffic_ratio": margin[1]},
@@ -84,7 +93,7 @@ def row(m: dict) -> str:
     return (f"{m['case']:24} {m['target']:5} {m['kernels'][0]:3} -> {m['kernels'][1]:<3} "
             f"{fmt_bytes(m['traffic'][0]):>11} -> {fmt_bytes(m['traffic'][1]):<11} "
             f"{fmt_time(m['time'][0]):>10} -> {fmt_time(m['time'][1]):<10} {scores:7} "
-            f"{m['apply_s']:6.1f} s  {second}")
+            f"{m['apply_s']:6.1f} s  {second:40} {' '.join(m['launches'])}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -93,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     pack = load_packs([])
     print(f"{'case':24} {'target':5} {'kernels':10} {'traffic':26} {'modeled time':24} "
-          f"{'scores':7} {'apply':8}  runner-up")
+          f"{'scores':7} {'apply':8}  {'runner-up':40} launches")
     results = []
     for case in CASES:
         results.append(measure(case, pack))
