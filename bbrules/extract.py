@@ -53,7 +53,7 @@ from typing import Callable, Iterable, Iterator, Mapping, TypeAlias
 from .cost import ProgramCost, cost_kernel
 from .engine import ClassGraph, ENode
 from .grouping import group_kernels
-from .ir import (BlockProgram, IRError, Load, Node, Store, TensorDecl,
+from .ir import (BlockProgram, IRError, Kernel, Load, Node, Store, TensorDecl,
                  TileType, postorder, sched_deps, show_program, type_of, validate)
 from .options import Meter, Options
 from .targets import Target
@@ -148,6 +148,8 @@ class Extractor:
         # object, so comparing them (cache lookups) stops at the first shared child instead of
         # walking both DAGs, which takes time exponential in the depth of their sharing.
         self.interned: dict[Node, Node] = {}
+        self.interned_stores: dict[Store, Store] = {}
+        self.interned_kernels: dict[Kernel, Kernel] = {}
         self.built = 0
         self.priced = 0
         self.rejected = 0
@@ -216,6 +218,7 @@ class Extractor:
                     frames += [("term", k) for k in reversed(node.children)]
                 case ("store", t, node):
                     store = Store(t, self.source.tensors[t].axes, make(node))
+                    store = self.interned_stores.setdefault(store, store)
                     if not self.kernel_ok(store):
                         raise _Invalid(f"kernel {t} is ill-formed")
                     kernels[t] = store
@@ -240,7 +243,14 @@ class Extractor:
         stored = {k.tensor for k in stores}
         tensors = {n: t for n, t in self.source.tensors.items()
                    if t.role == "input" or n in stored}
-        return BlockProgram.of_stores(self.source.dims, tensors, stores, self.source.outputs)
+        kernels = tuple(self.kernel(s.axes, (s,)) for s in stores)
+        return BlockProgram(self.source.dims, tensors, kernels, self.source.outputs)
+
+    def kernel(self, grid: tuple[str, ...], stores: tuple[Store, ...]) -> Kernel:
+        """The launch of `stores` over `grid`, one object per value: the cost model's cache
+        then finds it by identity instead of comparing terms."""
+        k = Kernel(grid, stores)
+        return self.interned_kernels.setdefault(k, k)
 
     # -- pricing
 
@@ -251,7 +261,7 @@ class Extractor:
         stores = program.stores
         if stores not in self.cache:
             self.priced += 1
-            grouped = group_kernels(program, self.key)
+            grouped = group_kernels(program, self.key, self.kernel)
             cost = self.cost(grouped)
             if self.max_kernels is not None and len(grouped.kernels) > self.max_kernels:
                 self.rejected += 1

@@ -22,20 +22,23 @@ plan at most.  The moves are tried in program order, so the result does not depe
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import lru_cache
 from typing import Callable
 
-from .ir import BlockProgram, Kernel, Load, Reduce, postorder
+from .ir import BlockProgram, Kernel, Load, Reduce, Store, postorder
 
 Price = Callable[[BlockProgram], "tuple | None"]  # a program's cost key; None if rejected
+Make = Callable[[tuple[str, ...], tuple[Store, ...]], Kernel]  # builds (or interns) a kernel
 
 
-def group_kernels(p: BlockProgram, price: Price) -> BlockProgram:
-    """`p` with its stores launched as cheaply as the moves above find, by `price`."""
+def group_kernels(p: BlockProgram, price: Price, make: Make = Kernel) -> BlockProgram:
+    """`p` with its stores launched as cheaply as the moves above find, by `price`.  `make`
+    builds each new launch (extraction interns them, so its caches find them by identity)."""
     best = price(p)
     if best is None:
         return p
     while True:
-        for kernels in _moves(p):
+        for kernels in _moves(p, make):
             q = replace(p, kernels=kernels)
             key = price(q)
             if key is not None and key < best:
@@ -45,11 +48,11 @@ def group_kernels(p: BlockProgram, price: Price) -> BlockProgram:
             return p
 
 
-def _moves(p: BlockProgram):
+def _moves(p: BlockProgram, make: Make):
     """Every program one move away from `p`, lazily, in program order."""
     ks = p.kernels
     for i, k in enumerate(ks):
-        narrow = _narrowed(k, p)
+        narrow = _narrowed(k, p, make)
         if narrow is not None:
             yield ks[:i] + (narrow,) + ks[i + 1:]
     loads = [_loaded(k) for k in ks]
@@ -62,17 +65,28 @@ def _moves(p: BlockProgram):
             if not loads[i] & loads[j]:
                 continue  # nothing to share but a launch
             grid = tuple(a for a in k.grid if a in ks[j].grid)
-            merged = Kernel(grid, k.stores + ks[j].stores)
+            merged = make(grid, k.stores + ks[j].stores)
             yield ks[:i] + (merged,) + ks[i + 1:j] + ks[j + 1:]
 
 
-def _narrowed(k: Kernel, p: BlockProgram) -> Kernel | None:
+def _narrowed(k: Kernel, p: BlockProgram, make: Make) -> Kernel | None:
     """`k` without the grid axes that one of its stores reduces over inside its value."""
-    reduced = {n.axis for s in k.stores for n in postorder(s.value) if isinstance(n, Reduce)}
+    reduced = frozenset().union(*map(_reduced, k.stores))
     grid = tuple(a for a in k.grid if a not in reduced or p.blocks(a) == 1)
-    return Kernel(grid, k.stores) if grid != k.grid else None
+    return make(grid, k.stores) if grid != k.grid else None
 
 
 def _loaded(k: Kernel) -> frozenset[str]:
-    return frozenset(n.tensor for s in k.stores for n in postorder(s.value)
-                     if isinstance(n, Load))
+    return frozenset().union(*map(_loads, k.stores))
+
+
+# Candidates share most of their stores: what each store reduces over and loads is asked once.
+
+@lru_cache(maxsize=1 << 14)
+def _reduced(s: Store) -> frozenset[str]:
+    return frozenset(n.axis for n in postorder(s.value) if isinstance(n, Reduce))
+
+
+@lru_cache(maxsize=1 << 14)
+def _loads(s: Store) -> frozenset[str]:
+    return frozenset(n.tensor for n in postorder(s.value) if isinstance(n, Load))

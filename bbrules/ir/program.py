@@ -90,7 +90,7 @@ class Store:
     value: Node
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Kernel:
     """One launch: a processor per block of the `grid` axes, each making every store.
 
@@ -102,6 +102,9 @@ class Kernel:
     over one axis (`c = a + b` with `d = rowsum(b)`) load `b` once.  A store never reads a
     tensor that its own kernel stores.
     """
+
+    __hash__ = _cached_hash  # extraction looks kernel costs up by value thousands of times
+    __eq__ = _dag_eq
 
     grid: tuple[Axis, ...]
     stores: tuple[Store, ...]
