@@ -14,6 +14,12 @@ node per e-class" alone could not say "store T, and load it here".  Commuted twi
 (`x * y` next to `y * x`, `dot(a, x, y)` next to `dot(a, y, x)`) cost the same and are
 dropped.
 
+Launches.  A candidate is a set of stores; which of them share a kernel, and over which grid,
+is decided for each candidate by `grouping` with the same cost key, and the candidate is priced
+as launched.  The local search below descends from each seed twice: on the launched key, and on
+the key of one kernel per store (grouping can make a local optimum of a candidate that is cheap
+only because two of its stores share a launch); every candidate is ranked as launched either way.
+
 The search.  Candidates are checked by rebuilding them as IR and recomputing every kernel's
 types from the chosen nodes (`ir.type_of`, `ir.sched_deps`; `ir.validate` on the result), not
 from the e-class analysis, so an ill-scoped choice is rejected.  When the space reachable from
