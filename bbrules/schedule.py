@@ -41,7 +41,7 @@ class Write:
 
 @dataclass(frozen=True)
 class MapLoop:
-    """Map loop number `level` of `store` in kernel order: over `axis`, with the next map loop
+    """The map loop of `store` over `axes[level]` (level 0 outermost), with the next map loop
     (or the store's `Write`) as its body."""
 
     store: Store

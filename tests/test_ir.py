@@ -105,6 +105,31 @@ def test_validate_names_the_violation(kernels, message):
         validate(_program(*kernels))
 
 
+_SCORES = Store("S", ("q", "k"), S)
+_EXP = Store("O", ("q", "k"), Unary("exp", S))
+
+
+@pytest.mark.parametrize("kernels, message", [
+    ((Kernel(("q",), (_SCORES, _EXP)),), None),  # two stores, k a map loop of both
+    ((Kernel(("q",), ()),), "stores nothing"),
+    ((Kernel(("q",), (_SCORES, _SCORES)),), "stores one tensor twice"),
+    ((Kernel.of(_SCORES), Kernel(("q",), (_SCORES, _EXP))), "'S' is stored twice"),
+    ((Kernel(("q", "z"), (_SCORES, _EXP)),), "unknown grid axis 'z'"),
+    ((Kernel(("q", "q"), (_SCORES, _EXP)),), "repeated grid axis"),
+    ((Kernel(("q", "d"), (_SCORES, _EXP)),), r"grid axes \['d'\] are not axes of S"),
+    ((Kernel(("q",), (_SCORES, Store("O", ("q", "k"), Unary("exp", Load("S", ("q", "k")))))),),
+     "O reads 'S', which the same kernel stores"),
+])
+def test_validate_checks_kernels_of_several_stores(kernels, message):
+    p = _program()
+    p = BlockProgram(p.dims, p.tensors, kernels, ("O",))
+    if message is None:
+        validate(p)
+    else:
+        with pytest.raises(IRError, match=message):
+            validate(p)
+
+
 def test_monoids_of_one_name_defined_differently_stay_apart():
     """A reduction holds its monoid: two definitions of one name are two reductions, typed
     by their own definitions; only writing both into one program is refused."""
