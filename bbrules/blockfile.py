@@ -21,7 +21,7 @@ from .errors import SourceError, Span, read_source
 from .exprsyntax import (Expr, ExprTransformer, MonoidDecl, Name, Resolver, Scope, Size, parse,
                          resolve_monoid)
 from .ir import (BUILTIN_MONOIDS, DTYPE_BYTES, BlockProgram, Dim, IRError, Kernel, Monoid,
-                 Store, TensorDecl, validate)
+                 Store, TensorDecl, check_view, validate)
 
 
 @dataclass(frozen=True)
@@ -54,6 +54,7 @@ class _Tensor:
     axes: tuple[Name, ...]
     dtype: Name
     span: Span
+    base: Name | None = None  # a view's base tensor
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,12 @@ class _BlockTransformer(ExprTransformer):
         role, name, axes, dtype = children
         return _Tensor(str(role), self._name(name), axes,
                        self._name(dtype), self.span(role))
+
+    @v_args(meta=True)
+    def view(self, meta, children: list) -> _Tensor:
+        name, axes, dtype, base = children
+        return _Tensor("view", self._name(name), axes, self._name(dtype), self.span(meta),
+                       self._name(base))
 
     def let(self, children: list) -> _Let:
         name, value = children
@@ -179,8 +186,14 @@ class _Builder:
         if t.dtype.name not in DTYPE_BYTES:
             raise self.error(t.dtype.span, f"unknown dtype '{t.dtype.name}' "
                                            f"(known: {', '.join(DTYPE_BYTES)})")
-        self.tensors[name] = TensorDecl(name, tuple(a.name for a in t.axes), t.dtype.name,
-                                        t.role)
+        decl = TensorDecl(name, tuple(a.name for a in t.axes), t.dtype.name, t.role,
+                          t.base.name if t.base else "")
+        if t.base is not None:
+            try:
+                check_view(self.dims, self.tensors, decl)
+            except IRError as e:
+                raise self.error(t.base.span, str(e)) from None
+        self.tensors[name] = decl
         self.tensor_spans[name] = t.span
 
     def monoid(self, d: MonoidDecl) -> None:

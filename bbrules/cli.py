@@ -32,7 +32,7 @@ from .inputs import random_inputs
 from .ir import BlockProgram, show_program
 from .lower import lower
 from .memory import default_budget, run_bytes
-from .options import Meter
+from .options import Meter, Options
 from .packs import discover_packs, load_each, merge_all, pack_directories
 from .program import Program
 from .rule import RulePack
@@ -303,6 +303,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({
             "program": args.program, "backend": args.backend, "seed": args.seed,
+            "kernels": len(program.kernels),
             "time_s": elapsed, "compared": True, "rule": TOLERANCE_RULE,
             "ok": ok,
             "outputs": {n: r.to_json() for n, r in results.items()},
@@ -322,6 +323,7 @@ def _report_checksums(args: argparse.Namespace, program: BlockProgram,
     if args.json:
         print(json.dumps({
             "program": args.program, "backend": args.backend, "seed": args.seed,
+            "kernels": len(program.kernels),
             "time_s": elapsed, "compared": False,
             "note": note,
             "outputs": {n: {"sum": _finite(s), "abs_sum": _finite(a)}
@@ -369,6 +371,9 @@ def _fuse_args(p: argparse.ArgumentParser) -> None:
                    help="minimise modeled time (default) or global traffic")
     p.add_argument("--max-kernels", type=_integer(1), metavar="N",
                    help="the cheapest program with at most N kernels")
+    p.add_argument("--no-split", action="store_true",
+                   help="never split a reduction over chunks stored and combined by a second "
+                        "kernel (Flash-Decoding, split-K)")
     p.add_argument("--nodes", type=_integer(1), default=Budget.nodes, help="e-node budget")
     p.add_argument("--iterations", type=_integer(1), default=Budget.iterations,
                    help="iteration budget per stage")
@@ -394,7 +399,8 @@ def _fuse(args: argparse.Namespace, program: BlockProgram) -> FuseResult:
     meter = Meter(budget)  # loading the packs counts against the time budget too
     try:
         return fuse(program, _load_packs(args), get_target(args.target), args.objective,
-                    args.max_kernels, budget, _progress(args), meter=meter)
+                    args.max_kernels, budget, _progress(args),
+                    Options(split_folds=not args.no_split), meter)
     except NoCandidate as e:
         raise UsageError(str(e)) from None
 

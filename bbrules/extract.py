@@ -53,12 +53,13 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from itertools import product
+from itertools import product, repeat
 from typing import Callable, Iterable, Iterator, Mapping, TypeAlias
 
-from .cost import ProgramCost, cost_kernel
+from .cost import KernelCost, ProgramCost, cost_kernel
 from .engine import ClassGraph, ENode
 from .grouping import group_kernels
+from .splitting import Splitter
 from .ir import (BlockProgram, IRError, Kernel, Load, Node, Store, TensorDecl,
                  TileType, postorder, sched_deps, show_program, type_of, validate)
 from .options import Meter, Options
@@ -82,6 +83,9 @@ class ExtractStats:
     stop: str = "complete"  # or the budget that ended the search: "time limit", "memory limit"
     anchor: float = 1.0  # seconds: the time the ranking's bands are counted from
     runner_up: ProgramCost | None = None  # the best legal candidate storing other tensors
+    # The result's stores as the e-graph defines them, before `grouping` launched them (a
+    # split fold's kernels store states no e-class holds): what explanations derive.
+    chosen: tuple[Store, ...] = ()
 
     def to_json(self) -> dict:
         return {"method": self.method, "candidates": self.candidates, "rejected": self.rejected,
@@ -153,9 +157,16 @@ class Extractor:
         # Every term node built, once: equal terms of different candidates are then the same
         # object, so comparing them (cache lookups) stops at the first shared child instead of
         # walking both DAGs, which takes time exponential in the depth of their sharing.
-        self.interned: dict[Node, Node] = {}
-        self.interned_stores: dict[Store, Store] = {}
-        self.interned_kernels: dict[Kernel, Kernel] = {}
+        # The input program's own stores and kernels are the ones kept: the cost model's
+        # cache met them first (pricing the input), and a lookup with an equal copy would
+        # compare the two terms on every hit.
+        self.interned: dict[Node, Node] = {n: n for s in source.stores
+                                           for n in postorder(s.value)}
+        self.interned_stores: dict[Store, Store] = {s: s for s in source.stores}
+        self.interned_kernels: dict[Kernel, Kernel] = {k: k for k in source.kernels}
+        self.launches: dict[tuple, tuple[tuple[Store, ...], Kernel]] = {}
+        self.kernel_costs: dict[Kernel, KernelCost] = {}
+        self.splitter = Splitter(target, self.kernel) if knobs.split_folds else None
         self.built = 0
         self.priced = 0
         self.rejected = 0
@@ -255,8 +266,14 @@ class Extractor:
     def kernel(self, grid: tuple[str, ...], stores: tuple[Store, ...]) -> Kernel:
         """The launch of `stores` over `grid`, one object per value: the cost model's cache
         then finds it by identity instead of comparing terms."""
-        k = Kernel(grid, stores)
-        return self.interned_kernels.setdefault(k, k)
+        # Looked up by its stores' identities first; the entry keeps those stores, so their
+        # ids cannot be reused while it exists.
+        key = (grid, tuple(map(id, stores)))
+        hit = self.launches.get(key)
+        if hit is None:
+            k = Kernel(grid, stores)
+            hit = self.launches[key] = (stores, self.interned_kernels.setdefault(k, k))
+        return hit[1]
 
     # -- pricing
 
@@ -267,7 +284,8 @@ class Extractor:
         stores = program.stores
         if stores not in self.cache:
             self.priced += 1
-            grouped = group_kernels(program, self.key, self.kernel)
+            grouped = group_kernels(program, self.launched_cost, self.objective, self.kernel,
+                                    self.splitter)
             cost = self.cost(grouped)
             if self.max_kernels is not None and len(grouped.kernels) > self.max_kernels:
                 self.rejected += 1
@@ -280,11 +298,11 @@ class Extractor:
             return None
         return entry[1].key(self.objective) if self.grouped else entry[2]
 
-    def key(self, program: BlockProgram) -> tuple | None:
-        """A launched program's cost key, None if it has more kernels than allowed."""
+    def launched_cost(self, program: BlockProgram) -> ProgramCost | None:
+        """A launched program's cost, None if it has more kernels than allowed."""
         if self.max_kernels is not None and len(program.kernels) > self.max_kernels:
             return None
-        return self.cost(program).key(self.objective)
+        return self.cost(program)
 
     def near(self, a: Built, b: Built) -> bool:
         """Is candidate `a` as legal as `b` and within `Options.followup_slack` times its
@@ -303,19 +321,28 @@ class Extractor:
         return anchor, lambda c: c.key(self.objective, anchor)
 
     def first(self, order: Callable[[ProgramCost], tuple], other_than: frozenset[str] | None = None
-              ) -> tuple[BlockProgram, ProgramCost] | None:
-        """The first priced candidate in `order` that does not store exactly the tensors
-        `other_than`, equal keys broken by the program text."""
-        priced = [(order(e[1]), e) for stores, e in self.cache.items()
-                  if e is not None and frozenset(k.tensor for k in stores) != other_than]
+              ) -> tuple[BlockProgram, ProgramCost, tuple[Store, ...]] | None:
+        """The first priced candidate in `order` that, as launched, does not store exactly
+        the tensors `other_than`: its launched program, cost and stores as chosen in the
+        e-graph; equal keys broken by the program text."""
+        priced = [(order(e[1]), (*e[:2], stores)) for stores, e in self.cache.items()
+                  if e is not None and frozenset(k.tensor for k in e[0].stores) != other_than]
         if not priced:
             return None
         key = min(k for k, _ in priced)
-        return min((e[:2] for k, e in priced if k == key), key=lambda e: show_program(e[0]))
+        return min((e for k, e in priced if k == key), key=lambda e: show_program(e[0]))
 
     def cost(self, program: BlockProgram) -> ProgramCost:
-        return ProgramCost(tuple(cost_kernel(program, k, self.target) for k in program.kernels),
+        return ProgramCost(tuple(map(self.kernel_cost, program.kernels, repeat(program))),
                            self.target, self.compulsory)
+
+    def kernel_cost(self, kernel: Kernel, program: BlockProgram) -> KernelCost:
+        """`cost_kernel`, remembered per kernel: within one extraction every axis and tensor
+        name means one thing, so a kernel costs the same in every candidate."""
+        cost = self.kernel_costs.get(kernel)
+        if cost is None:
+            cost = self.kernel_costs[kernel] = cost_kernel(program, kernel, self.target)
+        return cost
 
     def spent(self) -> bool:
         """Has the fusion's time or memory budget run out (noted in `stop`)?"""
@@ -660,7 +687,7 @@ def extract(graph: ClassGraph, source: BlockProgram, target: Target, objective: 
     best = ex.first(order)
     if best is None:
         raise NoCandidate(f"no program with at most {max_kernels} kernels was found")
-    program, cost = best
+    program, cost, chosen = best
     if not cost.legal:
         bound = f" with at most {max_kernels} kernels" if max_kernels is not None else ""
         raise NoCandidate(f"no legal program{bound} was found; the best one found is illegal: "
@@ -669,7 +696,7 @@ def extract(graph: ClassGraph, source: BlockProgram, target: Target, objective: 
     second = ex.first(order, frozenset(k.tensor for k in program.stores))
     runner_up = second[1] if second is not None and second[1].legal else None
     stats = ExtractStats(method, ex.priced, ex.rejected, time.perf_counter() - start, ex.stop,
-                         anchor, runner_up)
+                         anchor, runner_up, chosen)
     return program, cost, stats
 
 

@@ -10,14 +10,14 @@ rule applications that built the output is found when asked for (`bbrules.explai
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .cost import ProgramCost, cost_program
 from .engine import (Budget, ClassGraph, CompiledPack, Progress, RuleStats, Saturator,
                      StageStats, compile_pack)
 from .explain import ExplainError, Step, explain
 from .extract import ExtractStats, extract
-from .ir import BlockProgram, validate
+from .ir import BlockProgram, Kernel, validate
 from .options import Meter, Options
 from .rule import RulePack
 from .targets import Target
@@ -49,7 +49,9 @@ class FuseResult:
         Raises `ExplainError` if the recorded firings do not connect them (a bug), or if the
         budget runs out first."""
         if self._chain is None:
-            self._chain = explain(self.source, self.program, self.graph, self.compiled,
+            chosen = replace(self.program, kernels=tuple(map(Kernel.of,
+                                                             self.extraction.chosen)))
+            self._chain = explain(self.source, chosen, self.graph, self.compiled,
                                   self.options, self.meter)
         return self._chain
 

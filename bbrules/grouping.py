@@ -2,8 +2,9 @@
 
 The e-graph decides what each stored tensor's value is; this module decides how the stores are
 launched.  It starts from one kernel per store over the store's own axes and takes, while one
-lowers the program's cost key (`ProgramCost.key`, so near-ties in time go to less traffic),
-the first of two kinds of move:
+is cheaper by the program's cost key (`ProgramCost.key` with its time bands anchored at the
+faster of the two programs, so a move faster by less than the target's resolution must also
+move less data), the first of two kinds of move:
 
 - *Narrow a grid*: a store whose value reduces over one of its own axes (a softmax whose row
   statistics were forwarded into the normalisation) recomputes that reduction for every block
@@ -15,37 +16,72 @@ the first of two kinds of move:
   `d = rowsum(b)`).  The later kernel moves up to the earlier one, so it must read nothing that
   the earlier one, or a kernel between them, stores.
 
+- *Split a fold* (`splitting`): a kernel whose grid leaves processors idle folds one
+  reduction in chunks on more grid points and combines their states in a second kernel.
+
 Every candidate is priced whole, and kernel costs are cached, so a move costs one new kernel's
 plan at most.  The moves are tried in program order, so the result does not depend on hashing.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from functools import lru_cache
-from typing import Callable
+from typing import Callable, Iterable
 
+from .cost import ProgramCost
 from .ir import BlockProgram, Kernel, Load, Reduce, Store, postorder
+from .splitting import Splitter
 
-Price = Callable[[BlockProgram], "tuple | None"]  # a program's cost key; None if rejected
+Price = Callable[[BlockProgram], "ProgramCost | None"]  # None: rejected (too many kernels)
 Make = Callable[[tuple[str, ...], tuple[Store, ...]], Kernel]  # builds (or interns) a kernel
 
 
-def group_kernels(p: BlockProgram, price: Price, make: Make = Kernel) -> BlockProgram:
-    """`p` with its stores launched as cheaply as the moves above find, by `price`.  `make`
-    builds each new launch (extraction interns them, so its caches find them by identity)."""
+def group_kernels(p: BlockProgram, price: Price, objective: str = "time", make: Make = Kernel,
+                  splitter: Splitter | None = None) -> BlockProgram:
+    """`p` with its stores launched as cheaply as the moves above find, by `price` under
+    `objective`.  `make` builds each new launch (extraction interns them, so its caches find
+    them by identity).  With a `splitter`, a fold in a kernel that leaves processors idle may
+    then be split."""
     best = price(p)
     if best is None:
         return p
+    p, best = _descend(p, best, price, objective, first=True,
+                       moves=lambda q, _: (replace(q, kernels=k) for k in _moves(q, make)))
+    if splitter is not None and objective == "time":
+        # Split the launches found, once: a chunk is not split again.  (States only add
+        # traffic, so under the traffic objective no split is ever cheaper.)
+        launched = frozenset(p.kernels)
+        p, best = _descend(p, best, price, objective, first=False,
+                           moves=lambda q, cost: splitter.moves(q, cost, launched))
+    return p
+
+
+def _descend(p: BlockProgram, best: ProgramCost, price: Price, objective: str, first: bool,
+             moves: Callable[[BlockProgram, ProgramCost], Iterable[BlockProgram]]
+             ) -> tuple[BlockProgram, ProgramCost]:
+    """Take the `first` of `moves` that is cheaper, or the cheapest (the split factors of one
+    fold compete), until none is."""
     while True:
-        for kernels in _moves(p, make):
-            q = replace(p, kernels=kernels)
-            key = price(q)
-            if key is not None and key < best:
-                p, best = q, key
-                break
-        else:
-            return p
+        step = None
+        for q in moves(p, best):
+            cost = price(q)
+            if cost is not None and _cheaper(cost, best, objective):
+                step, best = q, cost
+                if first:
+                    break
+        if step is None:
+            return p, best
+        p = step
+
+
+def _cheaper(a: ProgramCost, b: ProgramCost, objective: str) -> bool:
+    """Is `a` cheaper than `b`, their time bands anchored at the faster of the two?  So a
+    launch that is faster by less than the target's resolution must also move less data."""
+    times = [t for t in (a.time, b.time) if math.isfinite(t)]
+    anchor = min(times, default=1.0)
+    return a.key(objective, anchor) < b.key(objective, anchor)
 
 
 def _moves(p: BlockProgram, make: Make):

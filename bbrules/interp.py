@@ -258,8 +258,11 @@ class _KernelRun(_Evaluation):
         """Evaluate the kernel's value for every block of its grid and store each tile."""
         axes = self.kernel.axes
         target = self.memory[self.kernel.tensor]
+        # An axis of one block has block index 0 everywhere, bound or not by the store (a
+        # split fold's row maximum is computed beside a head-dim-wide accumulator).
+        single = {a: 0 for a, d in self.program.dims.items() if d.blocks == 1}
         for index in itertools.product(*(range(self.program.blocks(a)) for a in axes)):
-            self.env = dict(zip(axes, index))
+            self.env = {**single, **dict(zip(axes, index))}
             target[tuple(self.block_slice(a) for a in axes)] = \
                 self.tile(self.kernel.value).aligned(axes)
 
@@ -285,6 +288,9 @@ def run(program: BlockProgram, inputs: dict[str, np.ndarray]) -> dict[str, np.nd
     for k in program.stores:
         shape = tuple(program.extent(a) for a in program.tensors[k.tensor].axes)
         memory.setdefault(k.tensor, np.full(shape, np.nan, dtype=F32))
+    for t in program.tensors.values():
+        if t.role == "view":  # numpy's reshape of a contiguous array shares its memory
+            memory[t.name] = memory[t.base].reshape([program.extent(a) for a in t.axes])
     with np.errstate(all="ignore"):
         for k in program.stores:
             _KernelRun(program, memory, k).run()

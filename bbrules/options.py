@@ -92,5 +92,6 @@ class Options:
     release_moves: int = 4  # release moves per shared class
     followup_slack: float = 2.0  # a move is combined with follow-ups only if at most this
     #                              much costlier
+    split_folds: bool = True  # launches may split a fold over chunks (`bbrules.splitting`)
     # Explanations: how deep rewrites below rewrites may nest before the search gives up.
     explain_depth: int = 64

@@ -227,7 +227,7 @@ def generate(p: BlockProgram, target: Target | str | None = None) -> CudaModule:
     prelude += [_HALF_HELPERS[f] for f in ("f16", "bf16") if f in helpers]
     source = "\n".join(prelude + bodies)
     tensors = {t.name: TensorInfo(tuple(p.extent(a) for a in t.axes), t.dtype, t.role)
-               for t in p.tensors.values()}
+               for t in p.tensors.values() if t.role != "view"}  # a view is its base's memory
     kernels_t = tuple(kernels)
     return CudaModule(source, _launcher(source, kernels_t, tensors, p.outputs), kernels_t,
                       tensors, p.outputs)
@@ -348,7 +348,8 @@ class _KernelGen:
     def emit(self) -> tuple[KernelInfo, str]:
         stored = self.kernel.tensors
         params = list(stored) + list(dict.fromkeys(
-            x.node.tensor for x in self.plan.values if x.kind == "load"))
+            self.p.tensors[x.node.tensor].storage for x in self.plan.values
+            if x.kind == "load"))
         signature = []
         for t in params:
             fmt = FORMATS[self.p.tensors[t].dtype]
@@ -477,7 +478,7 @@ class _KernelGen:
         load = x.node
         blocks = {a: self._block_var(b, a) for a, b in x.blocks.items()}
         offset = self._global_offset(load.tensor, load.axes, blocks, coords)
-        return f"g_{_c_name(load.tensor)}[{offset}]"
+        return f"g_{_c_name(self.p.tensors[load.tensor].storage)}[{offset}]"
 
     def _local(self, x: Value, coords: dict[str, str]) -> str:
         """Element `coords` of a value held in local memory, as a float."""
@@ -506,7 +507,7 @@ class _KernelGen:
             with w.block(f"for (int bb_i = bb_tid; bb_i < {size}; bb_i += bb_nthr)"):
                 coords = self._decode(w, buf.order, "bb_i", buf.sizes)
                 offset = self._global_offset(load.tensor, load.axes, blocks, coords)
-                value = f"g_{_c_name(load.tensor)}[{offset}]"
+                value = f"g_{_c_name(self.p.tensors[load.tensor].storage)}[{offset}]"
                 if buf.itemsize == 4:
                     value = FORMATS[self.p.tensors[load.tensor].dtype].to_float.format(value)
                 w(f"{self._at(buf, coords)} = {value};")

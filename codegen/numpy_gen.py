@@ -770,13 +770,25 @@ def _run_function(p: BlockProgram, names: Mapping[str, str],
     lines = [*_INPUT_HELPER, "", "",
              "def run(**inputs):",
              '    """Run every kernel in order; return every stored tensor by name (float32)."""']
+    views = [t for t in p.tensors.values() if t.role == "view"]
+
+    def bind_views(ready: set[str], indent: str) -> None:
+        """Name each view of a tensor in `ready` (a reshape, which copies only when the base
+        array is not contiguous)."""
+        for v in views:
+            if v.base in ready:
+                shape = tuple(p.extent(a) for a in v.axes)
+                lines.append(f"{indent}{names[v.name]} = {names[v.base]}.reshape({shape!r})")
+
     for t in p.inputs:
         shape = tuple(p.extent(a) for a in p.tensors[t].axes)
         lines.append(f"    {names[t]} = _input(inputs, {t!r}, {shape!r})")
+    bind_views(set(p.inputs), "    ")
     lines.append('    with np.errstate(all="ignore"):')
     for fn_name, k, _ in kernels:
         args = ", ".join(_kernel_params(p, k, names).values())
         lines.append(f"        {', '.join(names[t] for t in k.tensors)} = {fn_name}({args})")
+        bind_views(set(k.tensors), "        ")
     stored = [k.tensor for k in p.stores]
     lines.append(f"    return {{{', '.join(f'{t!r}: {names[t]}' for t in stored)}}}")
     return lines

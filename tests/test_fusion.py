@@ -17,6 +17,7 @@ from bbrules.inputs import random_inputs
 from bbrules.blockfile import parse_block_program
 from bbrules.ir import BlockProgram, Tuple, show_program, validate
 from bbrules.lower import lower
+from bbrules.options import Options
 from bbrules.packs import load_packs
 from bbrules.rulefile import parse_rules
 from bbrules.schedule import Loop, schedule_kernel, walk_steps
@@ -35,7 +36,13 @@ def pack():
     return load_packs([])
 
 
+# These tests are about what the rules derive, so folds are launched whole: a split over
+# keys (tests/test_split.py) would cut the Flash loop they look at into chunks.
+WHOLE = Options(split_folds=False)
+
+
 def fused(path: Path, pack, dims=None, **kw):
+    kw.setdefault("options", WHOLE)
     return fuse(lower(load_program(path, dims)), pack, H100, **kw)
 
 
@@ -84,7 +91,8 @@ def test_attention_stores_no_scores_on_the_faster_chip_and_at_short_sequences(pa
     """Flash Attention at N = 512 has 8 query blocks for 132 SMs; priced by unit (its dots on
     tensor cores), and with modeled-time ties going to less traffic, it still beats storing S."""
     dims = {"q": (n, 64), "k": (n, 64)}
-    r = fuse(lower(load_program(EXAMPLES / "attention.bbp", dims)), pack, get_target(target))
+    r = fuse(lower(load_program(EXAMPLES / "attention.bbp", dims)), pack, get_target(target),
+             options=WHOLE)
     p = r.program
     assert [k.tensor for k in p.stores] == ["O"] and set(p.tensors) == {"Q", "K", "V", "O"}
     tile = n * 64 * 4  # Q, K, V and O are n x 64 f32
@@ -124,7 +132,8 @@ def test_identity_elements_do_not_stop_fusion(pack, old, new):
     text = (EXAMPLES / "attention.bbp").read_text()
     assert old in text
     reference = fused(EXAMPLES / "attention.bbp", pack)
-    r = fuse(lower(parse_program(text.replace(old, new), "attention.bbp")), pack, H100)
+    r = fuse(lower(parse_program(text.replace(old, new), "attention.bbp")), pack, H100,
+             options=WHOLE)
     assert r.program.stores == reference.program.stores
     assert (r.after.traffic, r.after.flops, r.after.time) == \
         (reference.after.traffic, reference.after.flops, reference.after.time)

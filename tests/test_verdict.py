@@ -23,6 +23,7 @@ EXAMPLES = ROOT / "examples"
 # Every example at a size that keeps several blocks per axis but runs in a second.
 SMALL = {
     "attention": ["q=128/32", "k=256/64", "d=64"],
+    "decode_attention": ["h=4/1", "k=1024/64"],
     "decoder_layer": ["s=128/64", "t=128/64", "h=2/1", "e=128/64", "n=128/64", "f=192/64"],
     "gated_mlp": ["m=64/32", "e=128/64", "f=256/64", "n=128/64"],
     "layernorm_matmul": ["m=128/64", "e=256/64", "n=128/64"],
@@ -53,6 +54,26 @@ def test_every_fused_example_passes(name, backend, capsys):
     assert report["ok"]
     for o in report["outputs"].values():
         assert o["error"] <= o["tolerance"] and o["mismatched_nonfinite"] == 0
+
+
+# Sizes at which the time objective splits folds: few output blocks, long reductions.
+SPLIT = {
+    "decode_attention": ["h=4/1", "k=1024/64"],
+    "attention": ["q=128/64", "k=2048/64", "d=64"],
+    "layernorm_matmul": ["m=128/64", "e=4096/64", "n=128/64"],
+}
+
+
+@pytest.mark.parametrize("backend", ["interp", "numpy"])
+@pytest.mark.parametrize("name", sorted(SPLIT))
+def test_examples_fused_with_split_folds_pass(name, backend, capsys):
+    """Under the time objective these sizes leave processors idle, so folds are split over
+    chunks (the traffic objective above never splits: the chunks' states cost traffic)."""
+    dims = [a for d in SPLIT[name] for a in ("--dim", d)]
+    assert main(["run", str(EXAMPLES / f"{name}.bbp"), *dims, "--backend", backend,
+                 "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["ok"] and report["kernels"] >= 2
 
 
 def test_reduction_length_sums_every_reduction_the_output_depends_on():

@@ -16,7 +16,7 @@ from .monoid import BUILTIN_MONOIDS, MAX, MIN, SUM, Monoid, monoids_used, var_na
 from .nodes import (ELEMENTWISE_KINDS, MAX_COMPONENTS, Binary, BlockReduce, Const, Dot, Get,
                     Load, Node, Reduce, Tuple, Unary, Var, Where)
 from .program import (DTYPE_BYTES, BlockProgram, Dim, DimError, Kernel, Store, TensorDecl,
-                      checked_dim, validate)
+                      check_view, checked_dim, validate)
 from .show import fmt_number, show_kernel, show_monoid, show_node, show_program
 from .typecheck import deps, loops_under, sched_deps, shape, tile_type, type_of
 from .types import SCALAR, Axis, AxisSet, IRError, TileType, Type, union

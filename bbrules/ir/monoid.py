@@ -54,6 +54,22 @@ class Monoid:
     def arity(self) -> int:
         return len(self.state)
 
+    def partial(self) -> Monoid:
+        """The same fold without its finalize: its results are the state components.
+
+        A split reduction's chunks store these states, and a second fold over the chunks
+        combines them with this monoid's `combine` and finalizes: sound for every monoid,
+        since folds are associative.  One object per monoid, so caches find it by identity."""
+        raw = tuple(Var(c) for c in self.state)
+        if self.finalize == raw:
+            return self
+        cached = self.__dict__.get("_partial")
+        if cached is None:
+            cached = Monoid(f"{self.name}_state", self.state, self.identity, self.combine, raw,
+                            f"{self.name}'s state, unfinalized")
+            object.__setattr__(self, "_partial", cached)
+        return cached
+
     def coupled_state_types(self, state: tuple[TileType, ...]) -> tuple[TileType, ...]:
         """Widen each state component by the components its combine reads, to a fixed point.
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -66,16 +67,25 @@ DTYPE_BYTES = {"f32": 4, "f16": 2, "bf16": 2}
 
 @dataclass(frozen=True)
 class TensorDecl:
-    """A global tensor.  `role` is `input`, `output` or `temp` (a materialised intermediate)."""
+    """A global tensor.  `role` is `input`, `output`, `temp` (a materialised intermediate) or
+    `view`: the memory of tensor `base` read under other axes, row-major, as numpy's `reshape`
+    does (a split reduction reads K[h, k, d] as K[h, chunk, k_in, d]).  A view is never
+    stored and owns no memory; it is read after its base is written."""
 
     name: str
     axes: tuple[Axis, ...]
     dtype: str = "f32"
     role: str = "temp"
+    base: str = ""  # the viewed tensor, for role `view`
 
     @property
     def itemsize(self) -> int:
         return DTYPE_BYTES[self.dtype]
+
+    @property
+    def storage(self) -> str:
+        """The tensor whose memory this one is."""
+        return self.base or self.name
 
 
 @dataclass(frozen=True, eq=False)
@@ -183,6 +193,9 @@ def validate(p: BlockProgram) -> None:
     a code generator.
     """
     p.monoids  # two different monoids of one name cannot be written to one file
+    for t in p.tensors.values():
+        if t.role == "view":
+            check_view(p.dims, p.tensors, t)
     written: set[str] = set()
     for kernel in p.kernels:
         _check_kernel(p, kernel, written)
@@ -190,6 +203,20 @@ def validate(p: BlockProgram) -> None:
     for o in p.outputs:
         if o not in written:
             raise IRError(f"output '{o}' is never stored")
+
+
+def check_view(dims: dict[str, Dim], tensors: dict[str, TensorDecl], t: TensorDecl) -> None:
+    """Is view `t` a reshape of its base: the same elements, the same dtype?"""
+    base = tensors.get(t.base)
+    if base is None or base.role == "view":
+        raise IRError(f"view '{t.name}' of '{t.base}', which is not a declared tensor")
+    for a in t.axes:
+        if a not in dims:
+            raise IRError(f"view '{t.name}': unknown axis '{a}'")
+    size = math.prod(dims[a].extent for a in t.axes)
+    if size != math.prod(dims[a].extent for a in base.axes) or base.dtype != t.dtype:
+        raise IRError(f"view {t.name}{list(t.axes)} : {t.dtype} is not a reshape of "
+                      f"{base.name}{list(base.axes)} : {base.dtype}")
 
 
 def _check_kernel(p: BlockProgram, kernel: Kernel, written: set[str]) -> None:
@@ -208,8 +235,8 @@ def _check_kernel(p: BlockProgram, kernel: Kernel, written: set[str]) -> None:
         decl = p.tensors.get(k.tensor)
         if decl is None:
             raise IRError(f"store into undeclared tensor '{k.tensor}'")
-        if decl.role == "input":
-            raise IRError(f"store into input tensor '{k.tensor}'")
+        if decl.role in ("input", "view"):
+            raise IRError(f"store into {decl.role} tensor '{k.tensor}'")
         if k.axes != decl.axes:
             raise IRError(f"store {k.tensor}{list(k.axes)} does not match its declaration "
                           f"{k.tensor}{list(decl.axes)}")
@@ -220,10 +247,12 @@ def _check_kernel(p: BlockProgram, kernel: Kernel, written: set[str]) -> None:
         if t.shape != want or t.deps != want:
             raise IRError(f"kernel {k.tensor}: a store needs shape == deps == {sorted(want)}, "
                           f"the value has shape {sorted(t.shape)}, deps {sorted(t.deps)}")
-        if not sched_deps(k.value) <= want:
-            raise IRError(f"kernel {k.tensor}: a loop in it needs axes "
-                          f"{sorted(sched_deps(k.value) - want)} that the kernel does not "
-                          f"iterate over")
+        # An axis of one block has one block index, so needing it needs no iteration (a
+        # split fold's row maximum is computed beside the head-dim-wide accumulator).
+        needed = {a for a in sched_deps(k.value) - want if a not in p.dims or p.blocks(a) > 1}
+        if needed:
+            raise IRError(f"kernel {k.tensor}: a loop in it needs axes {sorted(needed)} that "
+                          f"the kernel does not iterate over")
         if not set(kernel.grid) <= want:
             raise IRError(f"kernel {kernel.name}: grid axes {sorted(set(kernel.grid) - want)} "
                           f"are not axes of {k.tensor}")
@@ -252,7 +281,8 @@ def _check_node(p: BlockProgram, n: Node, written: set[str], kernel: str) -> Non
                 if (a.extent, a.block) != (b.extent, b.block):
                     raise IRError(f"kernel {kernel}: {show_node(n)} renames '{declared}' "
                                   f"({a.extent}/{a.block}) to '{used}' ({b.extent}/{b.block})")
-            if decl.role != "input" and name not in written:
+            if decl.role != "input" and decl.storage not in written and (
+                    decl.role != "view" or p.tensors[decl.base].role != "input"):
                 raise IRError(f"kernel {kernel}: loads '{name}' before any kernel stores it")
         case Var(name):
             raise IRError(f"kernel {kernel}: free variable '{name}'")

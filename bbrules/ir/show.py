@@ -148,6 +148,9 @@ def show_program(p: BlockProgram, source: str | None = None,
         for t in p.tensors.values():
             if t.role == role:
                 out.append(f"{role} {t.name}[{', '.join(t.axes)}] : {t.dtype}")
+    for t in p.tensors.values():
+        if t.role == "view":
+            out.append(f"view {t.name}[{', '.join(t.axes)}] : {t.dtype} = {t.base}")
     for m in p.monoids.values():
         out.append(show_monoid(m))
     for k in p.kernels:
