@@ -18,10 +18,10 @@ from pathlib import Path
 from lark import v_args
 
 from .errors import SourceError, Span, read_source
-from .exprsyntax import (Expr, ExprTransformer, MonoidDecl, Name, Resolver, Scope, Size, parse,
-                         resolve_monoid)
-from .ir import (BUILTIN_MONOIDS, DTYPE_BYTES, BlockProgram, Dim, IRError, Kernel, Monoid,
-                 Store, TensorDecl, check_view, validate)
+from .exprsyntax import (Expr, ExprTransformer, MonoidDecl, Name, Num, Resolver, Scope, Size,
+                         parse, resolve_monoid)
+from .ir import (BUILTIN_MONOIDS, DTYPE_BYTES, BlockProgram, Dim, DimError, IRError, Kernel,
+                 Monoid, Store, TensorDecl, check_view, checked_dim, validate)
 
 
 @dataclass(frozen=True)
@@ -71,9 +71,16 @@ class _Store:
 
 
 @dataclass(frozen=True)
+class _Block:
+    axis: Name
+    size: Num
+
+
+@dataclass(frozen=True)
 class _Kernel:
     name: Name | None  # the store named in a one-store header (`kernel Y[r, c]:`)
     grid: tuple[Name, ...]
+    blocks: tuple[_Block, ...]
     lets: tuple[_Let, ...]
     stores: tuple[_Store, ...]
     span: Span
@@ -118,13 +125,21 @@ class _BlockTransformer(ExprTransformer):
         target, axes, value = children
         return _Store(self._name(target), axes, value)
 
+    def block(self, children: list) -> _Block:
+        axis, size = children
+        return _Block(self._name(axis), self._num(size))
+
+    def blocking(self, children: list) -> tuple[_Block, ...]:
+        return tuple(children)
+
     @v_args(meta=True)
     def kernel(self, meta, children: list) -> _Kernel:
         name = self._name(children.pop(0)) if not isinstance(children[0], tuple) else None
         grid, *rest = children
+        blocks = next((c for c in rest if isinstance(c, tuple)), ())
         lets = tuple(c for c in rest if isinstance(c, _Let))
         stores = tuple(c for c in rest if isinstance(c, _Store))
-        return _Kernel(name, grid, lets, stores, name.span if name else self.span(meta))
+        return _Kernel(name, grid, blocks, lets, stores, name.span if name else self.span(meta))
 
 
 # Resolution ------------------------------------------------------------------------------------
@@ -213,9 +228,16 @@ class _Builder:
                                  f"kernel {k.name.name}[{_axes(k.grid)}] must store exactly "
                                  f"{k.name.name}[{_axes(k.grid)}] (a kernel of several stores "
                                  f"names only its grid: `kernel [{_axes(k.grid)}]:`)")
-        for a in k.grid:
+        for a in k.grid + tuple(b.axis for b in k.blocks):
             if a.name not in self.dims:
                 raise self.error(a.span, f"unknown axis '{a.name}' (not declared with dim)")
+        blocks = []
+        for b in k.blocks:
+            try:
+                checked_dim(b.axis.name, self.dims[b.axis.name].extent, b.size.value)
+            except DimError as e:
+                raise self.error(b.size.span, str(e)) from None
+            blocks.append((b.axis.name, int(b.size.value)))
         scope = Scope(self.text, monoids={**BUILTIN_MONOIDS, **self.monoids},
                       dims=frozenset(self.dims), tensors=self.tensors)
         resolver = Resolver(scope)
@@ -225,7 +247,7 @@ class _Builder:
             scope.locals[let.name.name] = resolver.value(let.value)
         return Kernel(tuple(a.name for a in k.grid),
                       tuple(Store(s.target.name, tuple(a.name for a in s.axes),
-                                  resolver.value(s.value)) for s in k.stores))
+                                  resolver.value(s.value)) for s in k.stores), tuple(blocks))
 
     def validate(self, program: BlockProgram, kernels: list[_Kernel]) -> None:
         """`ir.validate`, kernel by kernel, so an error points at the kernel that causes it."""

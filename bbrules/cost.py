@@ -292,7 +292,8 @@ def cost_program(p: BlockProgram, target: Target) -> ProgramCost:
 
 
 def cost_kernel(p: BlockProgram, kernel: Kernel, target: Target) -> KernelCost:
-    """Cost one kernel of `p`."""
+    """Cost one kernel of `p` (at its own block sizes)."""
+    p = p.in_kernel(kernel)
     axes, tensors = _uses(kernel)
     return _cost_kernel(kernel, tuple(d for a, d in p.dims.items() if a in axes),
                         tuple(p.tensors[t] for t in tensors), target)

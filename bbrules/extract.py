@@ -263,15 +263,16 @@ class Extractor:
         kernels = tuple(self.kernel(s.axes, (s,)) for s in stores)
         return BlockProgram(self.source.dims, tensors, kernels, self.source.outputs)
 
-    def kernel(self, grid: tuple[str, ...], stores: tuple[Store, ...]) -> Kernel:
+    def kernel(self, grid: tuple[str, ...], stores: tuple[Store, ...],
+               blocks: tuple[tuple[str, int], ...] = ()) -> Kernel:
         """The launch of `stores` over `grid`, one object per value: the cost model's cache
         then finds it by identity instead of comparing terms."""
         # Looked up by its stores' identities first; the entry keeps those stores, so their
         # ids cannot be reused while it exists.
-        key = (grid, tuple(map(id, stores)))
+        key = (grid, tuple(map(id, stores)), blocks)
         hit = self.launches.get(key)
         if hit is None:
-            k = Kernel(grid, stores)
+            k = Kernel(grid, stores, blocks)
             hit = self.launches[key] = (stores, self.interned_kernels.setdefault(k, k))
         return hit[1]
 
@@ -285,7 +286,7 @@ class Extractor:
         if stores not in self.cache:
             self.priced += 1
             grouped = group_kernels(program, self.launched_cost, self.objective, self.kernel,
-                                    self.splitter)
+                                    self.splitter, self.target if self.knobs.reblock else None)
             cost = self.cost(grouped)
             if self.max_kernels is not None and len(grouped.kernels) > self.max_kernels:
                 self.rejected += 1

@@ -16,8 +16,15 @@ move less data), the first of two kinds of move:
   `d = rowsum(b)`).  The later kernel moves up to the earlier one, so it must read nothing that
   the earlier one, or a kernel between them, stores.
 
-- *Split a fold* (`splitting`): a kernel whose grid leaves processors idle folds one
-  reduction in chunks on more grid points and combines their states in a second kernel.
+Then, where a kernel's grid leaves processors idle, the cheapest of two more kinds, until
+none is cheaper:
+
+- *Split a fold* (`splitting`): the kernel folds one reduction in chunks on more grid points
+  and a second kernel combines their states.
+- *Finer blocks*: one grid axis in blocks half as large, recorded in the kernel
+  (`Kernel.blocks`): tensors live whole in global memory, so each kernel may tile them its
+  own way (a softmax over 4096 rows in blocks of 16 fills the chip; in blocks of 64 it does
+  not).
 
 Every candidate is priced whole, and kernel costs are cached, so a move costs one new kernel's
 plan at most.  The moves are tried in program order, so the result does not depend on hashing.
@@ -28,34 +35,64 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 from functools import lru_cache
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 from .cost import ProgramCost
 from .ir import BlockProgram, Kernel, Load, Reduce, Store, postorder
-from .splitting import Splitter
+from .splitting import Splitter, may_pay
+from .targets import Target
 
 Price = Callable[[BlockProgram], "ProgramCost | None"]  # None: rejected (too many kernels)
-Make = Callable[[tuple[str, ...], tuple[Store, ...]], Kernel]  # builds (or interns) a kernel
+# Builds (or interns) a kernel from its grid, stores and own block sizes.
+Make = Callable[[tuple[str, ...], tuple[Store, ...], tuple[tuple[str, int], ...]], Kernel]
 
 
 def group_kernels(p: BlockProgram, price: Price, objective: str = "time", make: Make = Kernel,
-                  splitter: Splitter | None = None) -> BlockProgram:
+                  splitter: Splitter | None = None, target: Target | None = None
+                  ) -> BlockProgram:
     """`p` with its stores launched as cheaply as the moves above find, by `price` under
     `objective`.  `make` builds each new launch (extraction interns them, so its caches find
-    them by identity).  With a `splitter`, a fold in a kernel that leaves processors idle may
-    then be split."""
+    them by identity).  Then, for a kernel that leaves processors idle, the cheapest of: a
+    fold split (with a `splitter`), or a grid axis in blocks half as large (with a `target`,
+    down to its block granularity), until none is cheaper."""
     best = price(p)
     if best is None:
         return p
     p, best = _descend(p, best, price, objective, first=True,
                        moves=lambda q, _: (replace(q, kernels=k) for k in _moves(q, make)))
-    if splitter is not None and objective == "time":
-        # Split the launches found, once: a chunk is not split again.  (States only add
-        # traffic, so under the traffic objective no split is ever cheaper.)
-        launched = frozenset(p.kernels)
-        p, best = _descend(p, best, price, objective, first=False,
-                           moves=lambda q, cost: splitter.moves(q, cost, launched))
+    if objective != "time":
+        return p  # both only add traffic: never cheaper by traffic
+
+    launched = frozenset(p.kernels)  # a chunk is not split again
+
+    def parallel(q: BlockProgram, cost: ProgramCost) -> Iterator[BlockProgram]:
+        if splitter is not None:
+            yield from splitter.moves(q, cost, launched)
+        if target is not None:
+            yield from _finer(q, cost, make, target)
+
+    p, best = _descend(p, best, price, objective, first=False, moves=parallel)
     return p
+
+
+def _finer(p: BlockProgram, cost: ProgramCost, make: Make, target: Target
+           ) -> Iterator[BlockProgram]:
+    """`p` with one grid axis of one kernel that leaves processors idle in blocks half as
+    large (not below the target's granularity): twice the grid points, tiles half as large."""
+    ks = p.kernels
+    for i, (k, kc) in enumerate(zip(ks, cost.kernels)):
+        if not may_pay(kc, min(1.0, 2 * kc.grid_points / target.processors), 0.0, cost.time,
+                       target, more_traffic=False):
+            continue
+        own = p.in_kernel(k)
+        for a in k.grid:
+            half = own.block(a) // 2
+            if half < target.block_granularity or own.extent(a) % half:
+                continue
+            blocks = {**dict(k.blocks), a: half}
+            own_blocks = tuple((x, blocks[x]) for x in p.dims
+                               if x in blocks and blocks[x] != p.block(x))
+            yield replace(p, kernels=ks[:i] + (make(k.grid, k.stores, own_blocks),) + ks[i + 1:])
 
 
 def _descend(p: BlockProgram, best: ProgramCost, price: Price, objective: str, first: bool,
@@ -101,15 +138,18 @@ def _moves(p: BlockProgram, make: Make):
             if not loads[i] & loads[j]:
                 continue  # nothing to share but a launch
             grid = tuple(a for a in k.grid if a in ks[j].grid)
-            merged = make(grid, k.stores + ks[j].stores)
+            if k.blocks != ks[j].blocks:
+                continue  # a launch has one tiling
+            merged = make(grid, k.stores + ks[j].stores, k.blocks)
             yield ks[:i] + (merged,) + ks[i + 1:j] + ks[j + 1:]
 
 
 def _narrowed(k: Kernel, p: BlockProgram, make: Make) -> Kernel | None:
     """`k` without the grid axes that one of its stores reduces over inside its value."""
     reduced = frozenset().union(*map(_reduced, k.stores))
+    p = p.in_kernel(k)
     grid = tuple(a for a in k.grid if a not in reduced or p.blocks(a) == 1)
-    return make(grid, k.stores) if grid != k.grid else None
+    return make(grid, k.stores, k.blocks) if grid != k.grid else None
 
 
 def _loaded(k: Kernel) -> frozenset[str]:

@@ -292,6 +292,7 @@ def run(program: BlockProgram, inputs: dict[str, np.ndarray]) -> dict[str, np.nd
         if t.role == "view":  # numpy's reshape of a contiguous array shares its memory
             memory[t.name] = memory[t.base].reshape([program.extent(a) for a in t.axes])
     with np.errstate(all="ignore"):
-        for k in program.stores:
-            _KernelRun(program, memory, k).run()
+        for kernel in program.kernels:
+            for k in kernel.stores:
+                _KernelRun(program.in_kernel(kernel), memory, k).run()
     return {k.tensor: memory[k.tensor] for k in program.stores}

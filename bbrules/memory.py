@@ -34,18 +34,22 @@ def default_budget() -> int:
 def run_bytes(program: BlockProgram, reference: Program | None) -> int:
     """An upper estimate of the peak bytes of running `program` and comparing it with the dense
     evaluation of `reference`."""
-    total = sum(4 * _elements(program.dims, t.axes) for t in program.tensors.values())
+    total = sum(4 * _elements(program.dims, t.axes) for t in program.tensors.values()
+                if t.role != "view")
     if reference is not None:
         total += sum((8 + 4) * _elements(reference.dims, t.axes)
                      for t in reference.tensors.values())
         total += sum(4 * 8 * _elements(program.dims, program.tensors[o].axes)
                      for o in program.outputs)
     tiles = 0
-    for k in program.stores:
-        others = {a for n in postorder(k.value) if isinstance(n, Load) for a in n.axes}
-        others -= set(k.axes)
-        tile = prod(program.extent(a) for a in k.axes) * prod(program.block(a) for a in others)
-        tiles = max(tiles, TILES_LIVE * 4 * tile)
+    for kernel in program.kernels:
+        blocked = program.in_kernel(kernel)
+        for k in kernel.stores:
+            others = {a for n in postorder(k.value) if isinstance(n, Load) for a in n.axes}
+            others -= set(k.axes)
+            tile = prod(blocked.extent(a) for a in k.axes) * \
+                prod(blocked.block(a) for a in others)
+            tiles = max(tiles, TILES_LIVE * 4 * tile)
     return total + tiles
 
 

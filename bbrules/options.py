@@ -93,5 +93,6 @@ class Options:
     followup_slack: float = 2.0  # a move is combined with follow-ups only if at most this
     #                              much costlier
     split_folds: bool = True  # launches may split a fold over chunks (`bbrules.splitting`)
+    reblock: bool = True  # launches may tile a grid axis finer than its dim (`grouping`)
     # Explanations: how deep rewrites below rewrites may nest before the search gives up.
     explain_depth: int = 64

@@ -772,7 +772,8 @@ def _assign_offsets(bufs: list[Buffer]) -> int:
 
 def plan_for(p: BlockProgram, kernel: Kernel, capacity: int) -> KernelPlan:
     """The plan of `kernel` of program `p` on a target with `capacity` bytes of local memory
-    per processor."""
+    per processor (at the kernel's own block sizes)."""
+    p = p.in_kernel(kernel)
     axes, tensors = kernel_uses(kernel)
     return plan_kernel(kernel, {a: d for a, d in p.dims.items() if a in axes},
                        {t: p.tensors[t] for t in sorted(tensors)}, capacity)

@@ -84,10 +84,7 @@ class Splitter:
         """Could splitting `kernel` make a program of modeled time `total` faster by more than
         the target's resolution?  At best the split fills the chip with the same work and
         bytes, and adds one launch; its states only add traffic, which loses every tie."""
-        t = self.target
-        share = min(1.0, kernel.grid_points / t.processors)
-        gain = (kernel.time - t.launch_cost) * (1 - share) - t.launch_cost
-        return gain > 0 and gain * (1 + t.resolution) > t.resolution * total
+        return may_pay(kernel, 1.0, self.target.launch_cost, total, self.target, True)
 
     def of(self, p: BlockProgram, kernel: Kernel) -> tuple[Split, ...]:
         """The splits of `kernel` worth pricing, given the dims and tensors it reads in `p`."""
@@ -99,6 +96,7 @@ class Splitter:
         return self.splits[key]
 
     def _splits(self, p: BlockProgram, kernel: Kernel) -> Iterator[Split]:
+        p = p.in_kernel(kernel)
         grid_points = math.prod(p.blocks(a) for a in kernel.grid)
         if grid_points >= self.processors:
             return
@@ -117,6 +115,19 @@ class Splitter:
                     split = _split(p, kernel, axis, siblings, chunks, self.make)
                     if split is not None:
                         yield split
+
+
+def may_pay(kernel: KernelCost, share: float, launches: float, total: float,
+            target: Target, more_traffic: bool) -> bool:
+    """Could `kernel`, relaunched with `share` of the chip at best and the same work and
+    bytes, plus `launches` seconds of launch cost, make a program of modeled time `total`
+    faster?  A move that surely adds traffic (`more_traffic`) must be faster by more than the
+    target's resolution: closer, less traffic wins."""
+    before = min(1.0, kernel.grid_points / target.processors)
+    gain = (kernel.time - target.launch_cost) * (1 - before / share) - launches
+    if not more_traffic:
+        return gain > 0
+    return gain > 0 and gain * (1 + target.resolution) > target.resolution * total
 
 
 def _outermost_folds(value: Node) -> list[Reduce]:
@@ -183,7 +194,8 @@ def _split(p: BlockProgram, kernel: Kernel, a: str, folds: list[Reduce], chunks:
     value = transform(store.value, lambda n, kids: combined.get(n) or rebuild(n, kids))
     finish = Store(store.tensor, store.axes, value)
     return Split(tuple(new_dims.values()), tuple(new_tensors.values()),
-                 (make(grid, tuple(parts)), make(kernel.grid, (finish,))))
+                 (make(grid, tuple(parts), kernel.blocks),
+                  make(kernel.grid, (finish,), kernel.blocks)))
 
 
 def _fresh(name: str, taken: dict) -> str:

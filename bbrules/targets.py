@@ -30,6 +30,8 @@ User targets are TOML files with the same fields, in the units people quote them
                                   #   peak_flops (one special function costs one f32 flop)
     launch_cost = 4               # µs per kernel
     resolution = 0.03             # fraction; optional, default 0 (times compared exactly)
+    block_granularity = 16        # elements; optional, default 16 (the matrix units' tile
+                                  #   side): the smallest block extraction gives a kernel
 
 Each figure must be from 1e-6 to 1e9 in its unit, so that no time or ratio overflows; the
 resolution from 0 to 0.5.  The defaults price every program exactly as before these optional
@@ -66,6 +68,7 @@ class Target:
     peak_flops_dot_f32: float = 0.0  # FLOP/s of block matmuls on f32 operands, whole chip
     special_rate: float = 0.0  # special-function evaluations/s, whole chip
     resolution: float = 0.0  # modeled times closer than this fraction are a tie
+    block_granularity: int = 16  # the smallest block a kernel may choose for itself
 
     def __post_init__(self) -> None:
         for name in ("peak_flops_dot_f32", "special_rate"):
@@ -125,6 +128,7 @@ _DEFAULTED: dict[str, _Field] = {
     "peak_flops_dot_f32": _Field(float, lambda tflop_s: tflop_s * 1e12),
     "special_rate": _Field(float, lambda t_s: t_s * 1e12),
     "resolution": _Field(float, lambda fraction: fraction, _RESOLUTION_RANGE),
+    "block_granularity": _Field(int, lambda n: n, (1, 4096)),
 }
 _OPTIONAL = {"name", "doc"}
 

@@ -216,7 +216,7 @@ def generate(p: BlockProgram, target: Target | str | None = None) -> CudaModule:
                 f"kernel {kernel.name}: its tiles need {plan.footprint} bytes of shared "
                 f"memory, more than the {target.local_capacity} a thread block has on "
                 f"{target.name}; choose smaller blocks or a less fused program")
-        gen = _KernelGen(p, plan, f"k{i}_{_c_name(kernel.name)}")
+        gen = _KernelGen(p.in_kernel(kernel), plan, f"k{i}_{_c_name(kernel.name)}")
         info, body = gen.emit()
         kernels.append(info)
         bodies.append(body)

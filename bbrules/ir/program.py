@@ -118,6 +118,9 @@ class Kernel:
 
     grid: tuple[Axis, ...]
     stores: tuple[Store, ...]
+    # Block sizes of this kernel's own, by axis: tensors live whole in global memory between
+    # kernels, so a kernel may tile an axis finer or coarser than the program's default.
+    blocks: tuple[tuple[Axis, int], ...] = ()
 
     @staticmethod
     def of(store: Store) -> Kernel:
@@ -172,6 +175,15 @@ class BlockProgram:
     def inputs(self) -> tuple[str, ...]:
         return tuple(t.name for t in self.tensors.values() if t.role == "input")
 
+    def in_kernel(self, kernel: Kernel) -> BlockProgram:
+        """The program as `kernel` sees it: its own block sizes in place of the defaults."""
+        if not kernel.blocks:
+            return self
+        dims = dict(self.dims)
+        for a, b in kernel.blocks:
+            dims[a] = Dim(a, dims[a].extent, b)
+        return BlockProgram(dims, self.tensors, self.kernels, self.outputs)
+
     def blocks(self, axis: Axis) -> int:
         return self.dims[axis].blocks
 
@@ -198,7 +210,8 @@ def validate(p: BlockProgram) -> None:
             check_view(p.dims, p.tensors, t)
     written: set[str] = set()
     for kernel in p.kernels:
-        _check_kernel(p, kernel, written)
+        _check_blocks(p, kernel)
+        _check_kernel(p.in_kernel(kernel), kernel, written)
         written.update(kernel.tensors)
     for o in p.outputs:
         if o not in written:
@@ -217,6 +230,17 @@ def check_view(dims: dict[str, Dim], tensors: dict[str, TensorDecl], t: TensorDe
     if size != math.prod(dims[a].extent for a in base.axes) or base.dtype != t.dtype:
         raise IRError(f"view {t.name}{list(t.axes)} : {t.dtype} is not a reshape of "
                       f"{base.name}{list(base.axes)} : {base.dtype}")
+
+
+def _check_blocks(p: BlockProgram, kernel: Kernel) -> None:
+    for a, b in kernel.blocks:
+        if a not in p.dims:
+            raise IRError(f"kernel {kernel.name}: a block size for unknown axis '{a}'")
+        if b < 1 or p.extent(a) % b:
+            raise IRError(f"kernel {kernel.name}: block size {b} does not divide the extent "
+                          f"{p.extent(a)} of '{a}'")
+    if len({a for a, _ in kernel.blocks}) != len(kernel.blocks):
+        raise IRError(f"kernel {kernel.name}: two block sizes for one axis")
 
 
 def _check_kernel(p: BlockProgram, kernel: Kernel, written: set[str]) -> None:
@@ -277,10 +301,11 @@ def _check_node(p: BlockProgram, n: Node, written: set[str], kernel: str) -> Non
                 raise IRError(f"kernel {kernel}: {show_node(n)} has {len(axes)} axes, "
                               f"'{name}' has {len(decl.axes)}")
             for declared, used in zip(decl.axes, axes):
+                # Only extents must agree: a tensor in global memory has no blocking.
                 a, b = p.dims[declared], p.dims[used]
-                if (a.extent, a.block) != (b.extent, b.block):
+                if a.extent != b.extent:
                     raise IRError(f"kernel {kernel}: {show_node(n)} renames '{declared}' "
-                                  f"({a.extent}/{a.block}) to '{used}' ({b.extent}/{b.block})")
+                                  f"(extent {a.extent}) to '{used}' (extent {b.extent})")
             if decl.role != "input" and decl.storage not in written and (
                     decl.role != "view" or p.tensors[decl.base].role != "input"):
                 raise IRError(f"kernel {kernel}: loads '{name}' before any kernel stores it")

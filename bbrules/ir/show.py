@@ -104,12 +104,13 @@ def show_kernel(k: Kernel) -> str:
 
     The header names the store and its axes when the kernel is one store over its own axes
     (`kernel Y[r, c]:`), and otherwise only the grid (`kernel [r]:`): the stores' other axes
-    are its map loops."""
+    are its map loops.  The kernel's own block sizes follow (`kernel [r] with r / 16:`)."""
     names: dict[Node, str] = {}
+    own = f" with {', '.join(f'{a} / {b}' for a, b in k.blocks)}" if k.blocks else ""
     if len(k.stores) == 1 and k.grid == k.stores[0].axes:
-        lines = [f"kernel {k.stores[0].tensor}[{', '.join(k.grid)}]:"]
+        lines = [f"kernel {k.stores[0].tensor}[{', '.join(k.grid)}]{own}:"]
     else:
-        lines = [f"kernel [{', '.join(k.grid)}]:"]
+        lines = [f"kernel [{', '.join(k.grid)}]{own}:"]
     for i, n in enumerate(_shared_nodes(tuple(s.value for s in k.stores))):
         lines.append(f"  let t{i} = {show_node(n, names)}")
         names[n] = f"t{i}"
