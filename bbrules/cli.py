@@ -374,6 +374,9 @@ def _fuse_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-split", action="store_true",
                    help="never split a reduction over chunks stored and combined by a second "
                         "kernel (Flash-Decoding, split-K)")
+    p.add_argument("--fixed-blocks", action="store_true",
+                   help="every kernel keeps the program's block sizes (by default a kernel "
+                        "whose grid leaves processors idle may tile an axis finer)")
     p.add_argument("--nodes", type=_integer(1), default=Budget.nodes, help="e-node budget")
     p.add_argument("--iterations", type=_integer(1), default=Budget.iterations,
                    help="iteration budget per stage")
@@ -400,7 +403,8 @@ def _fuse(args: argparse.Namespace, program: BlockProgram) -> FuseResult:
     try:
         return fuse(program, _load_packs(args), get_target(args.target), args.objective,
                     args.max_kernels, budget, _progress(args),
-                    Options(split_folds=not args.no_split), meter)
+                    Options(split_folds=not args.no_split, reblock=not args.fixed_blocks),
+                    meter)
     except NoCandidate as e:
         raise UsageError(str(e)) from None
 

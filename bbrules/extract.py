@@ -285,8 +285,11 @@ class Extractor:
         stores = program.stores
         if stores not in self.cache:
             self.priced += 1
+            # Out of time, a candidate is launched as written besides sharing launches.
+            fresh = not self.spent()
             grouped = group_kernels(program, self.launched_cost, self.objective, self.kernel,
-                                    self.splitter, self.target if self.knobs.reblock else None)
+                                    self.splitter if fresh else None,
+                                    self.target if fresh and self.knobs.reblock else None)
             cost = self.cost(grouped)
             if self.max_kernels is not None and len(grouped.kernels) > self.max_kernels:
                 self.rejected += 1

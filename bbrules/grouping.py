@@ -85,7 +85,10 @@ def _finer(p: BlockProgram, cost: ProgramCost, make: Make, target: Target
                        target, more_traffic=False):
             continue
         own = p.in_kernel(k)
+        folded = frozenset().union(*map(_reduced, k.stores))
         for a in k.grid:
+            if a in folded:
+                continue  # each finer block would fold over all of the axis again
             half = own.block(a) // 2
             if half < target.block_granularity or own.extent(a) % half:
                 continue

@@ -221,12 +221,12 @@ output O
 @pytest.fixture(scope="module")
 def llama() -> tuple:
     """One LLaMA-sized attention head (d = 128, 1024 positions) fused on the H100 with its
-    3% resolution and with none, folds never split: what is at stake is the near-tie between
-    Flash Attention and storing the scores (split over keys, the head is faster than both,
-    `test_split.py`)."""
+    3% resolution and with none, launched as written (folds whole, the program's blocks): what
+    is at stake is the near-tie between Flash Attention and storing the scores (split over
+    keys or in finer query blocks the head is faster than both: `test_split.py`)."""
     p = lower(parse_program(LLAMA_HEAD))
     pack = load_packs([])
-    whole = Options(split_folds=False)
+    whole = Options(split_folds=False, reblock=False)
     return (fuse(p, pack, H100, options=whole),
             fuse(p, pack, dataclasses.replace(H100, resolution=0.0), options=whole))
 
@@ -254,7 +254,7 @@ def test_a_head_that_stores_scores_only_slightly_faster_fuses(llama):
 def test_apply_prints_the_runner_up_and_its_margin(tmp_path, capsys):
     path = tmp_path / "head.bbp"
     path.write_text(LLAMA_HEAD)
-    assert main(["apply", str(path), "--json", "--no-split"]) == 0
+    assert main(["apply", str(path), "--json", "--no-split", "--fixed-blocks"]) == 0
     data = json.loads(capsys.readouterr().out)
     after, second = data["after"], data["runner_up"]
     assert (after["n_kernels"], second["n_kernels"]) == (1, 2)
@@ -262,7 +262,7 @@ def test_apply_prints_the_runner_up_and_its_margin(tmp_path, capsys):
     assert second["traffic_ratio"] == pytest.approx(second["traffic"] / after["traffic"])
     assert -0.03 < second["time_margin"] < 0 and second["traffic_ratio"] > 1
 
-    assert main(["apply", str(path), "--no-split"]) == 0
+    assert main(["apply", str(path), "--no-split", "--fixed-blocks"]) == 0
     out = capsys.readouterr().out
     line = (f"runner-up: 2 kernels, {fmt_time(second['time'])} "
             f"({second['time_margin']:+.1%}), traffic {second['traffic_ratio']:.2f}x; "

@@ -87,10 +87,15 @@ def test_attention_at_4096_on_h100_splits_over_keys_like_flash_decoding(pack):
     """64 query blocks fill under half of 132 SMs: two chunks of keys per query block fill
     it.  K and V are read once per query block, as by Flash Attention in one kernel; Q once
     per chunk; the states add 2 x (O + its row statistics), written and read back."""
-    r = fuse(lower(load_program(EXAMPLES / "attention.bbp")), pack, H100)
-    whole = fuse(lower(load_program(EXAMPLES / "attention.bbp")), pack, H100,
-                 options=Options(split_folds=False))
-    assert whole.after.n_kernels == 1
+    def attention(**options):
+        return fuse(lower(load_program(EXAMPLES / "attention.bbp")), pack, H100,
+                    options=Options(**options))
+
+    r = attention()
+    whole = attention(split_folds=False, reblock=False)
+    finer = attention(split_folds=False)  # finer query blocks would read K and V 128 times
+    assert whole.after.n_kernels == finer.after.n_kernels == 1
+    assert r.after.time < finer.after.time <= whole.after.time
     p = r.program
     (chunk,) = chunk_axes(p)
     assert p.dims[chunk].extent == 2 and r.after.n_kernels == 2
