@@ -22,9 +22,9 @@ none is cheaper:
 - *Split a fold* (`splitting`): the kernel folds one reduction in chunks on more grid points
   and a second kernel combines their states.
 - *Finer blocks*: one grid axis in blocks half as large, recorded in the kernel
-  (`Kernel.blocks`): tensors live whole in global memory, so each kernel may tile them its
-  own way (a softmax over 4096 rows in blocks of 16 fills the chip; in blocks of 64 it does
-  not).
+  (`Kernel.blocks`), where the kernel reads no more for it: tensors live whole in global
+  memory, so each kernel may tile them its own way (a softmax over 4096 rows in blocks of 16
+  fills the chip; in blocks of 64 it does not).
 
 Every candidate is priced whole, and kernel costs are cached, so a move costs one new kernel's
 plan at most.  The moves are tried in program order, so the result does not depend on hashing.
@@ -37,7 +37,7 @@ from dataclasses import replace
 from functools import lru_cache
 from typing import Callable, Iterable, Iterator
 
-from .cost import ProgramCost
+from .cost import ProgramCost, cost_kernel
 from .ir import BlockProgram, Kernel, Load, Reduce, Store, postorder
 from .splitting import Splitter, may_pay
 from .targets import Target
@@ -63,11 +63,9 @@ def group_kernels(p: BlockProgram, price: Price, objective: str = "time", make: 
     if objective != "time":
         return p  # both only add traffic: never cheaper by traffic
 
-    launched = frozenset(p.kernels)  # a chunk is not split again
-
     def parallel(q: BlockProgram, cost: ProgramCost) -> Iterator[BlockProgram]:
         if splitter is not None:
-            yield from splitter.moves(q, cost, launched)
+            yield from splitter.moves(q, cost)
         if target is not None:
             yield from _finer(q, cost, make, target)
 
@@ -78,7 +76,9 @@ def group_kernels(p: BlockProgram, price: Price, objective: str = "time", make: 
 def _finer(p: BlockProgram, cost: ProgramCost, make: Make, target: Target
            ) -> Iterator[BlockProgram]:
     """`p` with one grid axis of one kernel that leaves processors idle in blocks half as
-    large (not below the target's granularity): twice the grid points, tiles half as large."""
+    large (not below the target's granularity): twice the grid points, tiles half as large.
+    Only where that reads nothing more: finer blocks that re-read operands (a matmul's, the
+    keys of attention) are a trade of traffic for parallelism that these moves leave alone."""
     ks = p.kernels
     for i, (k, kc) in enumerate(zip(ks, cost.kernels)):
         if not may_pay(kc, min(1.0, 2 * kc.grid_points / target.processors), 0.0, cost.time,
@@ -95,7 +95,9 @@ def _finer(p: BlockProgram, cost: ProgramCost, make: Make, target: Target
             blocks = {**dict(k.blocks), a: half}
             own_blocks = tuple((x, blocks[x]) for x in p.dims
                                if x in blocks and blocks[x] != p.block(x))
-            yield replace(p, kernels=ks[:i] + (make(k.grid, k.stores, own_blocks),) + ks[i + 1:])
+            finer = make(k.grid, k.stores, own_blocks)
+            if cost_kernel(p, finer, target).traffic <= kc.traffic:
+                yield replace(p, kernels=ks[:i] + (finer,) + ks[i + 1:])
 
 
 def _descend(p: BlockProgram, best: ProgramCost, price: Price, objective: str, first: bool,

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Callable, Collection, Iterator
+from typing import Callable, Iterator
 
 from .ir import (BlockProgram, BlockReduce, Dim, Get, IRError, Kernel, Load, Node, Reduce,
                  Store, TensorDecl, TileType, Tuple, postorder, rebuild, rename_axes, sched_deps,
@@ -64,14 +64,15 @@ class Splitter:
         self.processors = target.processors
         self.make = make
         self.splits: dict[tuple, tuple[Split, ...]] = {}
+        self.states: set[str] = set()  # the tensors splits store their chunks' states in
 
-    def moves(self, p: BlockProgram, cost: ProgramCost, among: Collection[Kernel]
-              ) -> Iterator[BlockProgram]:
-        """Every program that splits one outermost fold of a one-store kernel `among` those
-        given, whose grid leaves processors idle, into each useful number of chunks; `cost` is
-        `p`'s, by which kernels that no split could speed up enough are passed over."""
+    def moves(self, p: BlockProgram, cost: ProgramCost) -> Iterator[BlockProgram]:
+        """Every program that splits one outermost fold of a one-store kernel whose grid
+        leaves processors idle, into each useful number of chunks; `cost` is `p`'s, by which
+        kernels that no split could speed up enough are passed over.  The two kernels of a
+        split (they store or read states) are not split again."""
         for i, (kernel, kc) in enumerate(zip(p.kernels, cost.kernels)):
-            if kernel not in among or len(kernel.stores) != 1 or \
+            if len(kernel.stores) != 1 or kernel_uses(kernel)[1] & self.states or \
                     not self.may_pay(kc, cost.time):
                 continue
             for split in self.of(p, kernel):
@@ -93,6 +94,8 @@ class Splitter:
                tuple(p.tensors[t] for t in sorted(tensors)))
         if key not in self.splits:
             self.splits[key] = tuple(self._splits(p, kernel))
+            self.states.update(t.name for s in self.splits[key] for t in s.tensors
+                               if t.role == "temp")
         return self.splits[key]
 
     def _splits(self, p: BlockProgram, kernel: Kernel) -> Iterator[Split]:
