@@ -61,7 +61,6 @@ class Splitter:
 
     def __init__(self, target: Target, make: Make = Kernel):
         self.target = target
-        self.processors = target.processors
         self.make = make
         self.splits: dict[tuple, tuple[Split, ...]] = {}
         self.states: set[str] = set()  # the tensors splits store their chunks' states in
@@ -101,12 +100,12 @@ class Splitter:
     def _splits(self, p: BlockProgram, kernel: Kernel) -> Iterator[Split]:
         p = p.in_kernel(kernel)
         grid_points = math.prod(p.blocks(a) for a in kernel.grid)
-        if grid_points >= self.processors:
+        if grid_points >= self.target.processors:
             return
         # The cost model's share of the chip grows until the grid fills it, and every chunk
         # adds a state to store: so the fewest chunks that fill the chip (or as many as the
         # fold has blocks), and half as many in case the states cost more than idle processors.
-        fill = 1 << max(0, math.ceil(math.log2(self.processors / grid_points)))
+        fill = 1 << max(0, math.ceil(math.log2(self.target.processors / grid_points)))
         folds: dict[str, list[Reduce]] = {}
         for fold in _outermost_folds(kernel.stores[0].value):
             folds.setdefault(fold.axis, []).append(fold)

@@ -121,22 +121,3 @@ def test_finer_blocks_never_go_below_the_target_granularity(pack):
     for kernel in r.program.kernels:
         assert all(b >= 32 for _, b in kernel.blocks)
 
-
-TARGET = """\
-global_bandwidth = 2000
-local_capacity = 100
-processors = 10
-peak_flops = 1.5
-peak_flops_f16 = 30
-launch_cost = 2.5
-"""
-
-
-def test_a_target_file_may_give_its_block_granularity(tmp_path):
-    (tmp_path / "plain.toml").write_text(TARGET)
-    assert get_target(str(tmp_path / "plain.toml")).block_granularity == 16
-    (tmp_path / "coarse.toml").write_text(TARGET + "block_granularity = 64\n")
-    assert get_target(str(tmp_path / "coarse.toml")).block_granularity == 64
-    (tmp_path / "bad.toml").write_text(TARGET + "block_granularity = 0\n")
-    with pytest.raises(SourceError, match="block_granularity"):
-        get_target(str(tmp_path / "bad.toml"))

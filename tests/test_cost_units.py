@@ -113,6 +113,16 @@ launch_cost = 2.5
 """
 
 
+def test_a_target_file_may_give_its_block_granularity(tmp_path):
+    (tmp_path / "plain.toml").write_text(BASE)
+    assert get_target(str(tmp_path / "plain.toml")).block_granularity == 16
+    (tmp_path / "coarse.toml").write_text(BASE + "block_granularity = 64\n")
+    assert get_target(str(tmp_path / "coarse.toml")).block_granularity == 64
+    (tmp_path / "bad.toml").write_text(BASE + "block_granularity = 0\n")
+    with pytest.raises(SourceError, match="block_granularity"):
+        get_target(str(tmp_path / "bad.toml"))
+
+
 def test_optional_unit_fields_default_to_the_vector_rate_and_exact_times(tmp_path):
     (tmp_path / "old.toml").write_text(BASE)
     t = get_target(str(tmp_path / "old.toml"))

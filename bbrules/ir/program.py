@@ -306,8 +306,8 @@ def _check_node(p: BlockProgram, n: Node, written: set[str], kernel: str) -> Non
                 if a.extent != b.extent:
                     raise IRError(f"kernel {kernel}: {show_node(n)} renames '{declared}' "
                                   f"(extent {a.extent}) to '{used}' (extent {b.extent})")
-            if decl.role != "input" and decl.storage not in written and (
-                    decl.role != "view" or p.tensors[decl.base].role != "input"):
+            storage = p.tensors[decl.storage]  # a view reads its base's memory
+            if storage.role != "input" and storage.name not in written:
                 raise IRError(f"kernel {kernel}: loads '{name}' before any kernel stores it")
         case Var(name):
             raise IRError(f"kernel {kernel}: free variable '{name}'")
