@@ -37,7 +37,7 @@ from dataclasses import replace
 from functools import lru_cache
 from typing import Callable, Iterable, Iterator
 
-from .cost import ProgramCost, cost_kernel
+from .cost import KernelCost, ProgramCost, cost_kernel
 from .ir import BlockProgram, Kernel, Load, Reduce, Store, postorder
 from .splitting import Splitter, may_pay
 from .targets import Target
@@ -63,41 +63,53 @@ def group_kernels(p: BlockProgram, price: Price, objective: str = "time", make: 
     if objective != "time":
         return p  # both only add traffic: never cheaper by traffic
 
+    finer: dict[Kernel, tuple[Kernel, ...]] = {}  # a kernel's finer tilings, once each
+
     def parallel(q: BlockProgram, cost: ProgramCost) -> Iterator[BlockProgram]:
         if splitter is not None:
             yield from splitter.moves(q, cost)
         if target is not None:
-            yield from _finer(q, cost, make, target)
+            yield from _finer(q, cost, make, target, finer)
 
     p, best = _descend(p, best, price, objective, first=False, moves=parallel)
     return p
 
 
-def _finer(p: BlockProgram, cost: ProgramCost, make: Make, target: Target
-           ) -> Iterator[BlockProgram]:
-    """`p` with one grid axis of one kernel that leaves processors idle in blocks half as
-    large (not below the target's granularity): twice the grid points, tiles half as large.
-    Only where that reads nothing more: finer blocks that re-read operands (a matmul's, the
-    keys of attention) are a trade of traffic for parallelism that these moves leave alone."""
+def _finer(p: BlockProgram, cost: ProgramCost, make: Make, target: Target,
+           seen: dict[Kernel, tuple[Kernel, ...]]) -> Iterator[BlockProgram]:
+    """`p` with one kernel that leaves processors idle tiled finer (`_finer_tilings`; `seen`
+    remembers each kernel's, since most candidates share most kernels)."""
     ks = p.kernels
     for i, (k, kc) in enumerate(zip(ks, cost.kernels)):
         if not may_pay(kc, min(1.0, 2 * kc.grid_points / target.processors), 0.0, cost.time,
                        target, more_traffic=False):
             continue
-        own = p.in_kernel(k)
-        folded = frozenset().union(*map(_reduced, k.stores))
-        for a in k.grid:
-            if a in folded:
-                continue  # each finer block would fold over all of the axis again
-            half = own.block(a) // 2
-            if half < target.block_granularity or own.extent(a) % half:
-                continue
-            blocks = {**dict(k.blocks), a: half}
-            own_blocks = tuple((x, blocks[x]) for x in p.dims
-                               if x in blocks and blocks[x] != p.block(x))
-            finer = make(k.grid, k.stores, own_blocks)
-            if cost_kernel(p, finer, target).traffic <= kc.traffic:
-                yield replace(p, kernels=ks[:i] + (finer,) + ks[i + 1:])
+        if k not in seen:
+            seen[k] = tuple(_finer_tilings(p, k, kc, make, target))
+        for finer in seen[k]:
+            yield replace(p, kernels=ks[:i] + (finer,) + ks[i + 1:])
+
+
+def _finer_tilings(p: BlockProgram, k: Kernel, kc: KernelCost, make: Make, target: Target
+                   ) -> Iterator[Kernel]:
+    """`k` with one grid axis in blocks half as large (not below the target's granularity):
+    twice the grid points, tiles half as large.  Only where that reads nothing more: finer
+    blocks that re-read operands (a matmul's, the keys of attention) are a trade of traffic
+    for parallelism that these moves leave alone."""
+    own = p.in_kernel(k)
+    folded = frozenset().union(*map(_reduced, k.stores))
+    for a in k.grid:
+        if a in folded:
+            continue  # each finer block would fold over all of the axis again
+        half = own.block(a) // 2
+        if half < target.block_granularity or own.extent(a) % half:
+            continue
+        blocks = {**dict(k.blocks), a: half}
+        own_blocks = tuple((x, blocks[x]) for x in p.dims
+                           if x in blocks and blocks[x] != p.block(x))
+        finer = make(k.grid, k.stores, own_blocks)
+        if cost_kernel(p, finer, target).traffic <= kc.traffic:
+            yield finer
 
 
 def _descend(p: BlockProgram, best: ProgramCost, price: Price, objective: str, first: bool,

@@ -71,8 +71,8 @@ class Splitter:
         kernels that no split could speed up enough are passed over.  The two kernels of a
         split (they store or read states) are not split again."""
         for i, (kernel, kc) in enumerate(zip(p.kernels, cost.kernels)):
-            if len(kernel.stores) != 1 or kernel_uses(kernel)[1] & self.states or \
-                    not self.may_pay(kc, cost.time):
+            if len(kernel.stores) != 1 or not self.may_pay(kc, cost.time) or \
+                    kernel_uses(kernel)[1] & self.states:
                 continue
             for split in self.of(p, kernel):
                 if split.fits(p):
