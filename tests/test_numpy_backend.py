@@ -59,7 +59,8 @@ def small_dims(path: Path, pool: list[tuple[int, int]]) -> dict[str, tuple[int, 
 
 
 def assert_close(got: np.ndarray, want: np.ndarray, what: str) -> None:
-    scale = max(1.0, float(np.abs(want).max()))
+    """Within 1e-4 of the largest finite magnitude; infinities (masked scores) must match."""
+    scale = max(1.0, float(np.abs(want[np.isfinite(want)]).max(initial=0.0)))
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * scale, err_msg=what)
 
 
