@@ -52,8 +52,9 @@ from functools import lru_cache
 from typing import Mapping
 
 from .ir import (ELEMENTWISE_KINDS, BlockProgram, BlockReduce, Const, Dim, Dot, Get, Kernel,
-                 KindTable, Load, Monoid, Node, Reduce, TensorDecl, Tuple, Var, is_elementwise,
-                 operator, postorder)
+                 KindTable, Load, Monoid, Node, Pos, Reduce, TensorDecl, Tuple, Var,
+                 is_elementwise, operator, postorder)
+from .masking import visited_share
 from .plan import LoopPlan, Op, Value, WritePlan, kernel_uses, plan_once
 from .plan import clear_cache as _clear_plans
 from .targets import Target
@@ -373,9 +374,10 @@ FLOPS = KindTable("flops", exempt={
     Var: "monoid variables are priced with their monoid (_monoid_flops)"})
 
 
-@FLOPS.on(Const, Tuple, Get, Reduce)
+@FLOPS.on(Const, Pos, Tuple, Get, Reduce)
 def _(n: Node, c: _KernelCoster, v: Value, runs: int) -> Work:
-    return NO_WORK  # references, and results whose finalize the loop pays for
+    return NO_WORK  # references, positions (index arithmetic), and results whose finalize
+    # the loop pays for
 
 
 @FLOPS.on(Load)
@@ -418,6 +420,7 @@ class _KernelCoster:
         self.grid_points = math.prod(dims[a].blocks for a in kernel.grid)
         self.sizes: dict[frozenset[str], int] = {}
         self.read = 0
+        self.imbalance = 1.0  # the makespan over the average grid point's time (`visited`)
         self.work = NO_WORK
 
     def elements(self, axes: frozenset[str]) -> int:
@@ -435,6 +438,7 @@ class _KernelCoster:
         plan = self.plan
         self.walk(plan.body, self.grid_points)
         self.read += sum(self.slab_bytes(n) for n in plan.resident) * self.grid_points
+        self.read = round(self.read)  # loops that skip blocks visit a share of them
         written = sum(math.prod(self.dims[a].extent for a in t.axes) * t.itemsize
                       for t in map(self.tensors.__getitem__, self.kernel.tensors))
         time = self.time(self.read + written) if plan.fits else math.inf
@@ -449,17 +453,36 @@ class _KernelCoster:
             if isinstance(op, WritePlan):
                 continue  # the written tensors are counted whole
             if isinstance(op, LoopPlan):
-                self.walk(op.body, runs * op.trips)
+                trips = op.trips * self.visited(op)
+                self.walk(op.body, runs * trips)
                 for acc in op.accs:
                     combine, finalize = _monoid_flops(acc.monoid, acc.shapes)
-                    for terms, times in ((combine, runs * op.trips), (finalize, runs)):
+                    for terms, times in ((combine, runs * trips), (finalize, runs)):
                         for shape, work in terms:
                             self.work += work * (self.elements(shape) * times)
             else:
                 self.work += FLOPS(op.node, self, op, runs) * runs
 
+    def visited(self, op: LoopPlan) -> float | int:
+        """The share of its blocks a loop visits: all, or those its skip predicate may hold
+        on (averaged over the blocks of the axes it reads).  Grid points that visit more
+        blocks than the average stretch the kernel (`imbalance`)."""
+        if op.skip is None:
+            return 1
+        visits = visited_share(op.skip, {a: (self.dims[a].block, self.dims[a].blocks)
+                                         for a in op.skip_blocks}, self.grid)
+        waves = self.grid_points / self.target.processors
+        if visits.mean > 0:
+            self.imbalance = max(self.imbalance, max(visits.mean * waves, visits.heaviest)
+                                 / (visits.mean * max(1.0, waves)))
+        return visits.mean
+
     def time(self, traffic: int) -> float:
+        """The kernel's time at its share of the chip; where a loop skips blocks unevenly,
+        the makespan of its grid points, at least the heaviest one's (with one wave of 64
+        grid points, causal attention waits for the last query block, which visits every
+        key block)."""
         t = self.target
         share = min(1.0, self.grid_points / t.processors)
         memory = traffic / (t.global_bandwidth * share)
-        return max(memory, self.work.seconds(t) / share) + t.launch_cost
+        return max(memory, self.work.seconds(t) / share) * self.imbalance + t.launch_cost

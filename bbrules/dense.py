@@ -12,9 +12,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .ir import Axis
-from .ops import BINARY, TILE_REDUCE, UNARY
-from .program import Apply, Expr, Number, Program, Reduction, Ref, factors, fold, sum_factors
+from .ir import Axis, Dim
+from .ops import BINARY, TERNARY, TILE_REDUCE, UNARY
+from .program import (Apply, Expr, Number, Position, Program, Reduction, Ref, factors, fold,
+                      sum_factors)
 
 
 MAX_EINSUM = 16  # operands of one einsum (numpy allows at most 32)
@@ -38,7 +39,7 @@ def evaluate(program: Program, inputs: dict[str, np.ndarray],
              dtype: type = np.float32) -> dict[str, np.ndarray]:
     """Every tensor the statements define, axes in declared order, computed in `dtype`."""
     env = {name: np.asarray(inputs[name], dtype=dtype) for name in program.inputs}
-    evaluator = _Evaluator(env, dtype)
+    evaluator = _Evaluator(env, program.dims, dtype)
     with np.errstate(all="ignore"):
         for s in program.statements:
             env[s.target] = evaluator.eval(s.expr).along(s.axes)
@@ -50,6 +51,7 @@ class _Evaluator:
     """Evaluates expressions over the tensors in `env` (inputs and statements so far)."""
 
     env: dict[str, np.ndarray]
+    dims: dict[str, Dim]
     dtype: type
 
     def eval(self, e: Expr) -> _Named:
@@ -65,8 +67,14 @@ class _Evaluator:
             case Apply(op, (_,)):
                 v = parts[0]
                 return _Named(v.axes, UNARY[op].numpy(v.data).astype(self.dtype))
+            case Position(axis):
+                return _Named((axis,), np.arange(self.dims[axis].extent, dtype=self.dtype))
             case Apply(op, (_, _)):
                 return self.binary(op, *parts)
+            case Apply("where", (_, _, _)):
+                axes = tuple(dict.fromkeys(a for v in parts for a in v.axes))
+                out = TERNARY["where"].numpy(*(v.along(axes) for v in parts))
+                return _Named(axes, np.asarray(out, dtype=self.dtype))
             case Reduction("sum", axis, body):
                 return self.sum(axis, [(v, divides) for v, (_, divides)
                                        in zip(parts, factors(body))])

@@ -26,14 +26,17 @@ from lark.visitors import Transformer_NonRecursive
 
 from .errors import SourceError, Span, UsageError, read_source, syntax_error
 from .ir import DTYPE_BYTES, AxisSet, Dim, DimError, TensorDecl, checked_dim
-from .ops import UNARY
-from .program import Apply, Expr, Number, Program, Reduction, Ref, Statement, fold
+from .ops import PREDICATES, UNARY
+from .program import Apply, Expr, Number, Position, Program, Reduction, Ref, Statement, fold
 
 DimOverrides = dict[str, tuple[int, int | None]]
 
 # Functions callable by name, with their arity.  Infix arithmetic (`add`, `sub`, ...) is not
 # callable: it has its own syntax.
-FUNCTIONS: dict[str, int] = {**{name: 1 for name in UNARY}, "max": 2, "min": 2}
+FUNCTIONS: dict[str, int] = {**{name: 1 for name in UNARY if name != "not"}, "max": 2,
+                             "min": 2, "where": 3}
+# A comparison's operator name by its spelling.
+COMPARISONS: dict[str, str] = {c: name for name, c in PREDICATES.items()}
 
 
 @cache
@@ -143,8 +146,24 @@ class _ToAst(Transformer_NonRecursive):
     def neg(self, meta: Meta, args: list[Expr]) -> Apply:
         return self._apply("neg", meta, args)
 
+    def or_(self, meta: Meta, args: list[Expr]) -> Apply:
+        return self._apply("or", meta, args)
+
+    def and_(self, meta: Meta, args: list[Expr]) -> Apply:
+        return self._apply("and", meta, args)
+
+    def not_(self, meta: Meta, args: list[Expr]) -> Apply:
+        return self._apply("not", meta, args)
+
+    def compare(self, meta: Meta, children: list) -> Apply:
+        x, op, y = children
+        return self._apply(COMPARISONS[str(op)], meta, [x, y])
+
     def number(self, meta: Meta, children: list[Token]) -> Number:
         return Number(float(children[0]), self._span(meta))
+
+    def position(self, meta: Meta, children: list[Token]) -> Position:
+        return Position(str(children[0]), self._span(children[0]))
 
     def ref(self, meta: Meta, children: list) -> Ref:
         name, axes = children
@@ -328,6 +347,9 @@ class _Checker:
             case Ref():
                 self.ref(e)
                 return frozenset(e.axes)
+            case Position(axis):
+                self.position(e)
+                return frozenset((axis,))
             case Apply():
                 return frozenset().union(*parts)
             case Reduction(op, axis):
@@ -339,6 +361,16 @@ class _Checker:
                                      f"operand does not have (its axes: {have})")
                 return parts[0] - {axis}
         return frozenset()
+
+    def position(self, e: Position) -> None:
+        if e.axis in self.dims:
+            return
+        if e.axis in self.axes_of:
+            axes = ", ".join(self.axes_of[e.axis])
+            raise self.error(e.span, f"tensor '{e.axis}' is used without its axes (write "
+                             f"{e.axis}[{axes}])")
+        raise self.error(e.span, f"unknown name '{e.axis}': neither a dimension (whose name "
+                         f"as a value is the position along it) nor a tensor")
 
     def ref(self, r: Ref) -> None:
         declared_axes = self.axes_of.get(r.tensor)
@@ -369,6 +401,8 @@ def _free_occurrences(e: Expr) -> list[tuple[str, Span]]:
         match x:
             case Ref(_, axes, _, spans):
                 out += [(a, sp) for a, sp in zip(axes, spans) if a not in bound]
+            case Position(axis, span) if axis not in bound:
+                out.append((axis, span))
             case Apply(_, args):
                 stack += [(a, bound) for a in reversed(args)]
             case Reduction(_, axis, body):

@@ -29,7 +29,7 @@ from typing import Callable
 import numpy as np
 
 from .ir import (ELEMENTWISE_KINDS, Axis, BlockProgram, BlockReduce, Const, Dot, Get, IRError,
-                 KindTable, Load, Monoid, Node, Reduce, Store, Tuple, Var, children,
+                 KindTable, Load, Monoid, Node, Pos, Reduce, Store, Tuple, Var, children,
                  is_elementwise, operator, postorder, sched_deps, validate)
 from .ops import TILE_REDUCE
 
@@ -84,6 +84,12 @@ EVAL = KindTable("interpreter")
 @EVAL.on(Load)
 def _load(n: Load, run: _KernelRun) -> Value:
     return _tile(n.axes, run.memory[n.tensor][tuple(run.block_slice(a) for a in n.axes)])
+
+
+@EVAL.on(Pos)
+def _pos(n: Pos, run: _KernelRun) -> Value:
+    where = run.block_slice(n.axis)
+    return _tile((n.axis,), np.arange(where.start, where.stop))
 
 
 @EVAL.on(Const)

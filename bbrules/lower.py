@@ -14,9 +14,9 @@ from itertools import combinations
 
 from .errors import SourceError
 from .ir import (BUILTIN_MONOIDS, SUM, BlockProgram, BlockReduce, Binary, Const, Dot, IRError,
-                 Load, Node, Reduce, Store, Unary, tile_type, validate)
-from .program import (Apply, Expr, Number, Program, Reduction, Ref, Statement, factors, fold,
-                      free_axes, sum_factors)
+                 Load, Node, Pos, Reduce, Store, Unary, Where, tile_type, validate)
+from .program import (Apply, Expr, Number, Position, Program, Reduction, Ref, Statement,
+                      factors, fold, free_axes, sum_factors)
 
 Factor = tuple[Expr, bool, Node]  # an expression, whether it divides, its lowering
 
@@ -64,10 +64,14 @@ def _lowered(e: Expr, parts: list[Node]) -> Node:
             return Const(v)
         case Ref(tensor, axes):
             return Load(tensor, axes)
+        case Position(axis):
+            return Pos(axis)
         case Apply(op, (_,)):
             return Unary(op, parts[0])
         case Apply(op, (_, _)):
             return Binary(op, parts[0], parts[1])
+        case Apply("where", (_, _, _)):
+            return Where(*parts)
         case Reduction("sum", axis, body):
             return _sum(axis, [(f, divides, node) for (f, divides), node
                                in zip(factors(body), parts)])

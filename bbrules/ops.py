@@ -43,6 +43,15 @@ def _unary(name: str, fn: Callable[[np.ndarray], np.ndarray], flops: int, cuda: 
     return OpInfo(name, fn, flops, cuda, f64, special)
 
 
+def _predicate(name: str, fn: Callable[..., np.ndarray], c: str, truth: bool = False
+               ) -> OpInfo:
+    """A comparison or logical operator: 1.0 where it holds, else 0.0 (`truth`: its operands
+    are truth values, nonzero meaning true, as in C)."""
+    test = "((({x}) != 0.0f) {c} (({y}) != 0.0f))" if truth else "(({x}) {c} ({y}))"
+    return OpInfo(name, lambda x, y: np.asarray(fn(x, y), dtype=np.float32), 1,
+                  f"({test.replace('{c}', c)} ? 1.0f : 0.0f)")
+
+
 UNARY: dict[str, OpInfo] = {
     op.name: op
     for op in (
@@ -65,6 +74,8 @@ UNARY: dict[str, OpInfo] = {
                "(0.5f * ({x}) * (1.0f + tanhf(0.7978845608f * (({x}) + 0.044715f * ({x}) * ({x}) * ({x})))))",
                special=1),
         _unary("tanh", np.tanh, 1, "tanhf({x})", special=1),
+        _unary("not", lambda x: np.asarray(x == 0, dtype=np.float32), 1,
+               "((({x}) == 0.0f) ? 1.0f : 0.0f)"),
     )
 }
 
@@ -77,8 +88,18 @@ BINARY: dict[str, OpInfo] = {
         OpInfo("div", np.divide, 1, "(({x}) / ({y}))", "(/ {x} {y})"),
         OpInfo("max", np.maximum, 1, "fmaxf({x}, {y})", "(max {x} {y})"),
         OpInfo("min", np.minimum, 1, "fminf({x}, {y})", "(min {x} {y})"),
+        *(_predicate(name, fn, c) for name, fn, c in (
+            ("lt", np.less, "<"), ("le", np.less_equal, "<="), ("gt", np.greater, ">"),
+            ("ge", np.greater_equal, ">="), ("eq", np.equal, "=="),
+            ("ne", np.not_equal, "!="))),
+        _predicate("and", lambda x, y: np.logical_and(x != 0, y != 0), "&&", truth=True),
+        _predicate("or", lambda x, y: np.logical_or(x != 0, y != 0), "||", truth=True),
     )
 }
+
+# The comparison (or logical) operator each predicate is written with in programs.
+PREDICATES: dict[str, str] = {"lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==",
+                              "ne": "!=", "and": "and", "or": "or"}
 
 def _where(c: np.ndarray, x: np.ndarray, y: np.ndarray) -> np.ndarray:
     return np.where(c != 0, x, y)

@@ -52,9 +52,10 @@ from operator import itemgetter
 from typing import Literal, Mapping
 
 from .ir import (Binary, BlockProgram, BlockReduce, Const, Dim, Dot, Get, IRError, Kernel, Load,
-                 Monoid, Node, Reduce, Store, TensorDecl, Tuple, Var, children, is_elementwise,
-                 postorder, shape)
-from .schedule import Compute, KernelSchedule, Loop, Step, Write, schedule_kernel
+                 Monoid, Node, Pos, Reduce, Store, TensorDecl, Tuple, Var, children,
+                 is_elementwise, postorder, shape)
+from .masking import skip_predicate
+from .schedule import Compute, KernelSchedule, Loop, Step, Write, schedule_kernel, walk_steps
 
 MAX_THREADS = 256  # threads per block: the launch bound every kernel is compiled for
 ALIGN = 16  # bytes: every buffer starts at this alignment (one vector load)
@@ -117,7 +118,7 @@ class Site:
 class Value:
     """One computation of a node: a `Compute` step, or a reduction's results after its loop.
 
-    `kind` is load, const, unary, binary, breduce, dot, tuple, get or result.
+    `kind` is load, pos, const, elementwise, breduce, dot, tuple, get or result.
     """
 
     kind: str
@@ -130,7 +131,7 @@ class Value:
     uses: list[Value | Site] = field(default_factory=list)
     mode: Mode = "inline"
     buffer: Buffer | None = None  # local: its tile; resident: its tensor's slab
-    blocks: dict[str, BlockIndex] = field(default_factory=dict)  # load: block index per axis
+    blocks: dict[str, BlockIndex] = field(default_factory=dict)  # load, pos: block per axis
     acc: Accumulation | None = None  # result / get: the reduction whose state it finalizes
     into: tuple[Accumulation, int] | None = None  # accumulate: the component it adds into
     scratch: Buffer | None = None  # breduce / dot: partial results of a split reduced axis
@@ -177,6 +178,10 @@ class LoopPlan:
     end: int = -1
     body: list[Op] = field(default_factory=list)
     accs: tuple[Accumulation, ...] = ()
+    # Blocks on which `skip` is false everywhere contribute every reduction's identity and are
+    # not visited (`masking`); `skip_blocks` is the block index of each axis it reads.
+    skip: Node | None = None
+    skip_blocks: dict[str, BlockIndex] = field(default_factory=dict)
 
     @property
     def axis(self) -> str:
@@ -459,6 +464,11 @@ class _Planner:
                         self.trips[a] > 1 and a not in axes for a in self.looped):
                     self.rereads.append(v)
                 return v
+            case Pos(axis):
+                v = self._new("pos", n, (), frozenset((axis,)), path,
+                              blocks={axis: self.blocks.get(axis)})
+                v.order = (axis,)
+                return v
             case Const():
                 return Value("const", n, (), frozenset(), (), path, 0)
             case Get(i, x):
@@ -479,6 +489,7 @@ class _Planner:
         inner = _Scope(scope)
         saved, looped = self.blocks.get(loop.axis), self.looped
         self.blocks[loop.axis] = op.id
+        op.skip, op.skip_blocks = self._skip(loop)
         self.looped += (loop.axis,)
         op.body = self._build(loop.body, inner, path + (op.id,))
         self.looped = looped
@@ -491,6 +502,20 @@ class _Planner:
         for acc in op.accs:
             self._accumulate_in_place(acc, op)
         return op
+
+    def _skip(self, loop: Loop) -> tuple[Node | None, dict[str, BlockIndex]]:
+        """The predicate outside of which every reduction of `loop` contributes its identity
+        (the same for all of them), if the loop stores nothing and each axis it reads has a
+        block index at the loop."""
+        predicates = {skip_predicate(r) for r in loop.reduces}
+        if len(predicates) != 1 or None in predicates or any(
+                isinstance(step, Write) for step, _ in walk_steps(loop.body)):
+            return None, {}
+        (p,) = predicates
+        blocks = {n.axis: self.blocks.get(n.axis) for n in postorder(p) if isinstance(n, Pos)}
+        if any(b is None and self.trips[a] != 1 for a, b in blocks.items()):
+            return None, {}
+        return p, blocks
 
     def _accumulation(self, r: Reduce, scope: _Scope, op: LoopPlan) -> Accumulation:
         m = r.monoid

@@ -25,6 +25,15 @@ class Number:
 
 
 @dataclass(frozen=True)
+class Position:
+    """A dimension's name used as a value: each element's position along it (0 ...
+    extent - 1)."""
+
+    axis: Axis
+    span: Span = field(compare=False, repr=False)
+
+
+@dataclass(frozen=True)
 class Ref:
     """A use of a tensor, its dimensions named `axes` (renamed when they differ from the
     declaration)."""
@@ -37,8 +46,8 @@ class Ref:
 
 @dataclass(frozen=True)
 class Apply:
-    """An elementwise operator of `bbrules.ops` (`add`, `exp`, `max`, ...) on one or two
-    operands; infix arithmetic and function calls both end up here."""
+    """An elementwise operator of `bbrules.ops` (`add`, `exp`, `le`, `where`, ...) on one to
+    three operands; infix arithmetic, comparisons and function calls all end up here."""
 
     op: str
     args: tuple[Expr, ...]
@@ -56,7 +65,7 @@ class Reduction:
     axis_span: Span | None = field(compare=False, repr=False, default=None)
 
 
-Expr = Union[Number, Ref, Apply, Reduction]
+Expr = Union[Number, Position, Ref, Apply, Reduction]
 T = TypeVar("T")
 E = TypeVar("E")  # any tree: nodes are told apart by identity
 
@@ -140,6 +149,8 @@ def _free_axes(e: Expr, parts: list[AxisSet]) -> AxisSet:
             return frozenset()
         case Ref(_, axes):
             return frozenset(axes)
+        case Position(axis):
+            return frozenset((axis,))
         case Apply():
             return frozenset().union(*parts)
         case Reduction(_, axis):

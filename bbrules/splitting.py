@@ -31,9 +31,9 @@ import math
 from dataclasses import dataclass, replace
 from typing import Callable, Iterator
 
-from .ir import (BlockProgram, BlockReduce, Dim, Get, IRError, Kernel, Load, Node, Reduce,
-                 Store, TensorDecl, TileType, Tuple, postorder, rebuild, rename_axes, sched_deps,
-                 transform, type_of)
+from .ir import (BlockProgram, BlockReduce, Binary, Const, Dim, Get, IRError, Kernel, Load, Node,
+                 Pos, Reduce, Store, TensorDecl, TileType, Tuple, postorder, rebuild, rename_axes,
+                 sched_deps, transform, type_of)
 from .cost import KernelCost, ProgramCost
 from .plan import kernel_uses
 from .targets import Target
@@ -155,7 +155,9 @@ def _split(p: BlockProgram, kernel: Kernel, a: str, folds: list[Reduce], chunks:
 
     def chunked(n: Node, kids: tuple) -> Node:
         """A load along `a` (renamed `inner`) reads the view of its tensor with `a` cut into
-        chunks."""
+        chunks; a position along `a` is the chunk's start plus the position in the chunk."""
+        if n == Pos(inner):
+            return Binary("add", Binary("mul", Pos(chunk), Const(float(d.extent // chunks))), n)
         if not (isinstance(n, Load) and inner in n.axes):
             return rebuild(n, kids)
         decl = p.tensors[n.tensor]

@@ -54,9 +54,10 @@ from pathlib import Path
 import numpy as np
 
 from bbrules.errors import UsageError
-from bbrules.ir import (ELEMENTWISE_KINDS, Binary, BlockProgram, BlockReduce, Const, Dot, Get,
-                        IRError, KindTable, Load, Node, Reduce, Tuple, Unary, Var, children,
+from bbrules.ir import (ELEMENTWISE_KINDS, BlockProgram, BlockReduce, Const, Dot, Get, IRError,
+                        KindTable, Load, Node, Pos, Reduce, Tuple, Var, children, is_elementwise,
                         operator, postorder, validate)
+from bbrules.masking import CAlgebra, may_hold
 from bbrules.ops import BINARY, TILE_REDUCE
 from bbrules.plan import (MAX_THREADS, Accumulation, BlockIndex, Buffer, KernelPlan, LoopPlan,
                           MicroTile, Op, Value, WritePlan, plan_for)
@@ -318,7 +319,7 @@ def _(n: Node, r: _Reader) -> str:
     return operator(n).cuda.format(**{v: r.child(i) for i, v in enumerate(operands)})
 
 
-@EXPR.on(Load, Get, Reduce)
+@EXPR.on(Load, Pos, Get, Reduce)
 def _(n: Node, r: _Reader) -> str:
     return r.element()
 
@@ -552,6 +553,11 @@ class _KernelGen:
                                     element=lambda: self._load_element(x, e)))
 
     def _load_element(self, x: Value, e: _Elem) -> str:
+        if x.kind == "pos":
+            a = x.node.axis
+            block = self._block_var(x.blocks[a], a)
+            at = e.coords[a] if block == "0" else f"{block} * {self.p.block(a)} + {e.coords[a]}"
+            return f"(float)({at})"
         dtype = self.p.tensors[x.node.tensor].dtype
         return FORMATS[dtype].to_float.format(self._global(x, e.coords))
 
@@ -563,7 +569,7 @@ class _KernelGen:
         """A monoid expression (elementwise over Vars) as C, built bottom-up."""
         text: dict[Node, str] = {}
         for n in postorder(root):
-            if not isinstance(n, (Var, Const, Unary, Binary)):
+            if not (isinstance(n, (Var, Const)) or is_elementwise(n)):
                 raise IRError(f"monoid expressions must be elementwise, found {n!r}")
             kids = children(n)
             text[n] = EXPR(n, _Reader(child=lambda i: text[kids[i]],
@@ -701,11 +707,22 @@ class _KernelGen:
             return
         with w.block(f"for (int bb_b{op.id} = 0; bb_b{op.id} < {op.trips}; "
                      f"++bb_b{op.id})"):
+            if op.skip is not None:
+                w(f"if (!{self._may_hold(op)}) continue;  // every element masked")
             self._ops(w, op.body)
             for red in op.accs:
                 self._combine(w, red)
             if self.dirty:
                 self._barrier(w)
+
+    def _may_hold(self, op: LoopPlan) -> str:
+        """C for: may the loop's skip predicate hold anywhere on the current block?  The
+        same test for every thread of the block, so skipping keeps barriers uniform."""
+        bounds = {}
+        for a, b in op.skip_blocks.items():
+            start = f"(float)({self._block_var(b, a)} * {self.p.block(a)})"
+            bounds[a] = (start, f"({start} + {float(self.p.block(a) - 1)!r}f)")
+        return may_hold(op.skip, bounds, CAlgebra())
 
     def _has_work(self, op: LoopPlan) -> bool:
         """Does the loop's body do anything (a one-trip loop over aliased tiles does not)?"""

@@ -43,9 +43,9 @@ from typing import AbstractSet, Callable, Mapping, Sequence, Union
 import numpy as np
 
 from bbrules.ir import (ELEMENTWISE_KINDS, Axis, Binary, BlockProgram, BlockReduce, Const, Dim,
-                        Dot, Get, IRError, Kernel, KindTable, Load, Node, Reduce, Store, TileType,
-                        Tuple, Var, children, is_elementwise, operator, postorder, rebuild,
-                        show_kernel, tile_type, transform, type_of, validate)
+                        Dot, Get, IRError, Kernel, KindTable, Load, Node, Pos, Reduce, Store,
+                        TileType, Tuple, Var, children, is_elementwise, operator, postorder,
+                        rebuild, show_kernel, tile_type, transform, type_of, validate)
 from bbrules.ops import ELEMENTWISE, TILE_REDUCE, OpInfo
 from bbrules.plan import plan_for
 from bbrules.schedule import Loop, Step, Write, walk_steps
@@ -309,6 +309,11 @@ def _(n: Load, w: _KernelWriter) -> _Stmt:
     return w.array(n, w.fresh(n.tensor), w.load(n))
 
 
+@STEP.on(Pos)
+def _(n: Pos, w: _KernelWriter) -> _Stmt:
+    return w.array(n, w.fresh(f"pos_{n.axis}"), w.position(n))
+
+
 @STEP.on(BlockReduce)
 def _(n: BlockReduce, w: _KernelWriter) -> _Stmt:
     return w.array(n, w.fresh(f"b{n.op}"), w.block_reduce(n))
@@ -454,6 +459,20 @@ class _KernelWriter:
         while index and index[-1] == ":":
             index.pop()
         code = self.params[n.tensor] + (f"[{', '.join(index)}]" if index else "")
+        return _to_layout(code, parts, self.dims(n))
+
+    def position(self, n: Pos) -> str:
+        """The positions along the axis: the loop's block, or every block of a grid axis."""
+        d, lay = self.p.dims[n.axis], self.layout
+        element = (lay.element_dim(n.axis), d.block)
+        if n.axis in self.loop_vars:
+            v = self.loop_vars[n.axis]
+            code, parts = f"np.arange({v}, {v} + {d.block}, dtype=f32)", [[element]]
+        elif n.axis in lay.grid:
+            code = f"np.arange({d.extent}, dtype=f32)"
+            parts = [[(lay.block_dim(n.axis), d.blocks), element]]
+        else:
+            code, parts = f"np.arange({d.block}, dtype=f32)", [[element]]
         return _to_layout(code, parts, self.dims(n))
 
     def dot(self, n: Dot) -> str:

@@ -8,7 +8,7 @@ import pytest
 from bbrules.blockfile import load_block_program, parse_block_program
 from bbrules.errors import SourceError
 from bbrules.ir import (MAX, MIN, SUM, Binary, BlockProgram, BlockReduce, Const, Dim, Dot, Get, Load,
-                        Monoid, Reduce, Store, TensorDecl, Tuple, Unary, Var, Where, postorder,
+                        Monoid, Pos, Reduce, Store, TensorDecl, Tuple, Unary, Var, Where, postorder,
                         show_program)
 
 # Online softmax with the output accumulator in the state: (running max, denominator, numerator).
@@ -69,7 +69,8 @@ def every_node() -> BlockProgram:
     norm = Binary("mul", centred, Unary("rsqrt", Binary("add", var, Const(1e-05))))
     clipped = Binary("min", Binary("max", norm, Const(float("-inf"))), Const(float("inf")))
     scores = Reduce("e", SUM, Dot("e", Load("Y", ("s", "e")), xk))
-    low = Reduce("k", MIN, BlockReduce("min", "k", scores))
+    causal = Where(Binary("le", Pos("k"), Pos("s")), scores, Const(float("inf")))
+    low = Reduce("k", MIN, BlockReduce("min", "k", causal))
     return BlockProgram.of_stores(
         _dims(s=(8, 4), k=(8, 4), e=(16, 8)),
         _tensors(("X", ("s", "e"), "input"), ("Y", ("s", "e"), "temp"),

@@ -20,7 +20,8 @@ input A[m, e], W[e, n], B[n] : f32
 # (name, program text after HEADER, line, column, message fragment)
 CASES = [
     ("dangling operator", "Y[m, n] = B[n] +\noutput Y", 5, 17,
-     "unexpected end of line; expected one of '(', '-', 'max', 'min', 'sum', a name, a number"),
+     "unexpected end of line; expected one of '(', '-', 'inf', 'max', 'min', 'sum', a name, "
+     "a number"),
     ("missing comma", "Y[m, n] = A[m e]\noutput Y", 5, 15, "unexpected 'e'; expected one of ',', ']'"),
     ("bad character", "Y[m, n] = B[n] @ B[n]\noutput Y", 5, 16, "unexpected character '@'"),
     ("missing equals", "Y[m, n] B[n]\noutput Y", 5, 9, "unexpected 'B'; expected '='"),
@@ -75,7 +76,17 @@ CASES = [
     ("unknown axis in an input", "input C[k] : f32\nY[n] = B[n]\noutput Y", 5, 9,
      "unknown axis 'k'"),
     ("unclosed parenthesis", "Y[n] = (B[n] + 1\noutput Y", 5, 17,
-     "unexpected end of line; expected one of ')', '+', '-'"),
+     "unexpected end of line; expected one of ')', 'or'"),
+    ("unknown name", "Y[m, n] = where(x <= m, B[n], 0.0)\noutput Y", 5, 17,
+     "unknown name 'x': neither a dimension"),
+    ("tensor without axes", "Y[m, n] = where(n <= m, B, 0.0)\noutput Y", 5, 25,
+     "tensor 'B' is used without its axes (write B[n])"),
+    ("where with two arguments", "Y[m, n] = where(n <= m, B[n])\noutput Y", 5, 11,
+     "function 'where' takes 3 arguments, got 2"),
+    ("chained comparison", "Y[m, n] = B[n] < m < n\noutput Y", 5, 20, "unexpected '<'"),
+    ("position of an axis the target lacks", "Y[n] = where(n <= m, B[n], 0.0)\noutput Y", 5, 19,
+     "axis 'm' is neither reduced nor an axis of the target Y[n]"),
+    ("not is not a function", "Y[n] = not(B[n], B[n])\noutput Y", 5, 16, "unexpected ','"),
 ]
 
 

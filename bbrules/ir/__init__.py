@@ -14,7 +14,7 @@ from .kinds import (KINDS, Kind, KindTable, Sort, attrs, build, children, is_ele
                     kind_of, map_attrs, operator, postorder, rebuild, transform)
 from .monoid import BUILTIN_MONOIDS, MAX, MIN, SUM, Monoid, monoids_used, var_names
 from .nodes import (ELEMENTWISE_KINDS, MAX_COMPONENTS, Binary, BlockReduce, Const, Dot, Get,
-                    Load, Node, Reduce, Tuple, Unary, Var, Where)
+                    Load, Node, Pos, Reduce, Tuple, Unary, Var, Where)
 from .program import (DTYPE_BYTES, BlockProgram, Dim, DimError, Kernel, Store, TensorDecl,
                       check_view, checked_dim, validate)
 from .show import fmt_number, show_kernel, show_monoid, show_node, show_program

@@ -72,6 +72,19 @@ class Var:
         return SCALAR
 
 
+@node(call="pos", egg="Pos")
+class Pos:
+    """The position of each element along `axis` (0 ... extent - 1, as f32): an axis name used
+    as a value (`where(k <= q, ...)`).  A tile over the axis that, like a load of it, depends on
+    which block it is; it reads no memory."""
+
+    axis: Axis = attr(Sort.AXIS)
+
+    def infer(self, kids: tuple[Type, ...]) -> Type:
+        s = frozenset((self.axis,))
+        return TileType(s, s)
+
+
 @node(call="{op}", egg="Un", elementwise=True)
 class Unary:
     op: str = attr(Sort.OP, UNARY)
@@ -199,7 +212,7 @@ class Get:
         return t[self.index]
 
 
-Node = Union[Load, Const, Var, Unary, Binary, BlockReduce, Dot, Reduce, Where, Tuple, Get]
+Node = Union[Load, Pos, Const, Var, Unary, Binary, BlockReduce, Dot, Reduce, Where, Tuple, Get]
 
 # The kinds that apply one operator elementwise (`kinds.operator`): every pass treats them alike.
 ELEMENTWISE_KINDS: tuple[type, ...] = tuple(k for k in KINDS if k.kind.elementwise)

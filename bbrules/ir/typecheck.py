@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from .kinds import Sort, children, is_node, kind_of
+from .kinds import children, is_node, kind_of
 from .types import AxisSet, IRError, TileType, Type
 
 
@@ -64,9 +64,8 @@ def deps(n: Any) -> AxisSet:
 def _own_sched_deps(n: Any, kids: tuple[AxisSet, ...]) -> AxisSet:
     kind = kind_of(n)
     out: AxisSet = frozenset().union(*kids)
-    for f in kind.attr_fields:
-        if kind.sort_of(f) is Sort.AXES:
-            out |= frozenset(n.__dict__[f])
+    if not kind.child_fields:  # a leaf (a load, a position) depends on the blocks it types
+        out |= tile_type(n).deps
     if kind.loop:
         out -= {n.axis}
     return out
