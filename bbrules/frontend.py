@@ -19,6 +19,7 @@ from importlib.resources import files
 from pathlib import Path
 from typing import Union
 
+import numpy as np
 from lark import Lark, Token, v_args
 from lark.tree import Meta
 from lark.exceptions import UnexpectedInput, VisitError
@@ -26,7 +27,7 @@ from lark.visitors import Transformer_NonRecursive
 
 from .errors import SourceError, Span, UsageError, read_source, syntax_error
 from .ir import DTYPE_BYTES, AxisSet, Dim, DimError, TensorDecl, checked_dim
-from .ops import PREDICATES, UNARY
+from .ops import ELEMENTWISE, PREDICATES, UNARY
 from .program import Apply, Expr, Number, Position, Program, Reduction, Ref, Statement, fold
 
 DimOverrides = dict[str, tuple[int, int | None]]
@@ -34,7 +35,8 @@ DimOverrides = dict[str, tuple[int, int | None]]
 # Functions callable by name, with their arity.  Infix arithmetic (`add`, `sub`, ...) is not
 # callable: it has its own syntax.
 FUNCTIONS: dict[str, int] = {**{name: 1 for name in UNARY if name != "not"}, "max": 2,
-                             "min": 2, "where": 3}
+                             "min": 2, "pow": 2, "where": 3}
+REDUCTIONS = ("sum", "max", "min", "mean")
 # A comparison's operator name by its spelling.
 COMPARISONS: dict[str, str] = {c: name for name, c in PREDICATES.items()}
 
@@ -81,9 +83,16 @@ class _InputDecl:
 @dataclass(frozen=True)
 class _OutputDecl:
     names: tuple[_Name, ...]
+    dtype: _Name | None  # None: the inputs' dtype
 
 
-_Item = Union[_DimDecl, _InputDecl, _OutputDecl, Statement]
+@dataclass(frozen=True)
+class _ConstDecl:
+    name: _Name
+    value: Expr
+
+
+_Item = Union[_DimDecl, _InputDecl, _ConstDecl, _OutputDecl, Statement]
 
 
 @v_args(meta=True)
@@ -115,13 +124,20 @@ class _ToAst(Transformer_NonRecursive):
 
     def tensor_decl(self, meta: Meta, children: list) -> _TensorSyntax:
         name, axes = children
-        return _TensorSyntax(self._name(name), axes)
+        return _TensorSyntax(self._name(name), axes or ())
 
-    def output_decl(self, meta: Meta, names: list[Token]) -> _OutputDecl:
-        return _OutputDecl(tuple(self._name(n) for n in names))
+    def const_decl(self, meta: Meta, children: list) -> _ConstDecl:
+        name, value = children
+        return _ConstDecl(self._name(name), value)
+
+    def output_decl(self, meta: Meta, children: list) -> _OutputDecl:
+        *names, dtype = children
+        return _OutputDecl(tuple(self._name(n) for n in names),
+                           None if dtype is None else self._name(dtype))
 
     def statement(self, meta: Meta, children: list) -> Statement:
         name, axes, expr = children
+        axes = axes or ()
         return Statement(str(name), tuple(a.name for a in axes), expr, self._span(name),
                          tuple(a.span for a in axes))
 
@@ -165,8 +181,12 @@ class _ToAst(Transformer_NonRecursive):
     def position(self, meta: Meta, children: list[Token]) -> Position:
         return Position(str(children[0]), self._span(children[0]))
 
+    def pow(self, meta: Meta, args: list[Expr]) -> Apply:
+        return self._apply("pow", meta, args)
+
     def ref(self, meta: Meta, children: list) -> Ref:
         name, axes = children
+        axes = axes or ()
         return Ref(str(name), tuple(a.name for a in axes), self._span(name),
                    tuple(a.span for a in axes))
 
@@ -185,8 +205,11 @@ class _ToAst(Transformer_NonRecursive):
         return self._apply(fn, meta, args)
 
     def reduction(self, meta: Meta, children: list) -> Reduction:
-        op, axis, body = children
-        return Reduction(str(op), str(axis), body, self._span(op), self._span(axis))
+        """`sum[c, p] x` is `sum[c] sum[p] x`."""
+        op, axes, body = children
+        for a in reversed(axes):
+            body = Reduction(str(op), a.name, body, self._span(op), a.span)
+        return body
 
 
 # --------------------------------------------------------------------------------------------
@@ -213,6 +236,8 @@ class _Checker:
         self.axes_of: dict[str, tuple[str, ...]] = {}
         self.statements: list[Statement] = []
         self.outputs: dict[str, Span] = {}
+        self.output_dtypes: dict[str, str] = {}
+        self.constants: dict[str, float] = {}
         self.targets: dict[str, Span] = {}
 
     def error(self, span: Span, message: str) -> SourceError:
@@ -228,6 +253,8 @@ class _Checker:
                     self.dim(item)
                 case _InputDecl():
                     self.input(item)
+                case _ConstDecl():
+                    self.constant(item)
                 case Statement():
                     self.statement(item)
                 case _OutputDecl():
@@ -252,8 +279,8 @@ class _Checker:
         tensors = dict(self.inputs)
         for s in self.statements:
             role = "output" if s.target in self.outputs else "temp"
-            tensors[s.target] = TensorDecl(s.target, s.axes, out_dtype if role == "output"
-                                           else "f32", role)
+            dtype = self.output_dtypes.get(s.target, out_dtype) if role == "output" else "f32"
+            tensors[s.target] = TensorDecl(s.target, s.axes, dtype, role)
         return Program(self.path, dict(self.dims), tensors, tuple(self.statements),
                        tuple(self.outputs), self.text)
 
@@ -297,10 +324,7 @@ class _Checker:
             raise self.error(name.span, f"'{name.name}' is already defined (line {where.line})")
 
     def input(self, decl: _InputDecl) -> None:
-        dtype = decl.dtype.name
-        if dtype not in DTYPE_BYTES:
-            raise self.error(decl.dtype.span, f"unknown dtype '{dtype}' (expected one of "
-                             f"{', '.join(sorted(DTYPE_BYTES))})")
+        dtype = self.dtype(decl.dtype)
         for t in decl.tensors:
             self.new_tensor(t.name)
             self.axes(t.axes)
@@ -309,13 +333,64 @@ class _Checker:
             self.defined[t.name.name] = t.name.span
             self.axes_of[t.name.name] = axes
 
+    def dtype(self, name: _Name) -> str:
+        if name.name not in DTYPE_BYTES:
+            raise self.error(name.span, f"unknown dtype '{name.name}' (expected one of "
+                             f"{', '.join(sorted(DTYPE_BYTES))})")
+        return name.name
+
     def output(self, decl: _OutputDecl) -> None:
+        dtype = None if decl.dtype is None else self.dtype(decl.dtype)
         for n in decl.names:
             if n.name in self.outputs:
                 raise self.error(n.span, f"'{n.name}' is already listed as an output")
             self.outputs[n.name] = n.span
+            if dtype is not None:
+                self.output_dtypes[n.name] = dtype
+
+    def constant(self, decl: _ConstDecl) -> None:
+        """`scale = 1 / 8`: a number, or arithmetic on numbers and earlier constants."""
+        name = decl.name
+        if name.name in self.dims:
+            raise self.error(name.span, f"'{name.name}' is already a dimension")
+        if name.name in self.constants:
+            raise self.error(name.span, f"constant '{name.name}' is already defined")
+        self.new_tensor(name)
+        value = self.desugared(decl.value)
+
+        def number(e: Expr, parts: list[float]) -> float:
+            match e:
+                case Number(v):
+                    return v
+                case Apply(op, _) if op in ELEMENTWISE and op != "where":
+                    with np.errstate(all="ignore"):
+                        return float(ELEMENTWISE[op].numpy(*map(np.float64, parts)))
+            raise self.error(e.span, f"the value of constant '{name.name}' must be "
+                             f"numbers and earlier constants, not a tensor, an axis or a "
+                             f"reduction")
+
+        self.constants[name.name] = fold(value, number)
+        self.defined[name.name] = name.span
+
+    def desugared(self, e: Expr) -> Expr:
+        """`e` with named constants replaced by their values and each `mean[a] x` by
+        `sum[a] x * (1 / extent of a)`."""
+        def rewrite(x: Expr, parts: list[Expr]) -> Expr:
+            match x:
+                case Position(name, span) if name in self.constants:
+                    return Number(self.constants[name], span)
+                case Apply(op, _, span):
+                    return Apply(op, tuple(parts), span)
+                case Reduction("mean", axis, _, span, axis_span) if axis in self.dims:
+                    total = Reduction("sum", axis, parts[0], span, axis_span)
+                    return Apply("mul", (total, Number(1 / self.dims[axis].extent, span)), span)
+                case Reduction(op, axis, _, span, axis_span):
+                    return Reduction(op, axis, parts[0], span, axis_span)
+            return x
+        return fold(e, rewrite)
 
     def statement(self, s: Statement) -> None:
+        s = Statement(s.target, s.axes, self.desugared(s.expr), s.span, s.axis_spans)
         target = _Name(s.target, s.span)
         if s.target in self.inputs:
             raise self.error(s.span, f"cannot assign to input '{s.target}'")
@@ -423,6 +498,9 @@ def parse_program(text: str, path: str = "<string>",
     try:
         tree = _parser().parse(source)
     except UnexpectedInput as err:
+        unknown = _unknown_reduction(err, source, path)
+        if unknown is not None:
+            raise unknown from None
         raise syntax_error(err, _parser(), source, path, _TOKEN_WORDS,
                            character="character {!r}") from None
     try:
@@ -432,6 +510,26 @@ def parse_program(text: str, path: str = "<string>",
             raise err.orig_exc from None
         raise
     return _Checker(path, text, dims or {}).run(items)
+
+
+_BRACKETED = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)\s*\[[^\[\]\n]*\]\s*$")
+
+
+def _unknown_reduction(err: UnexpectedInput, text: str, path: str) -> SourceError | None:
+    """`softmax[k] X[q, k]`: an operand right after `name[axes]` is a reduction by a name
+    that is not one; say so at the name rather than "unexpected 'X'"."""
+    token = getattr(err, "token", None)
+    if token is None or token.type not in ("NAME", "NUMBER", "LPAR", "INF"):
+        return None
+    m = _BRACKETED.search(text[:token.start_pos])
+    line_start = text.rfind("\n", 0, token.start_pos) + 1
+    if m is None or m.group(1) in REDUCTIONS or "=" not in text[line_start:m.start(1)]:
+        return None  # not inside an expression (`Y[m] B[m]` lacks its `=`)
+    line = text.count("\n", 0, m.start(1)) + 1
+    column = m.start(1) - line_start + 1
+    return SourceError(Span(path, line, column), f"unknown reduction '{m.group(1)}' (the "
+                       f"reductions are {', '.join(REDUCTIONS)}), or an operator missing "
+                       f"before {str(token)!r}", text)
 
 
 def load_program(path: str | Path, dims: DimOverrides | None = None) -> Program:

@@ -33,6 +33,17 @@ def _sigmoid(x: np.ndarray) -> np.ndarray:
     return 0.5 * (1.0 + np.tanh(0.5 * x))
 
 
+# numpy has no erf: Abramowitz and Stegun's 7.1.26, absolute error below 1.5e-7 (about one
+# float32 rounding of results near 1); CUDA uses its own erff.
+def _erf(x: np.ndarray) -> np.ndarray:
+    dtype = np.result_type(x, np.float32)
+    x = np.asarray(x, dtype=np.float64)
+    t = 1.0 / (1.0 + 0.3275911 * np.abs(x))
+    poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (
+        -1.453152027 + t * 1.061405429))))
+    return (np.sign(x) * (1.0 - poly * np.exp(-x * x))).astype(dtype)
+
+
 def _gelu(x: np.ndarray) -> np.ndarray:
     # tanh approximation, as in GPT-2 and most inference stacks
     return 0.5 * x * (1.0 + np.tanh(0.7978845608028654 * (x + 0.044715 * x * x * x)))
@@ -74,6 +85,14 @@ UNARY: dict[str, OpInfo] = {
                "(0.5f * ({x}) * (1.0f + tanhf(0.7978845608f * (({x}) + 0.044715f * ({x}) * ({x}) * ({x})))))",
                special=1),
         _unary("tanh", np.tanh, 1, "tanhf({x})", special=1),
+        _unary("erf", _erf, 1, "erff({x})", special=1),
+        _unary("cos", np.cos, 1, "cosf({x})", "(cos {x})", special=1),
+        _unary("sin", np.sin, 1, "sinf({x})", "(sin {x})", special=1),
+        _unary("exp2", np.exp2, 1, "exp2f({x})", special=1),
+        _unary("softplus", lambda x: np.logaddexp(0.0, x), 3,
+               "((({x}) > 20.0f) ? ({x}) : log1pf(expf({x})))", special=2),
+        _unary("elu", lambda x: np.where(x > 0, x, np.expm1(np.minimum(x, 0.0))), 2,
+               "((({x}) > 0.0f) ? ({x}) : expm1f({x}))", special=1),
         _unary("not", lambda x: np.asarray(x == 0, dtype=np.float32), 1,
                "((({x}) == 0.0f) ? 1.0f : 0.0f)"),
     )
@@ -88,6 +107,7 @@ BINARY: dict[str, OpInfo] = {
         OpInfo("div", np.divide, 1, "(({x}) / ({y}))", "(/ {x} {y})"),
         OpInfo("max", np.maximum, 1, "fmaxf({x}, {y})", "(max {x} {y})"),
         OpInfo("min", np.minimum, 1, "fminf({x}, {y})", "(min {x} {y})"),
+        OpInfo("pow", np.power, 2, "powf({x}, {y})", special=2),
         *(_predicate(name, fn, c) for name, fn, c in (
             ("lt", np.less, "<"), ("le", np.less_equal, "<="), ("gt", np.greater, ">"),
             ("ge", np.greater_equal, ">="), ("eq", np.equal, "=="),

@@ -20,8 +20,8 @@ input A[m, e], W[e, n], B[n] : f32
 # (name, program text after HEADER, line, column, message fragment)
 CASES = [
     ("dangling operator", "Y[m, n] = B[n] +\noutput Y", 5, 17,
-     "unexpected end of line; expected one of '(', '-', 'inf', 'max', 'min', 'sum', a name, "
-     "a number"),
+     "unexpected end of line; expected one of '(', '-', 'inf', 'max', 'mean', 'min', 'sum', "
+     "a name, a number"),
     ("missing comma", "Y[m, n] = A[m e]\noutput Y", 5, 15, "unexpected 'e'; expected one of ',', ']'"),
     ("bad character", "Y[m, n] = B[n] @ B[n]\noutput Y", 5, 16, "unexpected character '@'"),
     ("missing equals", "Y[m, n] B[n]\noutput Y", 5, 9, "unexpected 'B'; expected '='"),
@@ -60,7 +60,7 @@ CASES = [
     ("no outputs", "Y[n] = B[n]", 1, 1, "the program declares no outputs"),
     ("rename to other extent", "Y[m] = sum[e] A[m, e] * B[e]\noutput Y", 5, 27,
      "cannot rename axis 'n' of 'B' (8/8) to 'e' (8/2): extent and block must match"),
-    ("unknown function", "Y[n] = softplus(B[n])\noutput Y", 5, 8, "unknown function 'softplus'"),
+    ("unknown function", "Y[n] = swish(B[n])\noutput Y", 5, 8, "unknown function 'swish'"),
     ("sum called as a function", "Y[n] = sum(B[n])\noutput Y", 5, 8,
      "unknown function 'sum' (reduce with sum[axis] ...)"),
     ("wrong arity, unary", "Y[n] = exp(B[n], B[n])\noutput Y", 5, 8,
@@ -87,6 +87,17 @@ CASES = [
     ("position of an axis the target lacks", "Y[n] = where(n <= m, B[n], 0.0)\noutput Y", 5, 19,
      "axis 'm' is neither reduced nor an axis of the target Y[n]"),
     ("not is not a function", "Y[n] = not(B[n], B[n])\noutput Y", 5, 16, "unexpected ','"),
+    ("unknown reduction", "Y[m] = softmax[e] A[m, e]\noutput Y", 5, 8,
+     "unknown reduction 'softmax' (the reductions are sum, max, min, mean)"),
+    ("constant from a tensor", "c = B[n] * 2\nY[n] = B[n] * c\noutput Y", 5, 5,
+     "the value of constant 'c' must be numbers and earlier constants"),
+    ("constant named like a dimension", "e = 2\nY[n] = B[n]\noutput Y", 5, 1,
+     "'e' is already a dimension"),
+    ("constant named like a tensor", "B = 2\nY[n] = B[n]\noutput Y", 5, 1,
+     "'B' is already defined (line 4)"),
+    ("unknown output dtype", "Y[n] = B[n]\noutput Y : f64", 6, 12, "unknown dtype 'f64'"),
+    ("scalar used with axes", "T[] = sum[n] B[n]\nY[n] = B[n] * T[n]\noutput Y", 6, 15,
+     "'T' has 0 axes (T[]), this reference gives 1"),
 ]
 
 
