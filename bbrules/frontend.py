@@ -216,7 +216,8 @@ class _ToAst(Transformer_NonRecursive):
 # Syntax errors
 
 
-_TOKEN_WORDS = {"NAME": "a name", "NUMBER": "a number", "_NL": "end of line", "$END": "end of file"}
+_TOKEN_WORDS = {"NAME": "a name", "NUMBER": "a number", "COMPARE": "a comparison",
+                "_NL": "end of line", "$END": "end of file"}
 
 
 # --------------------------------------------------------------------------------------------
