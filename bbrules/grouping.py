@@ -102,7 +102,7 @@ def _finer_tilings(p: BlockProgram, k: Kernel, kc: KernelCost, make: Make, targe
         if a in folded:
             continue  # each finer block would fold over all of the axis again
         half = own.block(a) // 2
-        if half < target.block_granularity or own.extent(a) % half:
+        if half < target.block_granularity or own.extent(a) % half or own.dims[a].ragged:
             continue
         blocks = {**dict(k.blocks), a: half}
         own_blocks = tuple((x, blocks[x]) for x in p.dims

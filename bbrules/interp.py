@@ -290,9 +290,10 @@ def run(program: BlockProgram, inputs: dict[str, np.ndarray]) -> dict[str, np.nd
     """
     validate(program)
     _check_inputs(program, inputs)
-    memory = {name: np.array(inputs[name], dtype=F32) for name in program.inputs}
+    memory = {name: padded(program, name, np.asarray(inputs[name], dtype=F32))
+              for name in program.inputs}
     for k in program.stores:
-        shape = tuple(program.extent(a) for a in program.tensors[k.tensor].axes)
+        shape = tuple(program.padded(a) for a in program.tensors[k.tensor].axes)
         memory.setdefault(k.tensor, np.full(shape, np.nan, dtype=F32))
     for t in program.tensors.values():
         if t.role == "view":  # numpy's reshape of a contiguous array shares its memory
@@ -301,4 +302,17 @@ def run(program: BlockProgram, inputs: dict[str, np.ndarray]) -> dict[str, np.nd
         for kernel in program.kernels:
             for k in kernel.stores:
                 _KernelRun(program.in_kernel(kernel), memory, k).run()
-    return {k.tensor: memory[k.tensor] for k in program.stores}
+    return {k.tensor: unpadded(program, k.tensor, memory[k.tensor]) for k in program.stores}
+
+
+def padded(program: BlockProgram, tensor: str, array: np.ndarray) -> np.ndarray:
+    """`array` in global memory's layout: zeros after the extent of each ragged axis."""
+    axes = program.tensors[tensor].axes
+    pad = [(0, program.padded(a) - program.extent(a)) for a in axes]
+    return np.pad(array, pad) if any(p for _, p in pad) else np.array(array, dtype=F32)
+
+
+def unpadded(program: BlockProgram, tensor: str, array: np.ndarray) -> np.ndarray:
+    """A tensor of global memory at its extents."""
+    axes = program.tensors[tensor].axes
+    return array[tuple(slice(0, program.extent(a)) for a in axes)]

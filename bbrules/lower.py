@@ -10,11 +10,13 @@ in them), and `max`/`min` reduce the whole body.  The fusion rules start from th
 
 from __future__ import annotations
 
+import math
 from itertools import combinations
+from typing import Mapping
 
 from .errors import SourceError
-from .ir import (BUILTIN_MONOIDS, SUM, BlockProgram, BlockReduce, Binary, Const, Dot, IRError,
-                 Load, Node, Pos, Reduce, Store, Unary, Where, tile_type, validate)
+from .ir import (BUILTIN_MONOIDS, SUM, BlockProgram, BlockReduce, Binary, Const, Dim, Dot,
+                 IRError, Load, Node, Pos, Reduce, Store, Unary, Where, tile_type, validate)
 from .program import (Apply, Expr, Number, Position, Program, Reduction, Ref, Statement,
                       factors, fold, free_axes, sum_factors)
 
@@ -37,7 +39,7 @@ def lower(program: Program) -> BlockProgram:
 def _kernel(program: Program, s: Statement) -> Store:
     """The statement's kernel; a statement whose value cannot be stored as its target (only
     possible in a hand-built `Program`: the frontend checks axes) is reported at its line."""
-    value = lower_expr(s.expr)
+    value = lower_expr(s.expr, program.dims)
     try:
         t = tile_type(value)
     except IRError as err:
@@ -51,14 +53,28 @@ def _kernel(program: Program, s: Statement) -> Store:
                       f"{problem}", program.source)
 
 
-def lower_expr(e: Expr) -> Node:
+def lower_expr(e: Expr, dims: Mapping[str, Dim] | None = None) -> Node:
     """The tile expression computing `e` for one block of its free axes.
 
-    A sum is lowered from the factors of its body (`sum_factors`), not from the product."""
-    return fold(e, _lowered, sum_factors)
+    A sum is lowered from the factors of its body (`sum_factors`), not from the product.  A
+    reduction over a ragged axis (`dims`) reads the padding of its last block as its identity
+    (`_ragged`)."""
+    ragged = {a: d.extent for a, d in (dims or {}).items() if d.ragged}
+    return fold(e, lambda x, parts: _lowered(x, parts, ragged), sum_factors)
 
 
-def _lowered(e: Expr, parts: list[Node]) -> Node:
+def _ragged(axis: str, x: Node, identity: float, ragged: Mapping[str, int]) -> Node:
+    """`x`, or over a ragged axis `where(pos(axis) < extent, x, identity)`: the padding of
+    the last block contributes nothing to a reduction, whatever it holds."""
+    if axis not in ragged:
+        return x
+    return Where(Binary("lt", Pos(axis), Const(float(ragged[axis]))), x, Const(identity))
+
+
+_IDENTITY = {"sum": 0.0, "max": -math.inf, "min": math.inf}
+
+
+def _lowered(e: Expr, parts: list[Node], ragged: Mapping[str, int]) -> Node:
     match e:
         case Number(v):
             return Const(v)
@@ -74,20 +90,22 @@ def _lowered(e: Expr, parts: list[Node]) -> Node:
             return Where(*parts)
         case Reduction("sum", axis, body):
             return _sum(axis, [(f, divides, node) for (f, divides), node
-                               in zip(factors(body), parts)])
+                               in zip(factors(body), parts)], ragged)
         case Reduction(op, axis):
-            return Reduce(axis, BUILTIN_MONOIDS[op], BlockReduce(op, axis, parts[0]))
+            body = _ragged(axis, parts[0], _IDENTITY[op], ragged)
+            return Reduce(axis, BUILTIN_MONOIDS[op], BlockReduce(op, axis, body))
     raise TypeError(f"not a program expression: {e!r}")
 
 
-def _sum(axis: str, fs: list[Factor]) -> Node:
+def _sum(axis: str, fs: list[Factor], ragged: Mapping[str, int]) -> Node:
     inside = [f for f in fs if axis in free_axes(f[0])]
     outside = [f for f in fs if axis not in free_axes(f[0])]
     if len(inside) == 1:
-        loop = Reduce(axis, SUM, BlockReduce("sum", axis, _product(inside)))
-    else:
-        left, right = _split(inside)
-        loop = Reduce(axis, SUM, Dot(axis, _product(left), _product(right)))
+        body = _ragged(axis, _product(inside), 0.0, ragged)
+        loop = Reduce(axis, SUM, BlockReduce("sum", axis, body))
+    else:  # both operands masked: padding may hold anything, 0 * inf included
+        left, right = (_ragged(axis, _product(f), 0.0, ragged) for f in _split(inside))
+        loop = Reduce(axis, SUM, Dot(axis, left, right))
     result: Node = loop
     for _, divides, node in outside:
         result = Binary("div" if divides else "mul", result, node)

@@ -148,6 +148,8 @@ def _split(p: BlockProgram, kernel: Kernel, a: str, folds: list[Reduce], chunks:
     if any(isinstance(n, Reduce) and n.axis == a for f in folds for n in postorder(f.x)):
         return None  # a fold over all of `a` inside would see only the chunk
     d = p.dims[a]
+    if d.ragged:
+        return None  # chunks of whole blocks only
     chunk, inner = f"{a}_c{chunks}", f"{a}_i{chunks}"
     new_dims = {chunk: Dim(chunk, chunks, 1), inner: Dim(inner, d.extent // chunks, d.block)}
     dims = {**p.dims, **new_dims}
@@ -161,6 +163,8 @@ def _split(p: BlockProgram, kernel: Kernel, a: str, folds: list[Reduce], chunks:
         if not (isinstance(n, Load) and inner in n.axes):
             return rebuild(n, kids)
         decl = p.tensors[n.tensor]
+        if any(p.dims[x].ragged for x in decl.axes):
+            raise IRError(f"'{decl.name}' has a ragged axis: no view of it")
         j = n.axes.index(inner)
         view = f"{decl.storage}_{a}{chunks}"
         axes = decl.axes[:j] + (chunk, inner) + decl.axes[j + 1:]

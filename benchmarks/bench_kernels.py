@@ -57,6 +57,8 @@ CASES = (
          {"h": (8, 1), "k": (1024, 64)}, ("h", "k")),
     Case("decoder layer", "decoder_layer", "h100", sequence=("s", "t")),
     Case("layernorm + matmul", "layernorm_matmul", "h100"),
+    Case("LM head + cross-entropy, vocabulary 50257", "lm_head_cross_entropy", "h100",
+         sequence=("t", "v")),
     Case("rmsnorm + FFN-SwiGLU", "rmsnorm_ffn_swiglu", "h100"),
     Case("c = a + b, d = rowsum(b)", "rowsum_add", "h100"),
     Case("softmax r=4096/64", "softmax", "h100"),

@@ -177,9 +177,16 @@ class KernelInfo:
 
 @dataclass(frozen=True)
 class TensorInfo:
+    """A tensor in device memory: `shape` in whole blocks (padded along ragged axes), of
+    which the program's tensor is the leading `extent`."""
+
     shape: tuple[int, ...]
     dtype: str
     role: str
+    extent: tuple[int, ...]
+
+    def padding(self) -> list[tuple[int, int]]:
+        return [(0, p - n) for n, p in zip(self.extent, self.shape)]
 
 
 @dataclass(frozen=True)
@@ -227,7 +234,8 @@ def generate(p: BlockProgram, target: Target | str | None = None) -> CudaModule:
                "#define BB_NAN __int_as_float(0x7fffffff)", ""]
     prelude += [_HALF_HELPERS[f] for f in ("f16", "bf16") if f in helpers]
     source = "\n".join(prelude + bodies)
-    tensors = {t.name: TensorInfo(tuple(p.extent(a) for a in t.axes), t.dtype, t.role)
+    tensors = {t.name: TensorInfo(tuple(p.padded(a) for a in t.axes), t.dtype, t.role,
+                                  tuple(p.extent(a) for a in t.axes))
                for t in p.tensors.values() if t.role != "view"}  # a view is its base's memory
     kernels_t = tuple(kernels)
     return CudaModule(source, _launcher(source, kernels_t, tensors, p.outputs), kernels_t,
@@ -465,7 +473,7 @@ class _KernelGen:
     def _global_offset(self, tensor: str, axes: tuple[str, ...], blocks: dict[str, str],
                        coords: dict[str, str]) -> str:
         decl = self.p.tensors[tensor]
-        extents = [self.p.extent(a) for a in decl.axes]
+        extents = [self.p.padded(a) for a in decl.axes]
         wide = "(long long)" if math.prod(extents) >= 2**31 else ""  # offsets past int range
         terms = []
         for j, a in enumerate(axes):
@@ -792,7 +800,7 @@ import cupy as cp
 
 SOURCE = {source!r}
 
-# name -> (shape, dtype, role)
+# name -> (shape in whole blocks, dtype, role, extent)
 TENSORS = {tensors!r}
 OUTPUTS = {outputs!r}
 # (function, grid, threads per block, dynamic shared memory bytes, tensor arguments, stored
@@ -821,25 +829,28 @@ def run(**inputs):
     """Run the program on `inputs` (arrays by tensor name); every stored tensor, as float32
     (float16 for f16 tensors)."""
     memory = {{}}
-    for name, (shape, dtype, role) in TENSORS.items():
+    for name, (shape, dtype, role, extent) in TENSORS.items():
         if role == "input":
             if name not in inputs:
                 raise ValueError(f"missing input '{{name}}'")
             x = to_storage(inputs[name], dtype, cp)
-            if x.shape != shape:
-                raise ValueError(f"input '{{name}}' has shape {{x.shape}}, expected {{shape}}")
+            if x.shape != extent:
+                raise ValueError(f"input '{{name}}' has shape {{x.shape}}, expected {{extent}}")
+            if shape != extent:  # zeros after a ragged axis's extent
+                x = cp.pad(x, [(0, p - n) for n, p in zip(extent, shape)])
             memory[name] = x
     for name, grid, threads, shared_bytes, params, _ in KERNELS:
         for t in params:
             if t not in memory:
-                shape, dtype, _ = TENSORS[t]
+                shape, dtype, _, _ = TENSORS[t]
                 memory[t] = cp.empty(shape, dtype=cp.float32 if dtype == "f32" else
                                      cp.float16 if dtype == "f16" else cp.uint16)
         _function(name, shared_bytes)((grid,), (threads,), tuple(memory[t] for t in params),
                                       shared_mem=shared_bytes)
     stored = dict.fromkeys(t for k in KERNELS for t in k[5])
-    return {{t: memory[t] if TENSORS[t][1] == "f16" else from_storage(memory[t], TENSORS[t][1], cp)
-            for t in stored}}
+    out = {{t: memory[t] if TENSORS[t][1] == "f16" else from_storage(memory[t], TENSORS[t][1], cp)
+           for t in stored}}
+    return {{t: x[tuple(slice(0, n) for n in TENSORS[t][3])] for t, x in out.items()}}
 '''
 
 
@@ -847,7 +858,7 @@ def _launcher(source: str, kernels: tuple[KernelInfo, ...], tensors: dict[str, T
               outputs: tuple[str, ...]) -> str:
     return _LAUNCHER.format(
         source=source,
-        tensors={n: (t.shape, t.dtype, t.role) for n, t in tensors.items()},
+        tensors={n: (t.shape, t.dtype, t.role, t.extent) for n, t in tensors.items()},
         outputs=outputs,
         kernels=[(k.name, k.grid, k.threads, k.shared_bytes, k.params, k.tensors)
                  for k in kernels],

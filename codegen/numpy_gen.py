@@ -392,7 +392,7 @@ class _KernelWriter:
                   if isinstance(step, Write) and loops}
         for s in k.stores:
             if s.tensor in looped:
-                extents = tuple(self.p.extent(a) for a in s.axes)
+                extents = tuple(self.p.padded(a) for a in s.axes)
                 head.append(f"    {self.outputs[s.tensor]} = np.empty({_shape_text(extents)}, f32)")
         stmts = self.steps(self.schedule.body)
         stmts.append(_Stmt([f"return {', '.join(self.outputs[t] for t in k.tensors)}"]))
@@ -469,7 +469,7 @@ class _KernelWriter:
             v = self.loop_vars[n.axis]
             code, parts = f"np.arange({v}, {v} + {d.block}, dtype=f32)", [[element]]
         elif n.axis in lay.grid:
-            code = f"np.arange({d.extent}, dtype=f32)"
+            code = f"np.arange({d.padded}, dtype=f32)"
             parts = [[(lay.block_dim(n.axis), d.blocks), element]]
         else:
             code, parts = f"np.arange({d.block}, dtype=f32)", [[element]]
@@ -532,7 +532,7 @@ class _KernelWriter:
         accs = tuple(a for _, acc in states for a in acc)
         owned = frozenset(a for r, acc in states for a, fresh in zip(acc, _fresh_state(r)) if fresh)
         self.owned |= owned
-        lines = init + [f"for {var} in range(0, {d.extent}, {d.block}):"]
+        lines = init + [f"for {var} in range(0, {d.padded}, {d.block}):"]
         lines += _assemble(body, "    ", final_is_return=False)
         uses = frozenset().union(*(s.uses for s in body))
         escapes = frozenset().union(*(s.escapes for s in body))
@@ -645,7 +645,7 @@ class _KernelWriter:
         if value in self.owned and value not in self.returned:
             self.returned.add(value)
             return _Stmt([f"{out} = {tile}"], uses=uses, escapes=frozenset((value,)))
-        extents = tuple(self.p.extent(a) for a in k.axes)
+        extents = tuple(self.p.padded(a) for a in k.axes)
         return _Stmt([f"{out} = np.empty({_shape_text(extents)}, f32)", f"{out}[...] = {tile}"],
                      uses=uses)
 
@@ -773,14 +773,17 @@ def generate(p: BlockProgram, target: Target | str | None = None) -> str:
 
 
 _INPUT_HELPER = [
-    "def _input(inputs, name, shape):",
-    '    """Input `name` as float32, checked against the shape the program declares."""',
+    "def _input(inputs, name, shape, padded):",
+    '    """Input `name` as float32, checked against the shape the program declares, and',
+    '    zero-padded to whole blocks along ragged axes."""',
     "    if name not in inputs:",
     "        raise ValueError(f\"missing input '{name}'\")",
     "    array = np.asarray(inputs[name], dtype=f32)",
     "    if array.shape != shape:",
     "        raise ValueError(f\"input '{name}' has shape {array.shape}, \"",
     "                         f\"the program declares {shape}\")",
+    "    if padded != shape:",
+    "        array = np.pad(array, [(0, p - n) for n, p in zip(shape, padded)])",
     "    return array",
 ]
 
@@ -802,15 +805,22 @@ def _run_function(p: BlockProgram, names: Mapping[str, str],
 
     for t in p.inputs:
         shape = tuple(p.extent(a) for a in p.tensors[t].axes)
-        lines.append(f"    {names[t]} = _input(inputs, {t!r}, {shape!r})")
+        padded = tuple(p.padded(a) for a in p.tensors[t].axes)
+        lines.append(f"    {names[t]} = _input(inputs, {t!r}, {shape!r}, {padded!r})")
     bind_views(set(p.inputs), "    ")
     lines.append('    with np.errstate(all="ignore"):')
     for fn_name, k, _ in kernels:
         args = ", ".join(_kernel_params(p, k, names).values())
         lines.append(f"        {', '.join(names[t] for t in k.tensors)} = {fn_name}({args})")
         bind_views(set(k.tensors), "        ")
+    def unpadded(t: str) -> str:
+        axes = p.tensors[t].axes
+        if not any(p.dims[a].ragged for a in axes):
+            return names[t]
+        return f"{names[t]}[{', '.join(f':{p.extent(a)}' for a in axes)}]"
+
     stored = [k.tensor for k in p.stores]
-    lines.append(f"    return {{{', '.join(f'{t!r}: {names[t]}' for t in stored)}}}")
+    lines.append(f"    return {{{', '.join(f'{t!r}: {unpadded(t)}' for t in stored)}}}")
     return lines
 
 

@@ -15,7 +15,7 @@ from bbrules.engine import Budget, ClassGraph, ENode, Saturator, compile_pack
 from bbrules.extract import Extractor, NoCandidate, extract
 from bbrules.frontend import load_program, parse_program
 from bbrules.ir import (SUM, MAX, BlockProgram, BlockReduce, Binary, Const, Dot, Load, Reduce, Store,
-                        TensorDecl, Tuple, Unary, Dim, postorder, show_program)
+                        TensorDecl, Tuple, Unary, Where, Dim, postorder, show_program)
 from bbrules.lower import lower
 from bbrules.options import Options
 from bbrules.packs import load_packs
@@ -52,7 +52,9 @@ def attention_terms():
     den = Reduce("k", SUM, BlockReduce("sum", "k", e))
     three_pass = Reduce("k", SUM, Dot("k", Binary("div", e, den), v))
     bm = BlockReduce("max", "k", s)
-    eb = Unary("exp", Binary("sub", s, bm))
+    # a block whose maximum is -inf (all masked) subtracts 0: exp(-inf) = 0, not NaN
+    safe = Where(Binary("eq", bm, Const(float("-inf"))), Const(0.0), bm)
+    eb = Unary("exp", Binary("sub", s, safe))
     online = next(m for m in standard().monoids if m.name == "online")
     two_loops = Binary("div", Reduce("k", online, Tuple((bm, Dot("k", eb, v)))),
                        Reduce("k", online, Tuple((bm, BlockReduce("sum", "k", eb)))))

@@ -23,10 +23,12 @@ EXAMPLES = ROOT / "examples"
 # Every example at a size that keeps several blocks per axis but runs in a second.
 SMALL = {
     "attention": ["q=128/32", "k=256/64", "d=64"],
+    "causal_attention": ["h=2/1", "q=128/32", "k=128/64"],
     "decode_attention": ["h=4/1", "k=1024/64"],
     "decoder_layer": ["s=128/64", "t=128/64", "h=2/1", "e=128/64", "n=128/64", "f=192/64"],
     "gated_mlp": ["m=64/32", "e=128/64", "f=256/64", "n=128/64"],
     "layernorm_matmul": ["m=128/64", "e=256/64", "n=128/64"],
+    "lm_head_cross_entropy": ["t=40/16", "e=24/16", "v=100/32"],  # every axis ragged
     "rmsnorm_ffn_swiglu": ["m=16/8", "e=128/64", "f=64/4", "n=128"],
     "rmsnorm_matmul": ["m=128/64", "e=256/64", "n=128/64"],
     "residual_rmsnorm": ["t=64/16", "e=512/128"],

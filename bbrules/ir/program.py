@@ -15,7 +15,12 @@ from .types import Axis, IRError, TileType
 
 @dataclass(frozen=True)
 class Dim:
-    """An axis of the iteration space: `extent` elements in blocks of `block`."""
+    """An axis of the iteration space: `extent` elements in blocks of `block`.
+
+    A block that does not divide the extent leaves the last block *ragged*: global tensors are
+    laid out over `padded` elements along the axis (whole blocks), the padding zero in inputs
+    and never read back unmasked (lowering masks every reduction over a ragged axis with its
+    identity beyond `extent`), and outputs are returned at `extent`."""
 
     name: str
     extent: int
@@ -23,7 +28,15 @@ class Dim:
 
     @property
     def blocks(self) -> int:
-        return self.extent // self.block
+        return -(-self.extent // self.block)
+
+    @property
+    def padded(self) -> int:
+        return self.blocks * self.block
+
+    @property
+    def ragged(self) -> bool:
+        return self.extent % self.block != 0
 
 
 class DimError(ValueError):
@@ -41,10 +54,11 @@ def checked_dim(name: str, extent: float, block: float | None, of: str | None = 
     """Dimension `name`: `extent` elements in blocks of `block` (one block when None).
 
     Every way of writing sizes (a program's `dim`, a block program's, a check's `with`, the
-    command line's `--dim`) comes here, so they all accept the same sizes: positive integers,
-    the block dividing the extent, at most `MAX_EXTENT` (sizes are read as floats, which are
-    integers up to there; inf and nan are refused too).  `of` names the dimension in the message for a block that
-    does not divide (default "dimension 'name'").
+    command line's `--dim`) comes here, so they all accept the same sizes: positive integers
+    at most `MAX_EXTENT` (sizes are read as floats, which are integers up to there; inf and
+    nan are refused too), the block at most the extent (a block that does not divide it
+    leaves a ragged last block).  `of` names the dimension in the message (default
+    "dimension 'name'").
     """
     for part, what, v in (("extent", "a dimension's extent", extent),
                           ("block", "a block size", block)):
@@ -56,8 +70,8 @@ def checked_dim(name: str, extent: float, block: float | None, of: str | None = 
             raise DimError(part, f"{what} must be positive, got {v:g}")
     whole = int(extent)
     size = whole if block is None else int(block)
-    if whole % size:
-        raise DimError("block", f"block size {size} does not divide the extent {whole} of "
+    if size > whole:
+        raise DimError("block", f"block size {size} is larger than the extent {whole} of "
                                 f"{of or f'dimension {name!r}'}")
     return Dim(name, whole, size)
 
@@ -193,6 +207,10 @@ class BlockProgram:
     def extent(self, axis: Axis) -> int:
         return self.dims[axis].extent
 
+    def padded(self, axis: Axis) -> int:
+        """The elements global memory holds along `axis`: its extent, in whole blocks."""
+        return self.dims[axis].padded
+
     def tensor_axes_dim(self, load: Load) -> Iterator[tuple[Axis, Axis]]:
         """(declared axis, use axis) pairs of a load."""
         return zip(self.tensors[load.tensor].axes, load.axes)
@@ -226,6 +244,8 @@ def check_view(dims: dict[str, Dim], tensors: dict[str, TensorDecl], t: TensorDe
     for a in t.axes:
         if a not in dims:
             raise IRError(f"view '{t.name}': unknown axis '{a}'")
+    if any(dims[a].ragged for a in (*t.axes, *base.axes)):
+        raise IRError(f"view '{t.name}' of '{t.base}' over a ragged axis")
     size = math.prod(dims[a].extent for a in t.axes)
     if size != math.prod(dims[a].extent for a in base.axes) or base.dtype != t.dtype:
         raise IRError(f"view {t.name}{list(t.axes)} : {t.dtype} is not a reshape of "
@@ -236,9 +256,10 @@ def _check_blocks(p: BlockProgram, kernel: Kernel) -> None:
     for a, b in kernel.blocks:
         if a not in p.dims:
             raise IRError(f"kernel {kernel.name}: a block size for unknown axis '{a}'")
-        if b < 1 or p.extent(a) % b:
+        if b < 1 or p.extent(a) % b or p.dims[a].ragged:
             raise IRError(f"kernel {kernel.name}: block size {b} does not divide the extent "
-                          f"{p.extent(a)} of '{a}'")
+                          f"{p.extent(a)} of '{a}'" + (" (a ragged axis keeps the program's "
+                                                        "blocks)" if p.dims[a].ragged else ""))
     if len({a for a, _ in kernel.blocks}) != len(kernel.blocks):
         raise IRError(f"kernel {kernel.name}: two block sizes for one axis")
 

@@ -116,9 +116,10 @@ def emulate(module: CudaModule, inputs: dict[str, np.ndarray],
     for name in module.inputs:
         info = module.tensors[name]
         memory[name] = to_storage(inputs[name], info.dtype)
-        if memory[name].shape != info.shape:
+        if memory[name].shape != info.extent:
             raise ValueError(f"input '{name}' has shape {memory[name].shape}, "
-                             f"expected {info.shape}")
+                             f"expected {info.extent}")
+        memory[name] = np.pad(memory[name], info.padding())  # zeros past ragged extents
     for k in module.kernels:
         for t in k.params:
             if t not in memory:
@@ -129,7 +130,8 @@ def emulate(module: CudaModule, inputs: dict[str, np.ndarray],
         entry.argtypes = (ctypes.c_uint, ctypes.c_uint, ctypes.c_ulong, ctypes.c_void_p)
         entry(k.grid, threads or k.threads, k.shared_bytes, args)
     stored = dict.fromkeys(t for k in module.kernels for t in k.tensors)
-    return {t: from_storage(memory[t], module.tensors[t].dtype) for t in stored}
+    return {t: from_storage(memory[t], module.tensors[t].dtype)[
+        tuple(slice(0, n) for n in module.tensors[t].extent)] for t in stored}
 
 
 class _Function:

@@ -1,0 +1,75 @@
+"""Extents that a block does not divide: the last block is ragged.  Global memory holds whole
+blocks (the padding of inputs is zero), lowering masks every reduction over a ragged axis with
+its identity past the extent, and every backend returns tensors at their extents."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from bbrules import dense, interp
+from bbrules.codegen import numpy_gen
+from bbrules.codegen.cuda_gen import generate
+from bbrules.cost import cost_program
+from bbrules.frontend import load_program, parse_program
+from bbrules.fuse import fuse
+from bbrules.inputs import random_inputs
+from bbrules.ir import BlockProgram, IRError, Kernel, validate
+from bbrules.lower import lower
+from bbrules.packs import load_packs
+from bbrules.targets import get_target
+
+from cuda_emu import emulate
+
+EXAMPLE = Path(__file__).parent.parent / "examples" / "lm_head_cross_entropy.bbp"
+H100 = get_target("h100")
+# every axis ragged: 3 blocks of 16 for 40 tokens, 4 of 32 for a vocabulary of 100, ...
+SMALL = {"t": (40, 16), "e": (24, 16), "v": (100, 32)}
+
+
+@pytest.fixture(scope="module")
+def pack():
+    return load_packs([])
+
+
+def test_the_cross_entropy_of_a_ragged_vocabulary_in_every_backend(pack):
+    ast = load_program(EXAMPLE, SMALL)
+    inputs = random_inputs(ast, seed=4)
+    h, w = (inputs[n].astype(np.float64) for n in "HW")
+    z = h @ w
+    m = z.max(axis=1)
+    ce = m + np.log(np.exp(z - m[:, None]).sum(axis=1)) - (inputs["Y"] * z).sum(axis=1)
+    want = ce.mean()
+    assert dense.evaluate(ast, inputs, np.float64)["LOSS"] == pytest.approx(want, rel=1e-12)
+    for p in (lower(ast), fuse(lower(ast), pack, H100).program):
+        for run in (interp.run, numpy_gen.run, lambda q, x: emulate(generate(q), x)):
+            got = run(p, inputs)
+            assert got["LOSS"].shape == () and got["LOSS"] == pytest.approx(want, rel=1e-5)
+
+
+def test_temporaries_come_back_at_their_extents(pack):
+    ast = parse_program("dim r = 10 / 4\ndim c = 7 / 4\ninput X[r, c] : f32\n"
+                        "Y[r, c] = exp(X[r, c] - max[c] X[r, c])\noutput Y\n")
+    x = random_inputs(ast, seed=1)
+    want = dense.evaluate(ast, x, np.float64)["Y"]
+    for run in (interp.run, numpy_gen.run, lambda q, i: emulate(generate(q), i)):
+        got = run(lower(ast), x)["Y"]
+        assert got.shape == (10, 7)
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def test_the_logits_are_never_stored_at_full_size(pack):
+    r = fuse(lower(load_program(EXAMPLE)), pack, H100)
+    assert "Z" not in r.program.tensors and len(r.program.kernels) == 2
+    assert r.after.traffic < r.before.traffic and r.after.time < r.before.time
+
+
+def test_a_ragged_axis_keeps_the_programs_blocks():
+    p = lower(parse_program("dim r = 10 / 4\ninput X[r] : f32\nY[r] = X[r] * 2\noutput Y\n"))
+    (k,) = p.kernels
+    finer = BlockProgram(p.dims, p.tensors, (Kernel(k.grid, k.stores, (("r", 2),)),), p.outputs)
+    with pytest.raises(IRError, match="ragged axis keeps the program's blocks"):
+        validate(finer)
+    assert cost_program(p, H100).kernels[0].bytes_read == 12 * 4  # three whole blocks of X
