@@ -39,7 +39,9 @@ def evaluate(program: Program, inputs: dict[str, np.ndarray],
              dtype: type = np.float32) -> dict[str, np.ndarray]:
     """Every tensor the statements define, axes in declared order, computed in `dtype`."""
     env = {name: np.asarray(inputs[name], dtype=dtype) for name in program.inputs}
-    evaluator = _Evaluator(env, program.dims, dtype)
+    views = {t.name: (t.base, tuple(program.dims[a].extent for a in t.axes))
+             for t in program.tensors.values() if t.role == "view"}
+    evaluator = _Evaluator(env, program.dims, views, dtype)
     with np.errstate(all="ignore"):
         for s in program.statements:
             env[s.target] = evaluator.eval(s.expr).along(s.axes)
@@ -52,6 +54,7 @@ class _Evaluator:
 
     env: dict[str, np.ndarray]
     dims: dict[str, Dim]
+    views: dict[str, tuple[str, tuple[int, ...]]]  # view -> (the tensor it reads, its shape)
     dtype: type
 
     def eval(self, e: Expr) -> _Named:
@@ -62,6 +65,9 @@ class _Evaluator:
         match e:
             case Number(v):
                 return _Named((), np.asarray(v, dtype=self.dtype))
+            case Ref(tensor, axes) if tensor in self.views:
+                base, shape = self.views[tensor]
+                return _Named(axes, self.env[base].reshape(shape))
             case Ref(tensor, axes):
                 return _Named(axes, self.env[tensor])
             case Apply(op, (_,)):

@@ -147,7 +147,7 @@ class Extractor:
         self.max_kernels = max_kernels
         self.stored = tuple(k.tensor for k in source.stores)
         self.options = {c: _prune(ns) for c, ns in graph.classes.items()}
-        self.load_option = {c: {n.attrs[0]: i for i, n in enumerate(ns) if self.is_stored_load(n)}
+        self.load_option = {c: {self.read(n): i for i, n in enumerate(ns) if self.is_stored_load(n)}
                             for c, ns in self.options.items()}
         self.definitions = {t: [i for i, n in enumerate(self.options[graph.named[t]])
                                 if not self.is_stored_load(n)]
@@ -181,7 +181,11 @@ class Extractor:
         self.reported = time.perf_counter()
 
     def is_stored_load(self, n: ENode) -> bool:
-        return n.kind == "Load" and n.attrs[0] in self.stored
+        return n.kind == "Load" and self.read(n) in self.stored
+
+    def read(self, load: ENode) -> str:
+        """The tensor whose memory a load reads: its own, or a view's base."""
+        return self.source.tensors[load.attrs[0]].storage
 
     # -- building
 
@@ -217,7 +221,7 @@ class Extractor:
                     node = self.options[c][choice.use[c]]
                     frames.append(("node", c, node))
                     if self.is_stored_load(node):
-                        frames.append(("define", node.attrs[0]))
+                        frames.append(("define", self.read(node)))
                     else:
                         frames += [("term", k) for k in reversed(node.children)]
                 case ("node", c, node):
@@ -259,7 +263,8 @@ class Extractor:
         """The program of `stores`, one kernel each (`grouping` decides the launches)."""
         stored = {k.tensor for k in stores}
         tensors = {n: t for n, t in self.source.tensors.items()
-                   if t.role == "input" or n in stored}
+                   if t.role == "input" or n in stored or t.storage in stored or
+                   self.source.tensors[t.storage].role == "input"}
         kernels = tuple(self.kernel(s.axes, (s,)) for s in stores)
         return BlockProgram(self.source.dims, tensors, kernels, self.source.outputs)
 
@@ -453,7 +458,7 @@ class Extractor:
                     branches.append((choice.with_define(item, j), root[i].children + rest, seen))
             else:
                 for i, node in enumerate(self.options[item]):
-                    nxt = (node.attrs[0],) if self.is_stored_load(node) else node.children
+                    nxt = (self.read(node),) if self.is_stored_load(node) else node.children
                     branches.append((choice.with_use(item, i), nxt + rest, seen))
             stack.extend(reversed(branches))
 

@@ -12,6 +12,7 @@ before any check runs, so a program can be evaluated at small sizes without edit
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from functools import cache
@@ -84,6 +85,19 @@ class _InputDecl:
 class _OutputDecl:
     names: tuple[_Name, ...]
     dtype: _Name | None  # None: the inputs' dtype
+
+
+@dataclass(frozen=True)
+class _ViewRef:
+    """A reference that reads some dimensions of its tensor as several (`X[t, (h, d)]`),
+    until the checker resolves it into a `Ref` of a view tensor."""
+
+    name: _Name
+    axes: tuple[_Name | tuple[_Name, ...], ...]
+    span: Span = None  # type: ignore[assignment]  # (fold reads every node's span)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "span", self.name.span)
 
 
 @dataclass(frozen=True)
@@ -184,9 +198,17 @@ class _ToAst(Transformer_NonRecursive):
     def pow(self, meta: Meta, args: list[Expr]) -> Apply:
         return self._apply("pow", meta, args)
 
-    def ref(self, meta: Meta, children: list) -> Ref:
+    def ref_axes(self, meta: Meta, items: list) -> tuple[_Name | tuple[_Name, ...], ...]:
+        return tuple(self._name(a) if isinstance(a, Token) else a for a in items)
+
+    def group(self, meta: Meta, names: list[Token]) -> tuple[_Name, ...]:
+        return tuple(self._name(n) for n in names)
+
+    def ref(self, meta: Meta, children: list) -> Ref | _ViewRef:
         name, axes = children
         axes = axes or ()
+        if any(isinstance(a, tuple) for a in axes):
+            return _ViewRef(self._name(name), axes)
         return Ref(str(name), tuple(a.name for a in axes), self._span(name),
                    tuple(a.span for a in axes))
 
@@ -239,6 +261,7 @@ class _Checker:
         self.outputs: dict[str, Span] = {}
         self.output_dtypes: dict[str, str] = {}
         self.constants: dict[str, float] = {}
+        self.views: dict[str, str] = {}  # view tensor -> the tensor it reads
         self.targets: dict[str, Span] = {}
 
     def error(self, span: Span, message: str) -> SourceError:
@@ -282,6 +305,9 @@ class _Checker:
             role = "output" if s.target in self.outputs else "temp"
             dtype = self.output_dtypes.get(s.target, out_dtype) if role == "output" else "f32"
             tensors[s.target] = TensorDecl(s.target, s.axes, dtype, role)
+        for name, base in self.views.items():
+            tensors[name] = TensorDecl(name, self.axes_of[name], tensors[base].dtype, "view",
+                                       base)
         return Program(self.path, dict(self.dims), tensors, tuple(self.statements),
                        tuple(self.outputs), self.text)
 
@@ -373,11 +399,44 @@ class _Checker:
         self.constants[name.name] = fold(value, number)
         self.defined[name.name] = name.span
 
+    def view(self, r: _ViewRef) -> Ref:
+        """`X[t, (h, d)]` as a reference to the view of X whose dimensions are (t, h, d): a
+        grouped dimension's extent must be the product of its group's."""
+        declared = self.axes_of.get(r.name.name)
+        if declared is None:
+            raise self.unknown_tensor(r.name.name, r.name.span)
+        if len(r.axes) != len(declared):
+            raise self.error(r.name.span, f"'{r.name.name}' has {len(declared)} axes "
+                             f"({r.name.name}[{', '.join(declared)}]), this reference gives "
+                             f"{len(r.axes)}")
+        flat: list[_Name] = []
+        for dim, used in zip(declared, r.axes):
+            group = used if isinstance(used, tuple) else (used,)
+            self.axes(group)
+            extents = [self.dims[a.name].extent for a in group]
+            if math.prod(extents) != self.dims[dim].extent:
+                shown = " x ".join(f"{a.name} ({n})" for a, n in zip(group, extents))
+                raise self.error(group[0].span, f"{shown} is {math.prod(extents)} elements, "
+                                 f"'{dim}' of '{r.name.name}' has {self.dims[dim].extent}")
+            if len(group) > 1 and any(self.dims[a].ragged for a in (dim, *(g.name for g in group))):
+                raise self.error(group[0].span, f"a view of the ragged axis '{dim}' (its last "
+                                 f"block is partial)")
+            flat += group
+        axes = tuple(a.name for a in flat)
+        self.axes(tuple(flat))
+        base = self.views.get(r.name.name, r.name.name)
+        name = f"{base}__{'_'.join(axes)}"
+        self.views[name] = base
+        self.axes_of[name] = axes
+        return Ref(name, axes, r.name.span, tuple(a.span for a in flat))
+
     def desugared(self, e: Expr) -> Expr:
         """`e` with named constants replaced by their values and each `mean[a] x` by
         `sum[a] x * (1 / extent of a)`."""
         def rewrite(x: Expr, parts: list[Expr]) -> Expr:
             match x:
+                case _ViewRef():
+                    return self.view(x)
                 case Position(name, span) if name in self.constants:
                     return Number(self.constants[name], span)
                 case Apply(op, _, span):
@@ -448,13 +507,16 @@ class _Checker:
         raise self.error(e.span, f"unknown name '{e.axis}': neither a dimension (whose name "
                          f"as a value is the position along it) nor a tensor")
 
+    def unknown_tensor(self, name: str, span: Span) -> SourceError:
+        if name in self.targets:
+            return self.error(span, f"'{name}' is used before it is defined "
+                              f"(line {self.targets[name].line})")
+        return self.error(span, f"unknown tensor '{name}'")
+
     def ref(self, r: Ref) -> None:
         declared_axes = self.axes_of.get(r.tensor)
         if declared_axes is None:
-            if r.tensor in self.targets:
-                raise self.error(r.span, f"'{r.tensor}' is used before it is defined "
-                                 f"(line {self.targets[r.tensor].line})")
-            raise self.error(r.span, f"unknown tensor '{r.tensor}'")
+            raise self.unknown_tensor(r.tensor, r.span)
         if len(r.axes) != len(declared_axes):
             raise self.error(r.span, f"'{r.tensor}' has {len(declared_axes)} axes "
                              f"({r.tensor}[{', '.join(declared_axes)}]), this reference gives "

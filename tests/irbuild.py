@@ -142,3 +142,13 @@ def welford_stats(x: Node, axis: str, block: int) -> Reduce:
     block_mean = mul(BlockReduce("sum", axis, x), Const(1.0 / block))
     m2 = BlockReduce("sum", axis, Unary("square", sub(x, block_mean)))
     return Reduce(axis, WELFORD, Tuple((Const(float(block)), block_mean, m2)))
+
+
+def reshaped_dims(program) -> set[str]:
+    """The dims a view of `program` splits or merges (`X[t, (h, d)]`: e, h and d): a test
+    shrinking an example keeps their sizes, whose products the views fix."""
+    out: set[str] = set()
+    for t in program.tensors.values():
+        if t.role == "view":
+            out |= set(t.axes) ^ set(program.tensors[t.base].axes)
+    return out

@@ -38,7 +38,7 @@ from bbrules.targets import get_target
 
 from cuda_emu import emulate, fake_cupy, race_check
 from irbuild import (WELFORD, add, attention_reference, flash_attention, mul, online_softmax,
-                     program, sub, welford_stats)
+                     program, reshaped_dims, sub, welford_stats)
 from strategies import programs
 
 EXAMPLES = sorted((Path(__file__).parent.parent / "examples").glob("*.bbp"))
@@ -89,9 +89,12 @@ def small_example(path: Path) -> BlockProgram:
             if isinstance(n, Load):
                 for declared_axis, used in declared.tensor_axes_dim(n):
                     group[root(used)] = root(declared_axis)
-    sizes: dict[str, tuple[int, int]] = {}
+    sizes: dict[str, tuple[int, int]] = {a: (declared.dims[a].extent, declared.dims[a].block)
+                                         for a in reshaped_dims(declared)}
     for d in declared.dims.values():
         r = root(d.name)
+        if d.name in sizes:
+            continue
         if r not in sizes:
             sizes[r] = (16, 16) if d.blocks == 1 else \
                 SMALL_BLOCKINGS[len(sizes) % len(SMALL_BLOCKINGS)]

@@ -32,7 +32,7 @@ from bbrules.plan import plan_for
 from bbrules.targets import get_target
 
 from irbuild import (WELFORD, add, attention_reference, div, flash_attention, mul, online_softmax,
-                     program, rand, sub, welford_stats)
+                     program, rand, reshaped_dims, sub, welford_stats)
 from strategies import programs
 
 EXAMPLES = sorted((Path(__file__).parent.parent / "examples").glob("*.bbp"))
@@ -50,7 +50,12 @@ def small_dims(path: Path, pool: list[tuple[int, int]]) -> dict[str, tuple[int, 
     """Overrides giving each distinct (extent, block) of the example the next pair of `pool`."""
     distinct: dict[tuple[int, int], tuple[int, int]] = {}
     out = {}
-    for d in load_program(path).dims.values():
+    program = load_program(path)
+    fixed = reshaped_dims(program)
+    for d in program.dims.values():
+        if d.name in fixed:
+            out[d.name] = (d.extent, d.block)
+            continue
         key = (d.extent, d.block)
         if key not in distinct:
             distinct[key] = pool[len(distinct) % len(pool)]

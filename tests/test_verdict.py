@@ -33,6 +33,8 @@ SMALL = {
     "rmsnorm_matmul": ["m=128/64", "e=256/64", "n=128/64"],
     "residual_rmsnorm": ["t=64/16", "e=512/128"],
     "rmsnorm_qkv": ["t=64/16", "e=128/32", "q=128/32", "k=64/32"],
+    "rope_attention": ["h=2/1", "q=128/32", "k=128/32"],
+    "rope_qknorm_attention": ["h=2/1", "q=128/32", "k=128/32"],
     "rowsum_add": ["i=64/16", "j=256/64"],
     "self_attention": ["s=128/64", "t=128/64", "d=64"],
     "softmax": ["r=128/64", "c=512/256"],

@@ -1,0 +1,140 @@
+"""Views in programs: a reference may read one dimension of its tensor as several
+(`X[t, (h, d)]`, row-major), which is what rotary embeddings, head splitting and fused QKV
+weights need.  RoPE (rotate-half and interleaved) and QK-norm are checked against float64
+references written here with numpy, fused into attention."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from bbrules import dense, interp
+from bbrules.codegen import numpy_gen
+from bbrules.errors import SourceError
+from bbrules.frontend import load_program, parse_program
+from bbrules.fuse import fuse
+from bbrules.inputs import random_inputs
+from bbrules.lower import lower
+from bbrules.packs import load_packs
+from bbrules.targets import get_target
+
+EXAMPLES = Path(__file__).parent.parent / "examples"
+H100 = get_target("h100")
+SMALL = {"h": (2, 1), "q": (128, 32), "k": (128, 32)}
+
+
+@pytest.fixture(scope="module")
+def pack():
+    return load_packs([])
+
+
+def rotate_half(x: np.ndarray) -> np.ndarray:
+    half = x.shape[-1] // 2
+    return np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+
+
+def rotate_pairs(x: np.ndarray) -> np.ndarray:
+    """The interleaved form (GPT-J): features (2j, 2j + 1) are a pair."""
+    out = np.empty_like(x)
+    out[..., 0::2], out[..., 1::2] = -x[..., 1::2], x[..., 0::2]
+    return out
+
+
+def causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+    s = np.einsum("hqd,hkd->hqk", q, k) * 0.125
+    n = s.shape[-1]
+    s = np.where(np.arange(n)[None, :] <= np.arange(n)[:, None], s, -np.inf)
+    e = np.exp(s - s.max(axis=-1, keepdims=True))
+    return np.einsum("hqk,hkd->hqd", e, v) / e.sum(axis=-1, keepdims=True)
+
+
+def rms(x: np.ndarray, g: np.ndarray) -> np.ndarray:
+    return x / np.sqrt((x * x).mean(axis=-1, keepdims=True) + 1e-6) * g
+
+
+def fused_outputs(pack, ast) -> list[dict[str, np.ndarray]]:
+    r = fuse(lower(ast), pack, H100)
+    assert not {"S", "E", "QR"} & set(r.program.tensors)  # scores, rotated Q never stored
+    inputs = random_inputs(ast, seed=9)
+    return inputs, [interp.run(r.program, inputs), numpy_gen.run(r.program, inputs)]
+
+
+@pytest.mark.parametrize("example", ["rope_attention", "rope_qknorm_attention"])
+def test_rope_fused_into_attention_matches_a_float64_reference(pack, example):
+    ast = load_program(EXAMPLES / f"{example}.bbp", SMALL)
+    inputs, outputs = fused_outputs(pack, ast)
+    x = {n: a.astype(np.float64) for n, a in inputs.items()}
+    cos, sin = np.tile(x["COS"], 2), np.tile(x["SIN"], 2)  # [positions, 64]: both halves
+    q, k = x["Q"], x["K"]
+    if example == "rope_qknorm_attention":
+        q, k = rms(q, x["GQ"]), rms(k, x["GK"])
+    want = causal_attention(q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin,
+                            x["V"])
+    for got in outputs:
+        np.testing.assert_allclose(got["O"], want, rtol=1e-4, atol=1e-5)
+
+
+def test_interleaved_rope_reads_the_head_dimension_as_pairs(pack):
+    source = (EXAMPLES / "rope_attention.bbp").read_text()
+    source = source.replace("(p, i)", "(i, p)").replace("(p2, i)", "(i, p2)")
+    ast = parse_program(source, dims=SMALL)
+    inputs, outputs = fused_outputs(pack, ast)
+    x = {n: a.astype(np.float64) for n, a in inputs.items()}
+    cos, sin = np.repeat(x["COS"], 2, axis=1), np.repeat(x["SIN"], 2, axis=1)
+    q, k = x["Q"], x["K"]
+    want = causal_attention(q * cos + rotate_pairs(q) * sin, k * cos + rotate_pairs(k) * sin,
+                            x["V"])
+    for got in outputs:
+        np.testing.assert_allclose(got["O"], want, rtol=1e-4, atol=1e-5)
+
+
+def test_rope_at_full_size_rotates_each_key_once_and_each_query_block_in_flash(pack):
+    r = fuse(lower(load_program(EXAMPLES / "rope_attention.bbp")), pack, H100)
+    assert [k.tensors for k in r.program.kernels] == [("KR",), ("O",)]
+    kr = 8 * 4096 * 64 * 4
+    assert r.after.bytes_written == kr + 8 * 4096 * 64 * 4  # KR and O
+
+
+FUSED_QKV = """
+dim t = 64 / 16
+dim e = 32 / 16
+dim s = 3 / 1          # which of q, k, v
+dim h = 2 / 1
+dim d = 16
+input X[t, e], W[e, f] : f32
+dim f = 96 / 32
+QKV[t, s, h, d] = sum[e] X[t, e] * W[e, (s, h, d)]
+O[h, t, d] = sum[s] where(s == 2, QKV[t, s, h, d], 0.0) + X[t, (h, d)]
+output O
+"""
+
+
+def test_fused_qkv_weights_and_head_splitting():
+    text = FUSED_QKV.replace("dim f = 96 / 32\n", "").replace("dim d = 16\n",
+                                                             "dim d = 16\ndim f = 96 / 32\n")
+    ast = parse_program(text)
+    inputs = random_inputs(ast, seed=2)
+    x, w = (inputs[n].astype(np.float64) for n in "XW")
+    v = (x @ w).reshape(64, 3, 2, 16)[:, 2]  # [t, h, d]
+    want = v.transpose(1, 0, 2) + x.reshape(64, 2, 16).transpose(1, 0, 2)
+    np.testing.assert_allclose(dense.evaluate(ast, inputs, np.float64)["O"], want, rtol=1e-12)
+    for got in (interp.run(lower(ast), inputs), numpy_gen.run(lower(ast), inputs)):
+        np.testing.assert_allclose(got["O"], want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("body, column, message", [
+    ("Y[t, h, d] = X[t, (h, c)]", 20, "h (2) x c (4) is 8 elements, 'e' of 'X' has 32"),
+    ("Y[t, h, d] = X[(t, h), d]", 17, "t (8) x h (2) is 16 elements, 't' of 'X' has 8"),
+    ("Y[t, h, d] = X[t, (h, d), c]", 14, "'X' has 2 axes (X[t, e]), this reference gives 3"),
+    ("Y[t, h, d] = R[t, (h, d)]", 20, "a view of the ragged axis 'r'"),
+])
+def test_views_whose_sizes_do_not_multiply_out_are_reported_where_they_are(body, column,
+                                                                          message):
+    text = ("dim t = 8 / 4\ndim e = 32 / 16\ndim h = 2 / 1\ndim d = 16\ndim c = 4\n"
+            "dim r = 32 / 12\ninput X[t, e], R[t, r] : f32\n" + body + "\noutput Y\n")
+    with pytest.raises(SourceError) as err:
+        parse_program(text, "v.bbp")
+    assert message in str(err.value)
+    assert (err.value.span.line, err.value.span.column) == (8, column)
