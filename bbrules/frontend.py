@@ -94,10 +94,6 @@ class _ViewRef:
 
     name: _Name
     axes: tuple[_Name | tuple[_Name, ...], ...]
-    span: Span = None  # type: ignore[assignment]  # (fold reads every node's span)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "span", self.name.span)
 
 
 @dataclass(frozen=True)
@@ -424,15 +420,14 @@ class _Checker:
             flat += group
         axes = tuple(a.name for a in flat)
         self.axes(tuple(flat))
-        base = self.views.get(r.name.name, r.name.name)
-        name = f"{base}__{'_'.join(axes)}"
-        self.views[name] = base
+        name = f"{r.name.name}__{'_'.join(axes)}"
+        self.views[name] = r.name.name
         self.axes_of[name] = axes
         return Ref(name, axes, r.name.span, tuple(a.span for a in flat))
 
     def desugared(self, e: Expr) -> Expr:
-        """`e` with named constants replaced by their values and each `mean[a] x` by
-        `sum[a] x * (1 / extent of a)`."""
+        """`e` with named constants replaced by their values, each `mean[a] x` by
+        `sum[a] x * (1 / extent of a)`, and each grouped reference by one of a view."""
         def rewrite(x: Expr, parts: list[Expr]) -> Expr:
             match x:
                 case _ViewRef():

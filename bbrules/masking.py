@@ -69,8 +69,9 @@ class _Finite:
 FINITE = _Finite()
 UNKNOWN = None  # a value of the lattice: a float, FINITE, UNKNOWN, or a tuple of them
 
-# Elementwise operators that map finite operands to finite results (no division, no exp: a
-# finite exponent may still overflow).
+# Elementwise operators taken to map finite operands to finite results.  Sums and products of
+# scores and values do not overflow in practice; exp and division are left out, because an
+# exponent or a divisor of ordinary inputs does (exp(100), x / 0).
 _FINITE_OPS = _ARITHMETIC | _COMPARISON | _LOGIC | {"square", "relu"}
 
 

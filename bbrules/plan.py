@@ -10,6 +10,10 @@ What the plan decides, in order:
   becomes a `Value`, every `Loop` (a reduction's or a map loop) a `LoopPlan` and every `Write`
   a `WritePlan`, numbered in execution order (`seq`) with the loops enclosing them (`path`);
   each value records who reads it (`uses`).
+- *Skipping*: a reduction loop whose reductions all contribute their identity outside one
+  predicate over positions (`masking.skip_predicate`) records it (`LoopPlan.skip`) with the
+  block index of each axis it reads; the cost model counts only the blocks it may hold on and
+  the CUDA backend does not visit the others.
 - *Residency*: a load of a program input inside a loop over an axis it does not depend on would
   be re-read every iteration.  Its slab (the tile over all non-grid axes: everything one grid
   point reads of it) is instead loaded once and kept for the whole kernel, admitted in
