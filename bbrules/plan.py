@@ -508,14 +508,10 @@ class _Planner:
         return op
 
     def _skip(self, loop: Loop) -> tuple[Node | None, dict[str, BlockIndex]]:
-        """The predicate outside of which every reduction of `loop` contributes its identity
-        (the same for all of them), if the loop stores nothing and each axis it reads has a
-        block index at the loop."""
-        predicates = {skip_predicate(r) for r in loop.reduces}
-        if len(predicates) != 1 or None in predicates or any(
-                isinstance(step, Write) for step, _ in walk_steps(loop.body)):
+        """`loop_predicate`, if each axis it reads has a block index at the loop."""
+        p = loop_predicate(loop)
+        if p is None:
             return None, {}
-        (p,) = predicates
         blocks = {n.axis: self.blocks.get(n.axis) for n in postorder(p) if isinstance(n, Pos)}
         if any(b is None and self.trips[a] != 1 for a, b in blocks.items()):
             return None, {}
@@ -739,6 +735,17 @@ class _Planner:
 
 
 @lru_cache(maxsize=1 << 12)
+def loop_predicate(loop: Loop) -> Node | None:
+    """The predicate over positions outside of which every reduction of `loop` contributes
+    its identity (the same for all of them), if the loop stores nothing: its blocks where
+    the predicate is false everywhere need not be visited."""
+    predicates = {skip_predicate(r) for r in loop.reduces}
+    if len(predicates) != 1 or None in predicates or any(
+            isinstance(step, Write) for step, _ in walk_steps(loop.body)):
+        return None
+    return next(iter(predicates))
+
+
 def _layout(sizes: tuple[int, ...]) -> tuple[tuple[int, ...], int]:
     """The strides of a buffer with these extents, outermost first (rows whose length is a
     multiple of 32 padded by one), and its elements."""

@@ -47,7 +47,8 @@ from bbrules.ir import (ELEMENTWISE_KINDS, Axis, Binary, BlockProgram, BlockRedu
                         TileType, Tuple, Var, children, is_elementwise, operator, postorder,
                         rebuild, show_kernel, tile_type, transform, type_of, validate)
 from bbrules.ops import ELEMENTWISE, TILE_REDUCE, OpInfo
-from bbrules.plan import plan_for
+from bbrules.masking import NumpyAlgebra, may_hold
+from bbrules.plan import loop_predicate, plan_for
 from bbrules.schedule import Loop, Step, Write, walk_steps
 from bbrules.targets import Target, get_target
 
@@ -532,12 +533,33 @@ class _KernelWriter:
         accs = tuple(a for _, acc in states for a in acc)
         owned = frozenset(a for r, acc in states for a, fresh in zip(acc, _fresh_state(r)) if fresh)
         self.owned |= owned
-        lines = init + [f"for {var} in range(0, {d.padded}, {d.block}):"]
+        lines = init + [f"for {var} in {self.visited(loop)}:"]
         lines += _assemble(body, "    ", final_is_return=False)
         uses = frozenset().union(*(s.uses for s in body))
         escapes = frozenset().union(*(s.escapes for s in body))
         stmt = _Stmt(lines, accs, uses, owned, escapes=escapes)
         return [stmt, self.finalize(states)] if states else [stmt]
+
+    def visited(self, loop: Loop) -> str:
+        """The starts of the loop's blocks, as code: all of them, or (where its reductions
+        contribute their identity outside a predicate over positions, `loop_predicate`) those
+        on which the predicate may hold for some block of the vectorised grid axes."""
+        d = self.p.dims[loop.axis]
+        every = f"range(0, {d.padded}, {d.block})"
+        p = loop_predicate(loop)
+        axes = {n.axis for n in postorder(p) if isinstance(n, Pos)} if p is not None else ()
+        if p is None or any(a != loop.axis and a in self.loop_vars for a in axes):
+            return every  # it reads an enclosing loop's position: decided per iteration
+        starts = np.arange(d.blocks, dtype=np.float64) * d.block
+        bounds = {a: (np.float64(0), np.float64(self.p.padded(a) - 1)) for a in axes}
+        bounds[loop.axis] = (starts, starts + (d.block - 1))
+        hold = np.broadcast_to(may_hold(p, bounds, NumpyAlgebra()), starts.shape)
+        visited = [int(s) for s, h in zip(starts, hold) if h]
+        if len(visited) == d.blocks:
+            return every
+        if visited and visited == list(range(visited[0], visited[-1] + 1, d.block)):
+            return f"range({visited[0]}, {visited[-1] + d.block}, {d.block})"
+        return repr(tuple(visited))
 
     def combine(self, r: Reduce, acc: list[str]) -> _Stmt:
         """Fold this iteration's contribution into the accumulators (simultaneously).
