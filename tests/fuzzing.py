@@ -27,7 +27,7 @@ from bbrules.cli import main
 ROOT = Path(__file__).resolve().parent.parent
 
 # Sizes that keep every example tiny, so that `run` takes milliseconds.
-_TINY_DIM = re.compile(r"^dim (\w+) = \d+( / \d+)?", re.M)
+_TINY_DIM = re.compile(r"^dim (\w+) = (\d+)( / \d+)?", re.M)
 
 HUGE = [b"1e999", b"1" + b"0" * 400, b"4294967296", b"-0", b"nan", b"inf", b"1e-320", b"9" * 30]
 JUNK = [b"\xff", b"\x00", b"\x80\x81", b"\xc3", b"\xe2\x82", b"(", b")", b"[", b"?", b"\n", b"#",
@@ -35,8 +35,13 @@ JUNK = [b"\xff", b"\x00", b"\x80\x81", b"\xc3", b"\xe2\x82", b"(", b")", b"[", b
 
 
 def _tiny(text: str) -> str:
-    """Every `dim` of a program at extent 8 in blocks of 4, or one block of 4."""
-    return _TINY_DIM.sub(lambda m: f"dim {m[1]} = 8 / 4" if m[2] else f"dim {m[1]} = 4", text)
+    """Every `dim` of a program at extent 8 in blocks of 4; a dim of one block keeps its size
+    up to 64 (views fix products of such sizes: a head's 64 features read as 2 x 32), else 4."""
+    def tiny(m: re.Match) -> str:
+        if m[3]:
+            return f"dim {m[1]} = 8 / 4"
+        return m[0] if int(m[2]) <= 64 else f"dim {m[1]} = 4"
+    return _TINY_DIM.sub(tiny, text)
 
 
 def mutate(data: bytes, rng: random.Random) -> bytes:

@@ -50,13 +50,15 @@ def test_every_example_lowers_to_a_valid_program_with_dots_for_its_contractions(
     block = lower(program)
     validate(block)
     assert [k.tensor for k in block.stores] == [s.target for s in program.statements]
+    # a block matmul: neither operand is a 3-axis tile (an axis of block 1, like a head axis,
+    # is not a dimension of the tile); rotating a head's halves (RoPE, read through a view) is
+    # a matmul batched over the query block: [q, p, i] tiles
+    widest = 3 if any(t.role == "view" for t in block.tensors.values()) else 2
     for k in block.stores:
         for n in postorder(k.value):
             if isinstance(n, Dot):
-                # a block matmul: neither operand is a 3-axis tile (an axis of block 1, like a
-                # head axis, is not a dimension of the tile)
                 for operand in (n.x, n.y):
-                    assert len([a for a in shape(operand) if block.dims[a].block > 1]) <= 2
+                    assert len([a for a in shape(operand) if block.dims[a].block > 1]) <= widest
 
 
 def test_matmuls_of_the_ffn_are_dots():
