@@ -160,12 +160,22 @@ def is_node(x: object) -> bool:
     return getattr(type(x), "__hash__", None) is _cached_hash
 
 
+def _representative(n: object) -> object:
+    """The node `n` was last proven equal to, followed to the end (see `_dag_eq`)."""
+    while (m := n.__dict__.get("_equal")) is not None:
+        n = m
+    return n
+
+
 def _dag_eq(self: object, other: object) -> bool:
-    """Structural equality in time linear in the DAGs' sizes.
+    """Structural equality in time linear in the DAGs' sizes, and constant once proven.
 
     The generated dataclass equality compares two equal DAGs built separately as trees,
     revisiting every shared subterm once per path to it: exponential in the depth of a fused
-    program.  Here each pair of subterms is compared once.
+    program.  Here each pair of subterms is compared once, and every pair found equal is
+    remembered (each points at one representative) so that comparing subterms of the same two
+    programs again costs nothing: a program loaded twice, whose nodes meet in a cache filled
+    from the first load, would otherwise be compared in full at every lookup.
     """
     if self is other:
         return True
@@ -182,7 +192,10 @@ def _dag_eq(self: object, other: object) -> bool:
             return False
     else:
         return True
+    if _representative(self) is _representative(other):
+        return True
     seen: set[tuple[int, int]] = set()
+    equal: list[tuple[object, object]] = []
     stack = [(self, other)]
     while stack:
         a, b = stack.pop()
@@ -191,6 +204,10 @@ def _dag_eq(self: object, other: object) -> bool:
         if type(a) is not type(b) or hash(a) != hash(b):
             return False
         seen.add((id(a), id(b)))
+        ra, rb = _representative(a), _representative(b)
+        if ra is rb:
+            continue
+        equal.append((ra, rb))
         for f in a.__dataclass_fields__:
             x, y = a.__dict__[f], b.__dict__[f]
             if isinstance(x, tuple) and isinstance(y, tuple) and len(x) == len(y):
@@ -204,6 +221,10 @@ def _dag_eq(self: object, other: object) -> bool:
                     stack.append((u, v))
                 elif u != v:
                     return False
+    for a, b in equal:
+        a, b = _representative(a), _representative(b)
+        if a is not b:
+            object.__setattr__(b, "_equal", a)
     return True
 
 
