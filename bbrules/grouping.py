@@ -145,7 +145,8 @@ def _moves(p: BlockProgram, make: Make):
         narrow = _narrowed(k, p, make)
         if narrow is not None:
             yield ks[:i] + (narrow,) + ks[i + 1:]
-    loads = [_loaded(k) for k in ks]
+    # by storage: a kernel that reads a view of a tensor reads that tensor
+    loads = [frozenset(p.tensors[t].storage for t in _loaded(k)) for k in ks]
     for i, k in enumerate(ks):
         stored_since: set[str] = set()
         for j in range(i + 1, len(ks)):
