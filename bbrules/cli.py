@@ -218,10 +218,42 @@ def _program_args(p: argparse.ArgumentParser) -> None:
 # Subcommands
 
 
-@command("show", "print the block program (the unfused lowering of a .bbp)", _program_args)
+def _show_args(p: argparse.ArgumentParser) -> None:
+    _program_args(p)
+    picture = p.add_mutually_exclusive_group()
+    picture.add_argument("--dot", action="store_true",
+                         help="print a Graphviz DOT picture: each kernel with its loops, its "
+                              "loads and stores, and the global tensors between kernels")
+    picture.add_argument("--svg", action="store_true",
+                         help="the picture as SVG, drawn by Graphviz's dot (which must be "
+                              "installed)")
+    p.add_argument("-o", "--output", metavar="FILE", help="write to FILE instead of printing")
+    p.add_argument("--fuse", action="store_true",
+                   help="show the program after fusion (with the fusion options below)")
+    _fuse_args(p)
+
+
+@command("show", "print the block program (the unfused lowering of a .bbp, or with --fuse the "
+                 "fused one) as text, or as a picture (--dot, --svg)", _show_args)
 def cmd_show(args: argparse.Namespace) -> int:
+    from .picture import graphviz, to_dot, to_svg
+
+    _check_output(args.output, args.program)
+    if args.svg:
+        graphviz()  # before any work: a missing Graphviz should not cost a fusion
     _, program = load_any(args.program, _dims(args.dim))
-    print(show_program(program), end="")
+    if args.fuse:
+        program = _fuse(args, program).program
+    if args.dot or args.svg:
+        text = to_dot(program, args.program)
+        text = to_svg(text) if args.svg else text
+    else:
+        text = show_program(program)
+    if args.output:
+        Path(args.output).write_text(text)
+        print(f"wrote {args.output}", file=sys.stderr)
+    else:
+        print(text, end="" if text.endswith("\n") else "\n")
     return 0
 
 

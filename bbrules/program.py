@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, TypeVar, Union
 
+import numpy as np
+
 from .errors import Span
 from .ir import Axis, AxisSet, Dim, TensorDecl
 
@@ -84,7 +86,9 @@ class Statement:
 @dataclass(frozen=True)
 class Program:
     """A checked program.  `tensors` holds inputs, then statement targets in statement order
-    (role `temp` or `output`); `source` is the text, kept for carets in later errors."""
+    (role `temp` or `output`); `source` is the text, kept for carets in later errors.
+    `values` holds inputs whose values are known (an imported model's weights): runs load
+    them instead of drawing random ones."""
 
     path: str
     dims: dict[str, Dim]
@@ -92,6 +96,7 @@ class Program:
     statements: tuple[Statement, ...]
     outputs: tuple[str, ...]
     source: str = field(default="", compare=False, repr=False)
+    values: dict[str, np.ndarray] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def inputs(self) -> tuple[str, ...]:
