@@ -24,10 +24,11 @@ from .codegen import cuda_gen, numpy_gen
 from .blockfile import BlockFile, load_block_program
 from .cost import cost_program, fmt_bytes, fmt_flops, fmt_time
 from .engine import Budget, run_checks
-from .errors import SourceError, Span, UsageError, read_source
+from .errors import SourceError, Span, UsageError
 from .extract import NoCandidate
 from .frontend import DimOverrides, load_program, parse_dim_override, parse_program
 from .fuse import FuseResult, fuse
+from .onnx_import import import_onnx
 from .inputs import random_inputs
 from .ir import BlockProgram, show_program
 from .lower import lower
@@ -86,6 +87,9 @@ def load_any(path: str, dims: DimOverrides) -> tuple[Program | None, BlockProgra
     if file.suffix == ".bbp":
         ast = load_program(path, dims)
         return ast, lower(ast)
+    if file.suffix == ".onnx":
+        ast = load_onnx(path, dims)
+        return ast, lower(ast)
     if file.suffix == ".bbk":
         if dims:
             raise UsageError(f"{path}: --dim applies to .bbp programs; a block program's "
@@ -94,7 +98,14 @@ def load_any(path: str, dims: DimOverrides) -> tuple[Program | None, BlockProgra
         if block_file.source is None:
             return None, block_file.program
         return _source_program(file, block_file), block_file.program
-    raise UsageError(f"{path}: expected a .bbp program or a .bbk block program")
+    raise UsageError(f"{path}: expected a .bbp program, a .bbk block program or an .onnx model")
+
+
+def load_onnx(path: str, dims: DimOverrides) -> Program:
+    """An ONNX model imported as a checked program that carries its weights."""
+    imported = import_onnx(path, dims)
+    ast = parse_program(imported.text, f"{path} (imported)")
+    return replace(ast, values=imported.weights)
 
 
 def _source_program(bbk: Path, block_file: BlockFile) -> Program | None:
@@ -209,9 +220,10 @@ def _size(text: str) -> int:
 
 
 def _program_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("program", help="a .bbp program or a .bbk block program")
+    p.add_argument("program", help="a .bbp program, a .bbk block program or an .onnx model")
     p.add_argument("--dim", action="append", default=[], metavar="NAME=EXTENT[/BLOCK]",
-                   help="override a dimension of a .bbp program (repeatable)")
+                   help="override a dimension of a .bbp program, or set a symbolic dimension "
+                        "of an .onnx model (repeatable)")
 
 
 # --------------------------------------------------------------------------------------------
@@ -278,6 +290,9 @@ def _run_args(p: argparse.ArgumentParser) -> None:
                    help="the reference interpreter (default), generated numpy, or CUDA via CuPy")
     p.add_argument("--no-fuse", action="store_true", help="run the unfused program")
     p.add_argument("--seed", type=_integer(0), default=0, help="seed of the random inputs")
+    p.add_argument("--values", metavar="FILE.npz",
+                   help="values of inputs by name (the weights `bbrules import -o` writes); "
+                        "the other inputs are random")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
 
 
@@ -300,6 +315,24 @@ BACKENDS: dict[str, Callable[[BlockProgram, dict[str, np.ndarray]], dict[str, np
     "cuda": _run_cuda,
 }
 
+def _load_values(path: str, program: BlockProgram) -> dict[str, np.ndarray]:
+    """Input values from an .npz file, each checked to be an input of the program's shape."""
+    try:
+        with np.load(path, allow_pickle=False) as f:
+            values = {name: f[name] for name in f.files}
+    except (OSError, ValueError) as err:
+        raise UsageError(f"--values {path}: not a readable .npz file ({err})") from None
+    for name, x in values.items():
+        decl = program.tensors.get(name)
+        if decl is None or decl.role != "input":
+            raise UsageError(f"--values {path}: '{name}' is not an input of the program")
+        shape = tuple(program.dims[a].extent for a in decl.axes)
+        if x.shape != shape:
+            raise UsageError(f"--values {path}: '{name}' has shape {list(x.shape)}, the "
+                             f"program declares {list(shape)}")
+    return {name: x.astype(np.float32) for name, x in values.items()}
+
+
 def _finite(x: float) -> float | None:
     """JSON has no NaN/inf: report them as null."""
     return x if np.isfinite(x) else None
@@ -316,6 +349,10 @@ def cmd_run(args: argparse.Namespace) -> int:
                          f"more than the {fmt_bytes(args.memory)} allowed (--memory); choose "
                          f"smaller dimensions (--dim) or a larger --memory")
     inputs = random_inputs(program, seed=args.seed)
+    if ast is not None:
+        inputs.update(ast.values)
+    if args.values:
+        inputs.update(_load_values(args.values, program))
     execute = BACKENDS[args.backend]
     start = time.perf_counter()
     outputs = execute(program, inputs)
@@ -458,14 +495,14 @@ def _apply_args(p: argparse.ArgumentParser) -> None:
                   "equivalent block program", _apply_args)
 def cmd_apply(args: argparse.Namespace) -> int:
     _check_output(args.output, args.program)
-    _, program = load_any(args.program, _dims(args.dim))
+    ast, program = load_any(args.program, _dims(args.dim))
     result = _fuse(args, program)
     if args.output:
         out = Path(args.output)
         source = text = None
-        if args.program.endswith(".bbp"):
+        if args.program.endswith((".bbp", ".onnx")):  # an import embeds the imported text
             source = os.path.relpath(Path(args.program).resolve(), out.resolve().parent)
-            text = read_source(args.program)
+            text = ast.source
         out.write_text(show_program(result.program, source=source, source_text=text))
     if args.json:
         print(json.dumps(result.to_json(), indent=2, default=_finite))
@@ -544,9 +581,42 @@ def _codegen_args(p: argparse.ArgumentParser) -> None:
 def _program_to_run(args: argparse.Namespace) -> tuple[Program | None, BlockProgram]:
     """The program a command works on: a .bbp is fused unless --no-fuse; a .bbk is as written."""
     ast, program = load_any(args.program, _dims(args.dim))
-    if ast is not None and args.program.endswith(".bbp") and not args.no_fuse:
+    if ast is not None and args.program.endswith((".bbp", ".onnx")) and not args.no_fuse:
         program = _fuse(args, program).program
     return ast, program
+
+
+def _import_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="an ONNX model (.onnx)")
+    p.add_argument("--dim", action="append", default=[], metavar="NAME=EXTENT[/BLOCK]",
+                   help="the extent of a symbolic dimension (default 1), or the block of an "
+                        "imported one (d768=768/128); repeatable")
+    p.add_argument("-o", "--output", metavar="OUT.bbp",
+                   help="write the program here and the model's weights beside it (OUT.npz)")
+
+
+@command("import", "translate an ONNX model into a .bbp program (every command also takes the "
+                   ".onnx directly)", _import_args)
+def cmd_import(args: argparse.Namespace) -> int:
+    if not Path(args.model).is_file():
+        raise UsageError(f"{args.model}: no such file")
+    _check_output(args.output, args.model)
+    imported = import_onnx(args.model, _dims(args.dim))
+    if imported.symbolic:
+        print("symbolic dimensions: " + ", ".join(f"{n}={e}" for n, e in imported.symbolic.items())
+              + " (set them with --dim NAME=EXTENT)", file=sys.stderr)
+    if args.output is None:
+        print(imported.text, end="")
+        return 0
+    out = Path(args.output)
+    weights = out.with_suffix(".npz")
+    if weights.resolve() == Path(args.model).resolve():
+        raise UsageError(f"-o {args.output}: the weights would overwrite the model")
+    out.write_text(imported.text)
+    np.savez(weights, **imported.weights)
+    print(f"wrote {out} and {weights} ({len(imported.weights)} weights); run it with "
+          f"`bbrules run {out} --values {weights}`", file=sys.stderr)
+    return 0
 
 
 @command("codegen", "generate numpy (CPU) or CUDA C (GPU) code for a program", _codegen_args)

@@ -159,7 +159,7 @@ def test_malformed_program_reports_position_and_caret(tmp_path, capsys):
 
 @pytest.mark.parametrize("argv, message", [
     (["show", "{tmp}/missing.bbp"], "no such file"),
-    (["show", "{tmp}/scale.txt"], "expected a .bbp program or a .bbk block program"),
+    (["show", "{tmp}/scale.txt"], "expected a .bbp program, a .bbk block program or an .onnx model"),
     (["run", "{tmp}/scale.bbk", "--dim", "m=8/4"], "--dim applies to .bbp programs"),
     (["show", "{tmp}/scale.bbp", "--dim", "m=abc"], "bad dimension override 'm=abc'"),
     (["cost", "{tmp}/scale.bbp", "--target", "nope"], "unknown target 'nope'"),

@@ -1,0 +1,979 @@
+"""ONNX models in: each operator of the graph lowered to `.bbp` statements.
+
+The importer writes a `.bbp` program (text, so that `bbrules import` can show it and every later
+stage reports positions in it) plus the values of the model's initializers, which become inputs
+that the backends load rather than draw at random.
+
+How ONNX shapes become named axes.  A `.bbp` tensor has named axes of extent > 1; an ONNX value
+is *a view of one*: its dimensions are groups of consecutive "pieces", each piece a factor of one
+of the tensor's axes.  So
+
+- Reshape, Squeeze, Unsqueeze, Flatten, Transpose, Expand and Identity emit nothing: they
+  regroup, permute or broadcast the pieces of the same tensor.  A reshape that would merge
+  dimensions a transpose has separated copies the tensor first (one statement).
+- An operator that computes emits one statement over *atomic axes*: per dimension, the common
+  refinement of how its operands factor it.  An operand reads a tensor axis that covers several
+  atomic axes through a view (`X[t, (h, d)]`), so a head split feeds attention without a copy.
+- Dimensions of extent 1 have no axis at all: broadcasting them is free, keepdims costs nothing.
+
+Constant subgraphs (shape arithmetic: Shape, Gather, Concat, Range on constants) are evaluated
+here with ONNX's own reference implementation of each operator, for the batch size given with
+`--dim`.  Anything else that is not supported is reported with the node's position in the
+graph, its name and its operator, exit status 2.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+
+from .errors import UsageError
+
+DEFAULT_SYMBOLIC_EXTENT = 1
+_KEYWORDS = {"dim", "input", "output", "sum", "max", "min", "mean", "inf", "and", "or", "not"}
+_DTYPES = {1: "f32", 10: "f16", 16: "bf16"}  # ONNX TensorProto element types kept as such
+
+
+def block_of(extent: int) -> int:
+    """The block an imported dimension gets unless overridden (`--dim d768=768/128`).
+
+    Tiles should be matrix-unit sized whatever the rank: a small extent (a batch, a head
+    count) is walked one element at a time, a middling one (a head size) is one block, and a
+    large one is cut into blocks of 64 (the last one ragged where 64 does not divide it and
+    the extent is above 128); extraction may coarsen them per kernel."""
+    if extent < 16:
+        return 1
+    if extent <= 64 or (extent <= 128 and extent % 64):
+        return extent
+    return 64
+
+
+@dataclass(frozen=True)
+class Value:
+    """An ONNX value as the program holds it.
+
+    Either a number (`number`, broadcast to `shape`), or a view of the tensor `tensor`:
+    `pieces` factor its axes in order (`owner[i]` is the axis piece i belongs to) and
+    `groups[j]` lists the pieces of ONNX dimension j, outer first.  A dimension of extent > 1
+    with no pieces is broadcast (Expand); one of extent 1 has none either.
+    """
+
+    shape: tuple[int, ...]
+    tensor: str | None = None
+    number: float | None = None
+    pieces: tuple[int, ...] = ()
+    owner: tuple[int, ...] = ()
+    groups: tuple[tuple[int, ...], ...] = ()
+
+    @property
+    def dense(self) -> bool:
+        """Is the value the tensor's memory as ONNX lays it out (row-major, no broadcast)?"""
+        flat = tuple(p for g in self.groups for p in g)
+        return flat == tuple(range(len(self.pieces))) and \
+            all(g or n == 1 for g, n in zip(self.groups, self.shape))
+
+
+@dataclass
+class Imported:
+    """A model as a `.bbp` program.
+
+    `weights`: initializer values by `.bbp` input name, shaped as the program declares them.
+    `inputs` / `outputs`: ONNX name -> (`.bbp` tensor, ONNX shape); an array passes between
+    the two shapes by `reshape` (the same elements in the same order).
+    """
+
+    text: str
+    weights: dict[str, np.ndarray]
+    inputs: dict[str, tuple[str, tuple[int, ...]]]
+    outputs: dict[str, tuple[str, tuple[int, ...]]]
+    symbolic: dict[str, int] = field(default_factory=dict)
+
+    def bbp_inputs(self, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The program's inputs: the weights, and `arrays` (by ONNX name) reshaped."""
+        out = dict(self.weights)
+        for name, (tensor, shape) in self.inputs.items():
+            if name not in arrays:
+                raise UsageError(f"missing input '{name}' of shape {list(shape)}")
+            x = np.asarray(arrays[name])
+            if tuple(x.shape) != shape:
+                raise UsageError(f"input '{name}' has shape {list(x.shape)}, the model "
+                                 f"wants {list(shape)}")
+            out[tensor] = x.astype(np.float32).reshape(_squeezed(shape))
+        return out
+
+    def onnx_outputs(self, results: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The program's results by ONNX output name, in ONNX shapes."""
+        return {name: np.asarray(results[tensor]).reshape(shape)
+                for name, (tensor, shape) in self.outputs.items()}
+
+
+def _squeezed(shape: Sequence[int]) -> tuple[int, ...]:
+    return tuple(n for n in shape if n != 1)
+
+
+def _number(x: float) -> str:
+    """A literal the `.bbp` grammar reads back exactly."""
+    if math.isnan(x):
+        raise UsageError("a NaN constant cannot be written in a .bbp program")
+    if math.isinf(x):
+        return "inf" if x > 0 else "(-inf)"
+    text = repr(float(x))
+    return f"({text})" if x < 0 else text
+
+
+def _strides(factors: Sequence[int]) -> list[int]:
+    """Suffix products, outermost first: [2, 3, 4] -> [24, 12, 4, 1]."""
+    out = [1]
+    for f in reversed(factors):
+        out.append(out[-1] * f)
+    return out[::-1]
+
+
+def refine(extent: int, factorizations: Sequence[Sequence[int]]) -> list[int] | None:
+    """The coarsest factorization of `extent` that refines each of `factorizations` (each a
+    row-major split of the same extent), or None where none exists ([2, 3] against [3, 2])."""
+    cuts = sorted({s for f in factorizations for s in _strides(f)} | {1, extent}, reverse=True)
+    if any(a % b for a, b in zip(cuts, cuts[1:])):
+        return None
+    return [a // b for a, b in zip(cuts, cuts[1:])]
+
+
+class _Index:
+    """The atomic axes of one statement: per statement dimension, its axis names (and their
+    extents) outer first."""
+
+    def __init__(self, names: list[list[str]], extents: list[list[int]]):
+        self.names = names
+        self.extents = extents
+
+    def axes(self, dims: Sequence[int]) -> list[str]:
+        return [n for d in dims for n in self.names[d]]
+
+
+def reduce_expr(op: str, axes: list[str], body: str) -> str:
+    """`op[axes] body`, or the body alone when there is nothing to reduce (extent 1)."""
+    return f"({op}[{', '.join(axes)}] {body})" if axes else f"({body})"
+
+
+Operand = tuple[Value, Sequence[int | None]]  # a value, and the statement dim of each of its dims
+ExprFn = Callable[[list[str], _Index], str]
+
+
+class OnnxError(UsageError):
+    """A model bbrules cannot import, said with the node's position, name and operator."""
+
+
+class Importer:
+    """Walks a (shape-static) ONNX graph in order, emitting statements."""
+
+    def __init__(self, model, path: str, dims: dict[str, tuple[int, int | None]],
+                 block: Callable[[int], int] = block_of):
+        self.model = model
+        self.block = block
+        self.path = path
+        self.overrides = dims
+        self.opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")),
+                          1)
+        self.lines: list[str] = []
+        self.decls: list[str] = []
+        self.values: dict[str, Value] = {}
+        self.consts: dict[str, np.ndarray] = {}
+        self.weights: dict[str, np.ndarray] = {}
+        self.tensor_axes: dict[str, tuple[int, ...]] = {}
+        self.names: set[str] = set()
+        self.dim_copies: dict[int, int] = {}
+        self.symbolic: dict[str, int] = {}
+        self.node_at = ""
+        self.elem_types: dict[str, int] = {}
+
+    # --- names --------------------------------------------------------------------------
+
+    def fresh(self, hint: str) -> str:
+        """A `.bbp` name for an ONNX name: identifier characters, no keyword, unique."""
+        base = re.sub(r"\W+", "_", hint).strip("_") or "t"
+        if not base[0].isalpha() or base in _KEYWORDS or re.fullmatch(r"d\d+(_\d+)?", base):
+            base = "t_" + base
+        name, i = base, 1
+        while name in self.names:
+            i += 1
+            name = f"{base}_{i}"
+        self.names.add(name)
+        return name
+
+    def axis_names(self, extents: Sequence[int]) -> list[str]:
+        """Distinct axis names for a statement's atomic axes: `d<extent>`, `d<extent>_1`, ..."""
+        seen: dict[int, int] = {}
+        out = []
+        for e in extents:
+            k = seen.get(e, 0)
+            seen[e] = k + 1
+            self.dim_copies[e] = max(self.dim_copies.get(e, 0), k + 1)
+            out.append(f"d{e}" if k == 0 else f"d{e}_{k}")
+        return out
+
+    # --- values -------------------------------------------------------------------------
+
+    def error(self, message: str) -> OnnxError:
+        return OnnxError(f"{self.path}: {self.node_at}{message}")
+
+    def declare(self, onnx_name: str, shape: tuple[int, ...], dtype: str,
+                values: np.ndarray | None = None) -> Value:
+        """A graph input or a weight: a fresh input tensor with an axis per dimension > 1."""
+        self.check_shape(shape)
+        name = self.fresh(onnx_name)
+        extents = _squeezed(shape)
+        axes = self.axis_names(extents)
+        self.decls.append(f"input {name}[{', '.join(axes)}] : {dtype}")
+        self.tensor_axes[name] = extents
+        if values is not None:
+            self.weights[name] = np.ascontiguousarray(values, dtype=np.float32).reshape(extents)
+        return self.whole(name, shape)
+
+    def check_shape(self, shape: Sequence[int]) -> None:
+        if 0 in shape:
+            raise self.error(f"shape {list(shape)}: empty tensors (an extent 0) are not "
+                             f"supported")
+
+    def whole(self, tensor: str, shape: tuple[int, ...]) -> Value:
+        """The value that is all of `tensor`, laid out as `shape`."""
+        groups, i = [], 0
+        for n in shape:
+            groups.append((i,) if n > 1 else ())
+            i += n > 1
+        extents = _squeezed(shape)
+        return Value(tuple(shape), tensor, None, extents, tuple(range(len(extents))),
+                     tuple(groups))
+
+    def value(self, name: str) -> Value:
+        """An operand: a computed value, or a constant (a number when uniform, else a weight)."""
+        if name in self.values:
+            return self.values[name]
+        if name in self.consts:
+            arr = self.consts[name]
+            if arr.size > 0 and np.all(arr == arr.flat[0]) and np.isfinite(arr.flat[0]):
+                v = Value(tuple(arr.shape), number=float(arr.flat[0]))
+            elif arr.dtype.kind in "fiub":
+                v = self.declare(name, tuple(arr.shape), "f32", arr)
+            else:
+                raise self.error(f"constant '{name}' of type {arr.dtype} is not a number")
+            self.values[name] = v
+            return v
+        raise self.error(f"value '{name}' is not defined before its use")
+
+    def const(self, name: str, what: str) -> np.ndarray:
+        """An operand that must be known when importing (a shape, axes, a starting index)."""
+        if name not in self.consts:
+            raise self.error(f"{what} ('{name}') must be a constant (computed from constants "
+                             f"and shapes only)")
+        return self.consts[name]
+
+    # --- statements ---------------------------------------------------------------------
+
+    def statement(self, hint: str, dims: Sequence[int], out: Sequence[int],
+                  operands: Sequence[Operand], expr: ExprFn) -> Value:
+        """Emit `hint[out axes] = expr(...)` over statement dimensions of extents `dims`.
+
+        Each operand maps each of its dimensions to a statement dimension (None: extent 1,
+        broadcast).  `expr` gets the operands' references (or literals) and the index of
+        atomic axes (for reductions and positions); `out` lists the dimensions of the result.
+        """
+        self.check_shape(dims)
+        factors: list[list[list[int]]] = [[] for _ in dims]
+        for v, where in operands:
+            for j, d in enumerate(where):
+                if d is not None and v.groups and v.groups[j] and v.shape[j] == dims[d]:
+                    factors[d].append([v.pieces[p] for p in v.groups[j]])
+        atoms: list[list[int]] = []
+        for d, n in enumerate(dims):
+            r = refine(n, factors[d]) if n > 1 else []
+            if r is None:
+                raise self.error("operands factor a dimension in incompatible ways; no view "
+                                 "reads them together")
+            atoms.append(r)
+        flat = [e for d in range(len(dims)) for e in atoms[d]]
+        names_flat = iter(self.axis_names(flat))
+        names = [[next(names_flat) for _ in atoms[d]] for d in range(len(dims))]
+        index = _Index(names, atoms)
+        refs = [self.reference(v, where, index) for v, where in operands]
+        body = expr(refs, index)
+        target = self.fresh(hint)
+        out_axes = index.axes(out)
+        for a in out_axes:  # a broadcast store: `0 * a` names the axis, the value is unchanged
+            if not re.search(rf"\b{a}\b", body):
+                body = f"{body} + 0 * {a}"
+        self.lines.append(f"{target}[{', '.join(out_axes)}] = {body}")
+        self.tensor_axes[target] = tuple(e for d in out for e in atoms[d])
+        groups, i = [], 0
+        for d in out:
+            groups.append(tuple(range(i, i + len(atoms[d]))))
+            i += len(atoms[d])
+        extents = self.tensor_axes[target]
+        return Value(tuple(dims[d] for d in out), target, None, extents,
+                     tuple(range(len(extents))), tuple(groups))
+
+    def reference(self, v: Value, where: Sequence[int | None], index: _Index) -> str:
+        """The operand `v` read at the statement's atomic axes: `T[a, (b, c)]`, or a literal."""
+        if v.tensor is None:
+            return _number(v.number)
+        piece_axes: dict[int, list[str]] = {}
+        for j, group in enumerate(v.groups):
+            if not group or v.shape[j] == 1:
+                continue
+            d = where[j]
+            names, extents = index.names[d], index.extents[d]
+            cut = _strides(extents)
+            mine = _strides([v.pieces[p] for p in group])
+            for k, p in enumerate(group):
+                hi, lo = mine[k], mine[k + 1]
+                piece_axes[p] = [names[i] for i in range(len(names)) if hi >= cut[i] > lo]
+        parts = []
+        for axis in range(len(self.tensor_axes[v.tensor])):
+            axes = [n for p in range(len(v.pieces)) if v.owner[p] == axis
+                    for n in piece_axes[p]]
+            parts.append(axes[0] if len(axes) == 1 else f"({', '.join(axes)})")
+        return f"{v.tensor}[{', '.join(parts)}]"
+
+    def map(self, hint: str, args: Sequence[Value], fn: Callable[..., str]) -> Value:
+        """An elementwise operator with numpy broadcasting."""
+        shape = self.broadcast([a.shape for a in args])
+        if all(a.tensor is None for a in args):
+            raise self.error("an operator on constants only should have been folded")
+        r = len(shape)
+        operands = [(a, [r - len(a.shape) + j if a.shape[j] == shape[r - len(a.shape) + j]
+                         else None for j in range(len(a.shape))]) for a in args]
+        return self.statement(hint, shape, range(r), operands, lambda refs, _: fn(*refs))
+
+    def broadcast(self, shapes: Sequence[tuple[int, ...]]) -> tuple[int, ...]:
+        try:
+            return tuple(np.broadcast_shapes(*shapes))
+        except ValueError:
+            raise self.error(f"shapes {[list(s) for s in shapes]} do not broadcast") from None
+
+    def reduce(self, hint: str, x: Value, axes: Sequence[int], op: str,
+               body: Callable[[str], str] = lambda a: a, keepdims: bool = True,
+               extra: Sequence[Value] = ()) -> Value:
+        """`op` over `axes` of `x` (of `body(x)`, where `extra` operands, broadcast against
+        x, are passed after it)."""
+        r = len(x.shape)
+        axes = sorted({a % r for a in axes}) if r else []
+        kept = [d for d in range(r) if d not in axes]
+        operands: list[Operand] = [(x, list(range(r)))]
+        for e in extra:
+            operands.append((e, [r - len(e.shape) + j if e.shape[j] == x.shape[r - len(e.shape) + j]
+                                 else None for j in range(len(e.shape))]))
+        result = self.statement(hint, x.shape, kept, operands,
+                                lambda refs, ix: reduce_expr(op, ix.axes(axes), body(*refs)))
+        if keepdims:
+            return self.reshape(result, tuple(1 if d in axes else x.shape[d] for d in range(r)))
+        return result
+
+    # --- views --------------------------------------------------------------------------
+
+    def reshape(self, v: Value, shape: Sequence[int]) -> Value:
+        """`v` read as `shape` (the same elements, row-major): its pieces, in the order the
+        dimensions list them, cut finer where needed and regrouped.  Pieces need not be in
+        memory order, so a transpose followed by a reshape moves no data; only a broadcast
+        dimension is stored first."""
+        shape = tuple(int(n) for n in shape)
+        if math.prod(shape) != math.prod(v.shape):
+            raise self.error(f"cannot reshape {list(v.shape)} to {list(shape)}")
+        if v.tensor is None:
+            return Value(shape, number=v.number)
+        if any(not g and n > 1 for g, n in zip(v.groups, v.shape)):
+            v = self.copy(v)
+        order = [p for g in v.groups for p in g]  # the pieces as row-major digits of `shape`
+        new = refine(math.prod(shape), [[v.pieces[p] for p in order], _squeezed(shape)])
+        if new is None:
+            raise self.error(f"cannot read {list(v.shape)} as {list(shape)}: the two shapes "
+                             f"cut it in ways no view can join (the shapes interleave)")
+        cuts: dict[int, list[int]] = {}  # each piece's finer pieces, outer first
+        it = iter(new)
+        for p in order:
+            cuts[p], left = [], v.pieces[p]
+            while left > 1:
+                cuts[p].append(next(it))
+                left //= cuts[p][-1]
+        pieces, owner, index = [], [], {}
+        for p in range(len(v.pieces)):  # memory order, as `pieces` must stay
+            index[p] = list(range(len(pieces), len(pieces) + len(cuts[p])))
+            pieces += cuts[p]
+            owner += [v.owner[p]] * len(cuts[p])
+        digits = [i for p in order for i in index[p]]
+        groups, i = [], 0
+        for n in shape:
+            j = i
+            while n > 1 and math.prod(pieces[d] for d in digits[i:j]) < n:
+                j += 1
+            groups.append(tuple(digits[i:j]))
+            i = j
+        return Value(shape, v.tensor, None, tuple(pieces), tuple(owner), tuple(groups))
+
+    def transpose(self, v: Value, perm: Sequence[int]) -> Value:
+        shape = tuple(v.shape[p] for p in perm)
+        if v.tensor is None:
+            return Value(shape, number=v.number)
+        return Value(shape, v.tensor, None, v.pieces, v.owner, tuple(v.groups[p] for p in perm))
+
+    def expand(self, v: Value, shape: Sequence[int]) -> Value:
+        """`v` broadcast to `shape`: new dimensions are broadcast ones, no data moves."""
+        shape = self.broadcast([v.shape, tuple(int(n) for n in shape)])
+        if v.tensor is None:
+            return Value(shape, number=v.number)
+        lead = len(shape) - len(v.shape)
+        groups = [()] * lead + [g if n == v.shape[j] else () for j, (g, n) in
+                                enumerate(zip(v.groups, shape[lead:]))]
+        return Value(shape, v.tensor, None, v.pieces, v.owner, tuple(groups))
+
+    def copy(self, v: Value, hint: str | None = None) -> Value:
+        """A statement that stores `v` densely in its ONNX layout."""
+        return self.map(hint or f"{v.tensor or 'c'}_copy", [v], lambda a: a) \
+            if v.tensor is not None else self.statement(
+                hint or "c", v.shape, range(len(v.shape)), [], lambda refs, ix: _number(v.number))
+
+    # --- the graph ----------------------------------------------------------------------
+
+    def run(self) -> Imported:
+        self.model = _expand_functions(self.model, self.path)
+        self.elem_types = _element_types(self.model)
+        graph = self.model.graph
+        for init in graph.initializer:
+            self.consts[init.name] = _array(init)
+        inputs: dict[str, tuple[str, tuple[int, ...]]] = {}
+        for inp in graph.input:
+            if inp.name in self.consts:
+                continue  # an initializer listed as an input (older exporters): its default
+            shape = self.shape_of(inp)
+            elem = inp.type.tensor_type.elem_type
+            if elem not in _NUMBERS:
+                raise self.error(f"graph input '{inp.name}' is not a tensor of numbers "
+                                 f"(ONNX element type {elem})")
+            v = self.declare(inp.name, shape, _DTYPES.get(elem, "f32"))
+            self.values[inp.name] = v
+            inputs[inp.name] = (v.tensor, shape)
+        for i, node in enumerate(graph.node):
+            self.node_at = f"node {i} '{node.name or node.output[0]}' ({node.op_type}): "
+            self.lower(node)
+        self.node_at = ""
+        outputs: dict[str, tuple[str, tuple[int, ...]]] = {}
+        for out in graph.output:
+            v = self.value(out.name)
+            if v.tensor is None or v.tensor in self.weights or not v.dense or \
+                    any(v.tensor == t for t, _ in inputs.values()):
+                v = self.copy(v, out.name)
+            outputs[out.name] = (v.tensor, v.shape)
+        if not outputs:
+            raise self.error("the graph has no outputs")
+        return Imported(self.text(outputs), self.weights, inputs, outputs, self.symbolic)
+
+    def shape_of(self, info) -> tuple[int, ...]:
+        """A graph input's shape; a symbolic dimension takes its `--dim` extent (default 1)."""
+        shape = []
+        for d in info.type.tensor_type.shape.dim:
+            if d.HasField("dim_value"):
+                shape.append(d.dim_value)
+            else:
+                name = d.dim_param or "unnamed"
+                extent = self.overrides.get(name, (DEFAULT_SYMBOLIC_EXTENT, None))[0]
+                self.symbolic[name] = extent
+                shape.append(extent)
+        return tuple(shape)
+
+    def text(self, outputs: dict[str, tuple[str, tuple[int, ...]]]) -> str:
+        dims = []
+        for extent in sorted(self.dim_copies):
+            block = self.block(extent)
+            for name, (e, b) in self.overrides.items():
+                if re.fullmatch(rf"d{extent}(_\d+)?", name) and e == extent and b:
+                    block = b
+            for k in range(self.dim_copies[extent]):
+                name = f"d{extent}" if k == 0 else f"d{extent}_{k}"
+                dims.append(f"dim {name} = {extent}" + (f" / {block}" if block < extent else ""))
+        head = f"# Imported from {Path(self.path).name} by `bbrules import`.\n"
+        body = [*dims, "", *self.decls, "", *self.lines, "",
+                f"output {', '.join(t for t, _ in outputs.values())}"]
+        return head + "\n".join(body) + "\n"
+
+    def lower(self, node) -> None:
+        if all(i in self.consts for i in [*node.input, *_outer_names(node)] if i) and \
+                node.op_type not in _NO_FOLD:
+            self.fold(node)
+            return
+        if node.op_type == "Shape" and node.input[0] in self.values:
+            shape = np.array(self.values[node.input[0]].shape, dtype=np.int64)
+            start, end = _attr(node, "start", 0), _attr(node, "end", None)
+            self.consts[node.output[0]] = shape[start:end]
+            return
+        exact = _INTEGER_EXACT.get(node.op_type)
+        if exact and self.elem_types.get(node.output[0], 1) in _INTEGERS and not exact(self, node):
+            raise self.error(f"{node.op_type} on integers rounds; bbrules computes in floating "
+                             f"point and does not import it")
+        rule = LOWERINGS.get(node.op_type)
+        if rule is None or node.domain not in ("", "ai.onnx"):
+            raise self.error(f"operator {node.domain + '.' if node.domain else ''}"
+                             f"{node.op_type} is not supported (supported: "
+                             f"{', '.join(sorted(LOWERINGS))})")
+        try:
+            results = rule(self, node)
+        except (IndexError, ValueError, TypeError) as err:  # a malformed node (missing inputs)
+            raise self.error(f"cannot import it ({type(err).__name__}: {err})") from None
+        for name, v in zip(node.output, results):
+            if name:
+                self.values[name] = v
+
+    def fold(self, node) -> None:
+        """Evaluate a node on constants with ONNX's reference implementation."""
+        from onnx import helper
+        from onnx.reference import ReferenceEvaluator
+        inputs = [n for n in node.input if n]
+        inputs += sorted(_outer_names(node) - set(inputs))
+        graph = helper.make_graph(
+            [node], "fold",
+            [helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(self.consts[n].dtype),
+                                           self.consts[n].shape) for n in inputs],
+            [helper.make_tensor_value_info(n, 0, None) for n in node.output if n])
+        model = helper.make_model(graph, opset_imports=list(self.model.opset_import))
+        try:
+            results = ReferenceEvaluator(model).run(None, {n: self.consts[n] for n in inputs})
+        except Exception as err:  # the reference implementation's own complaint, reported
+            raise self.error(f"evaluating it on constants failed: {err}") from None
+        for name, r in zip([n for n in node.output if n], results):
+            self.consts[name] = np.asarray(r)
+
+    def input(self, node, i: int) -> Value | None:
+        return self.value(node.input[i]) if len(node.input) > i and node.input[i] else None
+
+    def axes_of(self, node, rank: int, index: int = 1, default=None) -> list[int] | None:
+        """An `axes` attribute, or (newer opsets) the constant input at `index`."""
+        axes = _attr(node, "axes", None)
+        if axes is None and len(node.input) > index and node.input[index]:
+            axes = self.const(node.input[index], "axes").reshape(-1).tolist()
+        if axes is None:
+            return default
+        return [int(a) % rank if rank else 0 for a in axes]
+
+
+def _expand_functions(model, path: str):
+    """The model with every operator that has no lowering here but has a definition as an
+    ONNX function (Attention, RotaryEmbedding, GroupNormalization, Mish, ...) replaced by that
+    definition, recursively."""
+    import onnx
+    import onnx.inliner
+    for _ in range(8):  # an expansion may use operators that are functions themselves
+        known = _constant_names(model.graph)
+        missing = sorted({(n.domain, n.op_type) for n in model.graph.node
+                          if n.op_type not in LOWERINGS and _has_function(n)
+                          and not all(i in known for i in n.input if i)})
+        if not missing:
+            return model
+        for node in model.graph.node:  # the inliner does not fill in defaulted attributes
+            if (node.domain, node.op_type) in missing:
+                _add_defaults(node)
+        try:
+            model = onnx.inliner.inline_selected_functions(
+                onnx.shape_inference.infer_shapes(model), missing, inline_schema_functions=True)
+        except Exception as err:  # the inliner's own complaint (an untyped input, ...)
+            ops = ", ".join(op for _, op in missing)
+            raise OnnxError(f"{path}: expanding {ops} into its ONNX function definition "
+                            f"failed: {err}") from None
+    return model
+
+
+def _constant_names(graph) -> set[str]:
+    """Values computed from initializers and shapes only: folded when imported, so an
+    operator on them (a Range, say) needs no expansion."""
+    known = {t.name for t in graph.initializer}
+    for n in graph.node:
+        if n.op_type == "Shape" or all(i in known for i in [*n.input, *_outer_names(n)] if i):
+            known.update(n.output)
+    return known
+
+
+def _add_defaults(node) -> None:
+    import onnx
+    schema = onnx.defs.get_schema(node.op_type, domain=node.domain)
+    given = {a.name for a in node.attribute}
+    for name, attr in schema.attributes.items():
+        if name not in given and attr.default_value.name:
+            node.attribute.append(attr.default_value)
+
+
+def _has_function(node) -> bool:
+    import onnx
+    try:
+        schema = onnx.defs.get_schema(node.op_type, domain=node.domain)
+    except Exception:  # not a standard operator: reported when it is lowered
+        return False
+    return schema.has_function or schema.has_context_dependent_function
+
+
+def _element_types(model) -> dict[str, int]:
+    """The element type of every value ONNX's shape inference can type."""
+    import onnx
+    try:
+        model = onnx.shape_inference.infer_shapes(model)
+    except Exception:  # inference is advisory here: untyped values are taken to be floats
+        pass
+    g = model.graph
+    return {v.name: v.type.tensor_type.elem_type
+            for v in (*g.input, *g.value_info, *g.output) if v.type.HasField("tensor_type")}
+
+
+# ONNX element types: those that hold numbers, and those of them that are integers
+_NUMBERS = {1, 2, 3, 4, 5, 6, 7, 9, 10, 11, 12, 13, 16}
+_INTEGERS = {2, 3, 4, 5, 6, 7, 12, 13}
+# Operators whose integer results equal the floating-point ones only under a condition
+_INTEGER_EXACT: dict[str, Callable[[Importer, object], bool]] = {
+    "Div": lambda im, node: False,
+    "Cast": lambda im, node: im.elem_types.get(node.input[0], 1) in _INTEGERS | {9},
+    "Mean": lambda im, node: False,
+    "ReduceMean": lambda im, node: False,
+}
+
+
+def _outer_names(node) -> set[str]:
+    """The names a node's subgraphs (a Loop's body, an If's branches) read from outside."""
+    names: set[str] = set()
+    for a in node.attribute:
+        for g in ([a.g] if a.HasField("g") else []) + list(a.graphs):
+            local = {i.name for i in (*g.input, *g.initializer)} | \
+                {o for n in g.node for o in n.output}
+            for n in g.node:
+                names.update(i for i in n.input if i not in local)
+                names |= _outer_names(n) - local
+    return names - {""}
+
+
+def _array(tensor) -> np.ndarray:
+    from onnx import numpy_helper
+    return numpy_helper.to_array(tensor)
+
+
+def _attr(node, name: str, default):
+    from onnx import helper
+    for a in node.attribute:
+        if a.name == name:
+            v = helper.get_attribute_value(a)
+            return v.decode() if isinstance(v, bytes) else v
+    return default
+
+
+# ------------------------------------------------------------------------------------------
+# Lowerings, one per operator family: each returns the values of the node's outputs.
+
+Lowering = Callable[[Importer, object], list[Value]]
+LOWERINGS: dict[str, Lowering] = {}
+_NO_FOLD = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike"}
+
+
+def lowering(*ops: str) -> Callable[[Lowering], Lowering]:
+    def register(fn: Lowering) -> Lowering:
+        for op in ops:
+            LOWERINGS[op] = fn
+        return fn
+    return register
+
+
+_ELEMENTWISE: dict[str, Callable[..., str]] = {
+    "Add": lambda a, b: f"{a} + {b}",
+    "Sub": lambda a, b: f"{a} - {b}",
+    "Mul": lambda a, b: f"{a} * {b}",
+    "Div": lambda a, b: f"{a} / {b}",
+    "Pow": lambda a, b: f"pow({a}, {b})",
+    "Equal": lambda a, b: f"{a} == {b}",
+    "Less": lambda a, b: f"{a} < {b}",
+    "LessOrEqual": lambda a, b: f"{a} <= {b}",
+    "Greater": lambda a, b: f"{a} > {b}",
+    "GreaterOrEqual": lambda a, b: f"{a} >= {b}",
+    "And": lambda a, b: f"{a} and {b}",
+    "Or": lambda a, b: f"{a} or {b}",
+    "Xor": lambda a, b: f"{a} != {b}",
+    "Not": lambda a: f"not {a}",
+    "Neg": lambda a: f"-{a}",
+    "Abs": lambda a: f"abs({a})",
+    "Exp": lambda a: f"exp({a})",
+    "Log": lambda a: f"log({a})",
+    "Sqrt": lambda a: f"sqrt({a})",
+    "Reciprocal": lambda a: f"1 / {a}",
+    "Tanh": lambda a: f"tanh({a})",
+    "Sigmoid": lambda a: f"sigmoid({a})",
+    "Relu": lambda a: f"relu({a})",
+    "Erf": lambda a: f"erf({a})",
+    "Sin": lambda a: f"sin({a})",
+    "Cos": lambda a: f"cos({a})",
+    "Softplus": lambda a: f"softplus({a})",
+    "Where": lambda c, a, b: f"where({c}, {a}, {b})",
+}
+
+
+@lowering(*_ELEMENTWISE)
+def _elementwise(im: Importer, node) -> list[Value]:
+    args = [im.value(n) for n in node.input]
+    return [im.map(node.output[0], args, _ELEMENTWISE[node.op_type])]
+
+
+@lowering("Max", "Min", "Sum", "Mean")
+def _variadic(im: Importer, node) -> list[Value]:
+    args = [im.value(n) for n in node.input]
+    n = len(args)
+
+    def fn(*refs: str) -> str:
+        if node.op_type in ("Max", "Min"):
+            out = refs[0]
+            for r in refs[1:]:
+                out = f"{node.op_type.lower()}({out}, {r})"
+            return out
+        total = " + ".join(refs)
+        return f"({total}) / {n}" if node.op_type == "Mean" else total
+    return [im.map(node.output[0], args, fn)]
+
+
+@lowering("Gelu")
+def _gelu(im: Importer, node) -> list[Value]:
+    x = im.value(node.input[0])
+    if _attr(node, "approximate", "none") == "tanh":
+        return [im.map(node.output[0], [x], lambda a: f"gelu({a})")]
+    return [im.map(node.output[0], [x], lambda a: f"0.5 * {a} * (1 + erf({a} * "
+                                                  f"{_number(1 / math.sqrt(2))}))")]
+
+
+@lowering("LeakyRelu", "Elu", "HardSigmoid", "Clip", "Selu")
+def _with_parameters(im: Importer, node) -> list[Value]:
+    x = im.value(node.input[0])
+    op = node.op_type
+    if op == "LeakyRelu":
+        alpha = _attr(node, "alpha", 0.01)
+        fn = lambda a: f"where({a} >= 0, {a}, {_number(alpha)} * {a})"  # noqa: E731
+    elif op == "Elu":
+        alpha = _attr(node, "alpha", 1.0)
+        fn = lambda a: f"where({a} > 0, {a}, {_number(alpha)} * elu({a}))"  # noqa: E731
+    elif op == "Selu":
+        alpha, gamma = _attr(node, "alpha", 1.67326319217681884765625), \
+            _attr(node, "gamma", 1.05070102214813232421875)
+        fn = lambda a: f"{_number(gamma)} * where({a} > 0, {a}, {_number(alpha)} * elu({a}))"  # noqa
+    elif op == "HardSigmoid":
+        alpha, beta = _attr(node, "alpha", 0.2), _attr(node, "beta", 0.5)
+        fn = lambda a: f"max(0, min(1, {_number(alpha)} * {a} + {_number(beta)}))"  # noqa
+    else:
+        lo = _clip_bound(im, node, 1, "min", -math.inf)
+        hi = _clip_bound(im, node, 2, "max", math.inf)
+        fn = lambda a: f"min(max({a}, {_number(lo)}), {_number(hi)})"  # noqa: E731
+    return [im.map(node.output[0], [x], fn)]
+
+
+def _clip_bound(im: Importer, node, index: int, name: str, default: float) -> float:
+    if len(node.input) > index and node.input[index]:
+        return float(im.const(node.input[index], f"Clip's {name}"))
+    return float(_attr(node, name, default))
+
+
+@lowering("Identity", "Dropout", "Cast", "CastLike")
+def _identity(im: Importer, node) -> list[Value]:
+    x = im.value(node.input[0])
+    if node.op_type == "Dropout" and len(node.input) > 2 and node.input[2] and \
+            bool(im.const(node.input[2], "training_mode")):
+        raise im.error("Dropout in training mode draws random numbers; import the model "
+                       "for inference")
+    if node.op_type == "Cast" and _attr(node, "to", 1) == 9:  # to bool: nonzero is true
+        return [im.map(node.output[0], [x], lambda a: f"{a} != 0")]
+    return [x]
+
+
+@lowering("Reshape", "Flatten", "Squeeze", "Unsqueeze")
+def _reshape(im: Importer, node) -> list[Value]:
+    x = im.value(node.input[0])
+    shape = list(x.shape)
+    r = len(shape)
+    match node.op_type:
+        case "Reshape":
+            want = im.const(node.input[1], "the new shape").reshape(-1).tolist()
+            if not _attr(node, "allowzero", 0):
+                want = [shape[i] if n == 0 else n for i, n in enumerate(want)]
+            if -1 in want:
+                known = math.prod(n for n in want if n != -1)
+                want[want.index(-1)] = math.prod(shape) // known if known else 0
+        case "Flatten":
+            axis = _attr(node, "axis", 1)
+            axis = axis + r if axis < 0 else axis
+            want = [math.prod(shape[:axis]), math.prod(shape[axis:])]
+        case "Squeeze":
+            axes = im.axes_of(node, r) or [i for i, n in enumerate(shape) if n == 1]
+            want = [n for i, n in enumerate(shape) if i not in axes]
+        case _:
+            given = _attr(node, "axes", None)
+            if given is None:
+                given = im.const(node.input[1], "axes").reshape(-1).tolist()
+            rank = r + len(given)
+            want = list(shape)
+            for a in sorted(int(a) % rank for a in given):
+                want.insert(a, 1)
+    return [im.reshape(x, want)]
+
+
+@lowering("Transpose")
+def _transpose(im: Importer, node) -> list[Value]:
+    x = im.value(node.input[0])
+    perm = _attr(node, "perm", None) or list(range(len(x.shape)))[::-1]
+    return [im.transpose(x, perm)]
+
+
+@lowering("Expand")
+def _expand(im: Importer, node) -> list[Value]:
+    return [im.expand(im.value(node.input[0]), im.const(node.input[1], "the shape").reshape(-1).tolist())]
+
+
+_REDUCTIONS = {"ReduceSum": ("sum", lambda a: a), "ReduceMean": ("mean", lambda a: a),
+               "ReduceMax": ("max", lambda a: a), "ReduceMin": ("min", lambda a: a),
+               "ReduceSumSquare": ("sum", lambda a: f"square({a})"),
+               "ReduceL2": ("sum", lambda a: f"square({a})"),
+               "ReduceLogSumExp": ("sum", lambda a: f"exp({a})"),
+               "GlobalMaxPool": ("max", lambda a: a), "GlobalAveragePool": ("mean", lambda a: a)}
+
+
+@lowering(*_REDUCTIONS)
+def _reduction(im: Importer, node) -> list[Value]:
+    x = im.value(node.input[0])
+    r = len(x.shape)
+    op, body = _REDUCTIONS[node.op_type]
+    if node.op_type.startswith("Global"):
+        axes, keep = list(range(2, r)), True
+    else:
+        axes = im.axes_of(node, r)
+        keep = bool(_attr(node, "keepdims", 1))
+        if axes is None or axes == []:
+            if _attr(node, "noop_with_empty_axes", 0):
+                return [x]
+            axes = list(range(r))
+    if node.op_type == "ReduceLogSumExp":
+        m = im.reduce(f"{node.output[0]}_max", x, axes, "max", keepdims=True)
+        s = im.reduce(f"{node.output[0]}_sum", x, axes, "sum",
+                      lambda a, b: f"exp({a} - {b})", keepdims=keep, extra=[m])
+        mk = m if keep else im.reshape(m, s.shape)
+        return [im.map(node.output[0], [s, mk], lambda a, b: f"log({a}) + {b}")]
+    out = im.reduce(node.output[0], x, axes, op, body, keepdims=keep)
+    if node.op_type == "ReduceL2":
+        out = im.map(f"{node.output[0]}_root", [out], lambda a: f"sqrt({a})")
+    return [out]
+
+
+@lowering("Softmax", "LogSoftmax")
+def _softmax(im: Importer, node) -> list[Value]:
+    x = im.value(node.input[0])
+    r = len(x.shape)
+    axis = _attr(node, "axis", -1 if im.opset >= 13 else 1) % max(r, 1)
+    axes = [axis] if im.opset >= 13 else list(range(axis, r))
+    name = node.output[0]
+    m = im.reduce(f"{name}_max", x, axes, "max")
+    if node.op_type == "Softmax":
+        e = im.map(f"{name}_exp", [x, m], lambda a, b: f"exp({a} - {b})")
+        s = im.reduce(f"{name}_sum", e, axes, "sum")
+        return [im.map(name, [e, s], lambda a, b: f"{a} / {b}")]
+    s = im.reduce(f"{name}_sum", x, axes, "sum", lambda a, b: f"exp({a} - {b})", extra=[m])
+    return [im.map(name, [x, m, s], lambda a, b, c: f"{a} - {b} - log({c})")]
+
+
+@lowering("LayerNormalization", "RMSNormalization")
+def _normalization(im: Importer, node) -> list[Value]:
+    x = im.value(node.input[0])
+    r = len(x.shape)
+    axes = list(range(_attr(node, "axis", -1) % r, r))
+    eps = _number(_attr(node, "epsilon", 1e-5))
+    scale, bias = im.input(node, 1), im.input(node, 2)
+    name = node.output[0]
+    if node.op_type == "RMSNormalization":
+        ms = im.reduce(f"{name}_ms", x, axes, "mean", lambda a: f"square({a})")
+        args, fn = [x, ms], lambda a, b: f"{a} * rsqrt({b} + {eps})"
+    else:
+        mu = im.reduce(f"{name}_mean", x, axes, "mean")
+        var = im.reduce(f"{name}_var", x, axes, "mean", lambda a, b: f"square({a} - {b})",
+                        extra=[mu])
+        args, fn = [x, mu, var], lambda a, b, c: f"({a} - {b}) * rsqrt({c} + {eps})"
+    n_norm = len(args)
+    for extra in (scale, bias):
+        if extra is not None:
+            args.append(extra)
+
+    def full(*refs: str) -> str:
+        out = fn(*refs[:n_norm])
+        if scale is not None:
+            out = f"{out} * {refs[n_norm]}"
+        if bias is not None:
+            out = f"{out} + {refs[-1]}"
+        return out
+    outs = [im.map(name, args, full)]
+    if node.op_type == "LayerNormalization" and len(node.output) > 1:
+        outs.append(mu)
+        if len(node.output) > 2:
+            outs.append(im.map(node.output[2], [var], lambda c: f"rsqrt({c} + {eps})"))
+    return outs
+
+
+@lowering("MatMul", "Gemm")
+def _matmul(im: Importer, node) -> list[Value]:
+    a, b = im.value(node.input[0]), im.value(node.input[1])
+    alpha, beta, c = 1.0, 1.0, None
+    if node.op_type == "Gemm":
+        if _attr(node, "transA", 0):
+            a = im.transpose(a, [1, 0])
+        if _attr(node, "transB", 0):
+            b = im.transpose(b, [1, 0])
+        alpha, beta = _attr(node, "alpha", 1.0), _attr(node, "beta", 1.0)
+        c = im.input(node, 2)
+    return [contract(im, node.output[0], a, b, alpha=alpha, bias=c, beta=beta)]
+
+
+def contract(im: Importer, hint: str, a: Value, b: Value, alpha: float = 1.0,
+             bias: Value | None = None, beta: float = 1.0,
+             epilogue: Callable[[str], str] | None = None) -> Value:
+    """numpy's `matmul(a, b)` (batch dimensions broadcast), times alpha, plus beta * bias."""
+    a_vec, b_vec = len(a.shape) == 1, len(b.shape) == 1
+    ash = (1,) + a.shape if a_vec else a.shape
+    bsh = b.shape + (1,) if b_vec else b.shape
+    if ash[-1] != bsh[-2]:
+        im_err = f"MatMul of {list(a.shape)} and {list(b.shape)}: inner extents differ"
+        raise im.error(im_err)
+    batch = im.broadcast([ash[:-2], bsh[:-2]])
+    nb = len(batch)
+    m, n, k = nb, nb + 1, nb + 2
+    dims = [*batch, ash[-2], bsh[-1], ash[-1]]
+
+    def batch_map(shape: tuple[int, ...]) -> list[int | None]:
+        lead = nb - (len(shape) - 2)
+        return [lead + j if shape[j] == batch[lead + j] else None for j in range(len(shape) - 2)]
+    wa = batch_map(ash) + [m, k]
+    wb = batch_map(bsh) + [k, n]
+    operands: list[Operand] = [(a, wa[1:] if a_vec else wa), (b, wb[:-1] if b_vec else wb)]
+    out = [*range(nb), *([] if a_vec else [m]), *([] if b_vec else [n])]
+    if bias is not None:
+        oshape = tuple(dims[d] for d in out)
+        operands.append((bias, [out[len(out) - len(bias.shape) + j]
+                                if bias.shape[j] == oshape[len(out) - len(bias.shape) + j]
+                                else None for j in range(len(bias.shape))]))
+
+    def expr(refs: list[str], ix: _Index) -> str:
+        body = reduce_expr("sum", ix.axes([k]), f"{refs[0]} * {refs[1]}")
+        if alpha != 1:
+            body = f"{_number(alpha)} * {body}"
+        if bias is not None:
+            body = f"{body} + {refs[2]}" if beta == 1 else f"{body} + {_number(beta)} * {refs[2]}"
+        return epilogue(body) if epilogue else body
+    return im.statement(hint, dims, out, operands, expr)
+
+
+def import_onnx(path: str | Path, dims: dict[str, tuple[int, int | None]] | None = None
+                ) -> Imported:
+    """Read an ONNX model and lower it to a `.bbp` program (see the module docstring)."""
+    try:
+        import onnx
+    except ImportError:
+        raise UsageError("importing ONNX needs the onnx package: pip install 'bbrules[onnx]'") \
+            from None
+    try:
+        model = onnx.load(str(path))
+    except Exception as err:  # protobuf's DecodeError and friends: not a model
+        raise UsageError(f"{path}: not an ONNX model ({type(err).__name__}: {err})") from None
+    return Importer(model, str(path), dims or {}).run()

@@ -1,0 +1,160 @@
+"""ONNX import: onnx's own backend test cases agree after import (and after fusion), real
+graphs regroup heads without copies, and what cannot be imported is refused clearly."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections import Counter
+
+import numpy as np
+import pytest
+
+onnx = pytest.importorskip("onnx")
+from onnx import TensorProto, helper, numpy_helper  # noqa: E402
+from onnx.reference import ReferenceEvaluator  # noqa: E402
+
+from bbrules import interp  # noqa: E402
+from bbrules.codegen import numpy_gen  # noqa: E402
+from bbrules.fuse import fuse  # noqa: E402
+from bbrules.onnx_conformance import backend_cases, run_case  # noqa: E402
+from bbrules.onnx_import import OnnxError, import_onnx  # noqa: E402
+from bbrules.packs import load_packs  # noqa: E402
+from bbrules.targets import get_target  # noqa: E402
+
+# Every case of these operators runs through import and the reference interpreter.
+SUBSET = ["Add", "Mul", "Div", "Pow", "Sqrt", "Reciprocal", "Tanh", "Erf", "Gelu", "MatMul",
+          "Gemm", "Softmax", "LogSoftmax", "ReduceSum", "ReduceMean", "ReduceMax",
+          "LayerNormalization", "RMSNormalization", "Attention", "Transpose", "Reshape",
+          "Squeeze", "Unsqueeze", "Expand", "Where", "Equal", "Less", "Identity"]
+
+# ... and these must be among the passes (each a kind of attention or norm a model uses).
+MUST_PASS = ["test_attention_4d", "test_attention_4d_causal", "test_attention_4d_gqa",
+             "test_attention_4d_softcap", "test_attention_4d_attn_mask_bool",
+             "test_attention_4d_diff_heads_sizes", "test_attention_4d_scaled",
+             "test_layer_normalization_4d_axis1", "test_rms_normalization_4d_axis1",
+             "test_softmax_axis_1", "test_logsoftmax_axis_1", "test_gemm_all_attributes",
+             "test_matmul_4d", "test_matmul_1d_3d", "test_gelu_default_1", "test_gelu_tanh_1",
+             "test_reshape_negative_extended_dims", "test_unsqueeze_unsorted_axes"]
+
+
+@pytest.mark.parametrize("op", SUBSET)
+def test_backend_cases_agree_or_are_refused(op):
+    outcomes = [run_case(case, interp.run) for case in backend_cases([op])]
+    failed = [f"{o.case}: {o.detail}" for o in outcomes if o.status == "failed"]
+    assert not failed, failed
+    assert Counter(o.status for o in outcomes)["passed"] > 0
+    for o in outcomes:
+        if o.case in MUST_PASS:
+            assert o.status == "passed", (o.case, o.detail)
+
+
+FUSED = ["test_attention_4d_causal", "test_attention_4d_gqa_expanded",
+         "test_layer_normalization_4d_axis1", "test_softmax_axis_1", "test_gemm_all_attributes"]
+
+
+@pytest.mark.parametrize("name", FUSED)
+def test_fused_cases_agree_through_numpy(name):
+    pack, target = load_packs([]), get_target("h100")
+    case = next(c for c in backend_cases(["Attention", "LayerNormalization", "Softmax", "Gemm"])
+                if c.name == name)
+    outcome = run_case(case, lambda p, x: numpy_gen.run(fuse(p, pack, target).program, x))
+    assert outcome.status == "passed", outcome.detail
+
+
+def transformer_block(path, batch: str | int = "batch", s: int = 64, e: int = 64, h: int = 4):
+    """LayerNorm, Q/K/V projections, heads split by Reshape + Transpose, softmax attention,
+    heads merged back, output projection and a residual add: an exporter's graph."""
+    rng = np.random.default_rng(0)
+    d = e // h
+
+    def weight(name, *shape):
+        return numpy_helper.from_array(rng.standard_normal(shape).astype(np.float32) * 0.1, name)
+    nodes = [helper.make_node("LayerNormalization", ["x", "g", "b"], ["xn"], axis=-1)]
+    for n, perm in (("q", [0, 2, 1, 3]), ("k", [0, 2, 3, 1]), ("v", [0, 2, 1, 3])):
+        nodes += [helper.make_node("MatMul", ["xn", f"w{n}"], [n]),
+                  helper.make_node("Reshape", [n, "heads"], [f"{n}4"]),
+                  helper.make_node("Transpose", [f"{n}4"], [f"{n}t"], perm=perm)]
+    nodes += [helper.make_node("MatMul", ["qt", "kt"], ["s0"]),
+              helper.make_node("Div", ["s0", "root"], ["s"]),
+              helper.make_node("Softmax", ["s"], ["p"], axis=-1),
+              helper.make_node("MatMul", ["p", "vt"], ["o4"]),
+              helper.make_node("Transpose", ["o4"], ["ot"], perm=[0, 2, 1, 3]),
+              helper.make_node("Reshape", ["ot", "merged"], ["o"]),
+              helper.make_node("MatMul", ["o", "wo"], ["y0"]),
+              helper.make_node("Add", ["y0", "x"], ["y"])]
+    inits = [weight("g", e), weight("b", e), weight("wq", e, e), weight("wk", e, e),
+             weight("wv", e, e), weight("wo", e, e),
+             numpy_helper.from_array(np.array([0, 0, h, d], np.int64), "heads"),
+             numpy_helper.from_array(np.array([0, 0, e], np.int64), "merged"),
+             numpy_helper.from_array(np.array(np.sqrt(d), np.float32), "root")]
+    graph = helper.make_graph(nodes, "block", [helper.make_tensor_value_info(
+        "x", TensorProto.FLOAT, [batch, s, e])], [helper.make_tensor_value_info(
+            "y", TensorProto.FLOAT, [batch, s, e])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    onnx.checker.check_model(model)
+    onnx.save(model, str(path))
+    return model
+
+
+def test_heads_split_and_merged_without_copies(tmp_path):
+    transformer_block(tmp_path / "block.onnx")
+    imported = import_onnx(tmp_path / "block.onnx")
+    statements = [line for line in imported.text.splitlines() if "] = " in line]
+    # LN (3), 3 projections, scores, scale, softmax (4), PV, out, residual: no copy
+    assert len(statements) == 15, imported.text
+    assert not any("_copy" in line for line in statements)
+    assert "(d4, d16)" in imported.text  # Q, K and V read per head through a view
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_imported_block_matches_onnx_reference_fused(tmp_path, batch):
+    model = transformer_block(tmp_path / "block.onnx")
+    imported = import_onnx(tmp_path / "block.onnx", {"batch": (batch, None)})
+    x = np.random.default_rng(1).standard_normal((batch, 64, 64)).astype(np.float32)
+    want = ReferenceEvaluator(model).run(None, {"x": x})[0]
+    from bbrules.frontend import parse_program
+    from bbrules.lower import lower
+    program = lower(parse_program(imported.text))
+    fused = fuse(program, load_packs([]), get_target("h100")).program
+    assert len(fused.kernels) < len(program.kernels)
+    got = imported.onnx_outputs(numpy_gen.run(fused, imported.bbp_inputs({"x": x})))["y"]
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def bbrules(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "bbrules", *args], capture_output=True,
+                          text=True, cwd=cwd)
+
+
+def test_cli_import_writes_program_and_weights_and_runs(tmp_path):
+    transformer_block(tmp_path / "block.onnx")
+    r = bbrules("import", str(tmp_path / "block.onnx"), "-o", str(tmp_path / "block.bbp"))
+    assert r.returncode == 0, r.stderr
+    weights = np.load(tmp_path / "block.npz")
+    assert set(weights.files) >= {"wq", "wk", "wv", "wo"}
+    r = bbrules("run", str(tmp_path / "block.bbp"), "--values", str(tmp_path / "block.npz"),
+                "--no-fuse")
+    assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
+    r = bbrules("cost", str(tmp_path / "block.onnx"), "--dim", "batch=2", "--json")
+    assert r.returncode == 0, r.stderr
+
+
+def test_unsupported_operator_names_node_and_position(tmp_path):
+    node = helper.make_node("Conv", ["x", "w"], ["y"], name="conv0")
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["r"]), node], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 2, 8, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(np.ones((2, 2, 3, 3), np.float32), "w")])
+    onnx.save(helper.make_model(graph), str(tmp_path / "conv.onnx"))
+    with pytest.raises(OnnxError, match=r"node 1 'conv0' \(Conv\): operator Conv is not"):
+        import_onnx(tmp_path / "conv.onnx")
+    r = bbrules("import", str(tmp_path / "conv.onnx"))
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "Conv" in r.stderr
+
+
+def test_junk_file_is_refused(tmp_path):
+    (tmp_path / "junk.onnx").write_bytes(b"\x00\xff not a model \x13" * 50)
+    r = bbrules("apply", str(tmp_path / "junk.onnx"))
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
