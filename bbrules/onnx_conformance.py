@@ -53,14 +53,26 @@ def backend_cases(ops: list[str]) -> list:
 _CASES: dict[str, list] = {}  # by operator: a generator module runs once per process
 
 
+def _numpy(x) -> np.ndarray:
+    """A case's data: numpy already, or (for some element types) a TensorProto."""
+    from onnx import TensorProto, numpy_helper
+    return numpy_helper.to_array(x) if isinstance(x, TensorProto) else np.asarray(x)
+
+
 def _static(case) -> tuple[object, dict[str, np.ndarray]]:
-    """The case's model with 64-bit integer inputs made initializers, and its other inputs."""
+    """The case's model with 64-bit integer inputs made initializers (and inputs declared
+    without a shape given their data's), and its other inputs."""
     from onnx import numpy_helper
     model = type(case.model)()
     model.CopyFrom(case.model)
     known = {t.name for t in model.graph.initializer}
     inputs, arrays = [i for i in model.graph.input if i.name not in known], {}
-    for info, value in zip(inputs, case.data_sets[0][0]):
+    for info, value in zip(inputs, map(_numpy, case.data_sets[0][0])):
+        dims = info.type.tensor_type.shape.dim
+        if isinstance(value, np.ndarray) and len(dims) != value.ndim:
+            del dims[:]  # an input declared without its shape takes the case's
+            for n in value.shape:
+                dims.add().dim_value = n
         if isinstance(value, np.ndarray) and value.dtype == np.int64:
             model.graph.initializer.append(numpy_helper.from_array(value, info.name))
         else:
@@ -84,11 +96,11 @@ def run_case(case, compile_and_run: Callable[[BlockProgram, dict[str, np.ndarray
         got = imported.onnx_outputs(compile_and_run(program, inputs))
     except Exception as err:  # a crash is a failure, reported with its type
         return Outcome(case.name, "failed", f"{type(err).__name__}: {err}")
-    low = any(isinstance(a, np.ndarray) and a.dtype == np.float16 for a in arrays.values()) \
-        or "bfloat16" in case.name or "bf16" in case.name
-    tol = 1e-2 if low else 1e-4
     for info, want in zip(model.graph.output, case.data_sets[0][1]):
-        have, want = got[info.name], np.asarray(want, dtype=np.float64)
+        low = info.type.tensor_type.elem_type in (10, 16) or \
+            any(a.dtype.itemsize <= 2 and a.dtype.kind not in "iub" for a in arrays.values())
+        tol = 1e-2 if low else 1e-4  # f16 or bf16 results or inputs: their precision
+        have, want = got[info.name], _numpy(want).astype(np.float64)
         if have.shape != want.shape:
             return Outcome(case.name, "failed", f"{info.name}: shape {list(have.shape)}, "
                                                 f"expected {list(want.shape)}")

@@ -254,13 +254,15 @@ class Importer:
         if name in self.values:
             return self.values[name]
         if name in self.consts:
-            arr = self.consts[name]
+            try:  # bfloat16 and float8 arrays convert too
+                arr = np.asarray(self.consts[name]).astype(np.float32)
+            except (TypeError, ValueError):
+                raise self.error(f"constant '{name}' of type {self.consts[name].dtype} is not "
+                                 f"a number") from None
             if arr.size > 0 and np.all(arr == arr.flat[0]) and np.isfinite(arr.flat[0]):
                 v = Value(tuple(arr.shape), number=float(arr.flat[0]))
-            elif arr.dtype.kind in "fiub":
-                v = self.declare(name, tuple(arr.shape), "f32", arr)
             else:
-                raise self.error(f"constant '{name}' of type {arr.dtype} is not a number")
+                v = self.declare(name, tuple(arr.shape), "f32", arr)
             self.values[name] = v
             return v
         raise self.error(f"value '{name}' is not defined before its use")
@@ -472,6 +474,9 @@ class Importer:
 
     def shape_of(self, info) -> tuple[int, ...]:
         """A graph input's shape; a symbolic dimension takes its `--dim` extent (default 1)."""
+        if not info.type.tensor_type.HasField("shape"):
+            raise self.error(f"graph input '{info.name}' has no shape: bbrules compiles for "
+                             f"static shapes")
         shape = []
         for d in info.type.tensor_type.shape.dim:
             if d.HasField("dim_value"):
@@ -494,14 +499,21 @@ class Importer:
                 name = f"d{extent}" if k == 0 else f"d{extent}_{k}"
                 dims.append(f"dim {name} = {extent}" + (f" / {block}" if block < extent else ""))
         head = f"# Imported from {Path(self.path).name} by `bbrules import`.\n"
+        stored: dict[str, list[str]] = {}  # outputs by storage type: ONNX's, where bbrules has it
+        for name, (tensor, _) in outputs.items():
+            stored.setdefault(_DTYPES.get(self.elem_types.get(name, 1), "f32"), []).append(tensor)
         body = [*dims, "", *self.decls, "", *self.lines, "",
-                f"output {', '.join(t for t, _ in outputs.values())}"]
+                *(f"output {', '.join(ts)}" + (f" : {dtype}" if dtype != "f32" else "")
+                  for dtype, ts in stored.items())]
         return head + "\n".join(body) + "\n"
 
     def lower(self, node) -> None:
         if all(i in self.consts for i in [*node.input, *_outer_names(node)] if i) and \
                 node.op_type not in _NO_FOLD:
             self.fold(node)
+            return
+        if node.op_type == "CastLike" and node.input[0] in self.consts:
+            self.consts[node.output[0]] = self.consts[node.input[0]]  # the like only types it
             return
         if node.op_type == "Shape" and node.input[0] in self.values:
             shape = np.array(self.values[node.input[0]].shape, dtype=np.int64)
@@ -741,28 +753,42 @@ def _gelu(im: Importer, node) -> list[Value]:
                                                   f"{_number(1 / math.sqrt(2))}))")]
 
 
-@lowering("LeakyRelu", "Elu", "HardSigmoid", "Clip", "Selu")
+def _leaky_relu(im: Importer, node) -> Callable[[str], str]:
+    alpha = _number(_attr(node, "alpha", 0.01))
+    return lambda a: f"where({a} >= 0, {a}, {alpha} * {a})"
+
+
+def _elu(im: Importer, node) -> Callable[[str], str]:
+    alpha = _number(_attr(node, "alpha", 1.0))
+    return lambda a: f"where({a} > 0, {a}, {alpha} * elu({a}))"
+
+
+def _selu(im: Importer, node) -> Callable[[str], str]:
+    alpha = _number(_attr(node, "alpha", 1.67326319217681884765625))
+    gamma = _number(_attr(node, "gamma", 1.05070102214813232421875))
+    return lambda a: f"{gamma} * where({a} > 0, {a}, {alpha} * elu({a}))"
+
+
+def _hard_sigmoid(im: Importer, node) -> Callable[[str], str]:
+    alpha, beta = _number(_attr(node, "alpha", 0.2)), _number(_attr(node, "beta", 0.5))
+    return lambda a: f"max(0, min(1, {alpha} * {a} + {beta}))"
+
+
+def _clip(im: Importer, node) -> Callable[[str], str]:
+    lo = _number(_clip_bound(im, node, 1, "min", -math.inf))
+    hi = _number(_clip_bound(im, node, 2, "max", math.inf))
+    return lambda a: f"min(max({a}, {lo}), {hi})"
+
+
+_PARAMETRIC = {"LeakyRelu": _leaky_relu, "Elu": _elu, "Selu": _selu,
+               "HardSigmoid": _hard_sigmoid, "Clip": _clip}
+
+
+@lowering(*_PARAMETRIC)
 def _with_parameters(im: Importer, node) -> list[Value]:
-    x = im.value(node.input[0])
-    op = node.op_type
-    if op == "LeakyRelu":
-        alpha = _attr(node, "alpha", 0.01)
-        fn = lambda a: f"where({a} >= 0, {a}, {_number(alpha)} * {a})"  # noqa: E731
-    elif op == "Elu":
-        alpha = _attr(node, "alpha", 1.0)
-        fn = lambda a: f"where({a} > 0, {a}, {_number(alpha)} * elu({a}))"  # noqa: E731
-    elif op == "Selu":
-        alpha, gamma = _attr(node, "alpha", 1.67326319217681884765625), \
-            _attr(node, "gamma", 1.05070102214813232421875)
-        fn = lambda a: f"{_number(gamma)} * where({a} > 0, {a}, {_number(alpha)} * elu({a}))"  # noqa
-    elif op == "HardSigmoid":
-        alpha, beta = _attr(node, "alpha", 0.2), _attr(node, "beta", 0.5)
-        fn = lambda a: f"max(0, min(1, {_number(alpha)} * {a} + {_number(beta)}))"  # noqa
-    else:
-        lo = _clip_bound(im, node, 1, "min", -math.inf)
-        hi = _clip_bound(im, node, 2, "max", math.inf)
-        fn = lambda a: f"min(max({a}, {_number(lo)}), {_number(hi)})"  # noqa: E731
-    return [im.map(node.output[0], [x], fn)]
+    """Elementwise operators whose attributes (or constant inputs) fix their parameters."""
+    fn = _PARAMETRIC[node.op_type](im, node)
+    return [im.map(node.output[0], [im.value(node.input[0])], fn)]
 
 
 def _clip_bound(im: Importer, node, index: int, name: str, default: float) -> float:
@@ -778,9 +804,14 @@ def _identity(im: Importer, node) -> list[Value]:
             bool(im.const(node.input[2], "training_mode")):
         raise im.error("Dropout in training mode draws random numbers; import the model "
                        "for inference")
-    if node.op_type == "Cast" and _attr(node, "to", 1) == 9:  # to bool: nonzero is true
+    to = _attr(node, "to", 1) if node.op_type == "Cast" else \
+        im.elem_types.get(node.input[1], 1) if node.op_type == "CastLike" else 1
+    if to == 9:  # to bool: nonzero is true
         return [im.map(node.output[0], [x], lambda a: f"{a} != 0")]
-    return [x]
+    if to not in _NUMBERS:
+        raise im.error(f"a cast to ONNX element type {to} (a format of under 16 bits or not a "
+                       f"number) is not supported: bbrules computes in float32")
+    return [x]  # float32 holds f16/bf16 values and the integers a model casts to
 
 
 @lowering("Reshape", "Flatten", "Squeeze", "Unsqueeze")
@@ -823,7 +854,8 @@ def _transpose(im: Importer, node) -> list[Value]:
 
 @lowering("Expand")
 def _expand(im: Importer, node) -> list[Value]:
-    return [im.expand(im.value(node.input[0]), im.const(node.input[1], "the shape").reshape(-1).tolist())]
+    shape = im.const(node.input[1], "the shape").reshape(-1).tolist()
+    return [im.expand(im.value(node.input[0]), shape)]
 
 
 _REDUCTIONS = {"ReduceSum": ("sum", lambda a: a), "ReduceMean": ("mean", lambda a: a),
