@@ -22,11 +22,13 @@ import numpy as np
 from . import __version__, dense, interp
 from .codegen import cuda_gen, numpy_gen
 from .blockfile import BlockFile, load_block_program
-from .cost import cost_program, fmt_bytes, fmt_flops, fmt_time
+from .cost import ProgramCost, cost_program, fmt_bytes, fmt_flops, fmt_time
 from .engine import Budget, run_checks
 from .errors import SourceError, Span, UsageError
 from .extract import NoCandidate
 from .frontend import DimOverrides, load_program, parse_dim_override, parse_program
+from .candidates import (DEFAULT_THRESHOLD, PackSource, StitchedResult, fuse_candidates,
+                         select_candidates)
 from .fuse import FuseResult, fuse
 from .onnx_import import import_onnx
 from .inputs import random_inputs
@@ -456,6 +458,14 @@ def _fuse_args(p: argparse.ArgumentParser) -> None:
                    help="memory budget (e.g. 512M, 16G; default: half the machine's memory): "
                         "fusion keeps its resident memory under it, and run refuses a program "
                         "whose estimated peak exceeds it")
+    whole = p.add_mutually_exclusive_group()
+    whole.add_argument("--candidates", type=_integer(1), metavar="N",
+                       help="cut the program into candidates of at most N kernels, fuse each "
+                            "(identical ones once, in parallel) and stitch the results (default "
+                            f"for programs of more than {DEFAULT_THRESHOLD} kernels, with "
+                            f"N = {DEFAULT_THRESHOLD})")
+    whole.add_argument("--no-candidates", action="store_true",
+                       help="fuse the whole program in one e-graph, however large")
     _progress_arg(p)
 
 
@@ -465,17 +475,38 @@ def _progress_arg(p: argparse.ArgumentParser) -> None:
                         "--json)")
 
 
-def _fuse(args: argparse.Namespace, program: BlockProgram) -> FuseResult:
+def _fuse(args: argparse.Namespace, program: BlockProgram) -> FuseResult | StitchedResult:
+    """Fuse the program in one e-graph, or by candidates (`bbrules.candidates`) when it has
+    more than `DEFAULT_THRESHOLD` kernels or `--candidates` asks (the budget then bounds all
+    the candidates' fusions together)."""
     budget = Budget(nodes=args.nodes, iterations=args.iterations, seconds=args.seconds,
                     memory=max(1, args.memory // 2**20))
     meter = Meter(budget)  # loading the packs counts against the time budget too
+    options = Options(split_folds=not args.no_split, reblock=not args.fixed_blocks)
+    size = _candidate_size(args, program)
     try:
+        if size is not None:
+            return fuse_candidates(program, select_candidates(program, size), _load_packs(args),
+                                   get_target(args.target), args.objective, budget, options,
+                                   PackSource(tuple(args.rules), not args.no_installed),
+                                   progress=_progress(args))
         return fuse(program, _load_packs(args), get_target(args.target), args.objective,
-                    args.max_kernels, budget, _progress(args),
-                    Options(split_folds=not args.no_split, reblock=not args.fixed_blocks),
-                    meter)
+                    args.max_kernels, budget, _progress(args), options, meter)
     except NoCandidate as e:
         raise UsageError(str(e)) from None
+
+
+def _candidate_size(args: argparse.Namespace, program: BlockProgram) -> int | None:
+    """The most kernels per candidate, or None to fuse the program whole.  `--max-kernels`
+    bounds the whole program, which separate candidates cannot promise."""
+    if args.candidates is not None:
+        if args.max_kernels is not None:
+            raise UsageError("--max-kernels bounds the whole program's kernels and cannot be "
+                             "combined with --candidates; use --no-candidates")
+        return args.candidates
+    if args.no_candidates or args.max_kernels is not None:
+        return None
+    return DEFAULT_THRESHOLD if len(program.kernels) > DEFAULT_THRESHOLD else None
 
 
 def _apply_args(p: argparse.ArgumentParser) -> None:
@@ -485,7 +516,8 @@ def _apply_args(p: argparse.ArgumentParser) -> None:
                    help="write the fused block program (readable by show, cost, run, codegen)")
     p.add_argument("--explain", action="store_true",
                    help="print the chain of rule applications that turns the input into the "
-                        "output, each with the rule's file:line and the subterm it rewrote")
+                        "output, each with the rule's file:line and the subterm it rewrote "
+                        "(fused by candidates: the candidates formed)")
     p.add_argument("--stats", action="store_true",
                    help="print per-rule statistics: matches, applications, time")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -507,13 +539,10 @@ def cmd_apply(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result.to_json(), indent=2, default=_finite))
         return 0
-    print(fusion_report(result))
-    if args.stats:
-        print("\n" + rule_table(result))
-    if args.explain:
-        print("\nrule applications from the input to the output, in replay order:")
-        for line in result.explain():
-            print(f"  {line}")
+    if isinstance(result, StitchedResult):
+        print(stitched_report(result, args.explain))
+    else:
+        _print_single(result, args)
     if args.output:
         print(f"\nwrote {args.output}")
     else:
@@ -521,9 +550,33 @@ def cmd_apply(args: argparse.Namespace) -> int:
     return 0
 
 
-def fusion_report(r: FuseResult) -> str:
-    """Before/after totals, saturation per stage, extraction."""
-    b, a = r.before, r.after
+def _print_single(result: FuseResult, args: argparse.Namespace) -> None:
+    print(fusion_report(result))
+    if args.stats:
+        print("\n" + rule_table(result))
+    if args.explain:
+        print("\nrule applications from the input to the output, in replay order:")
+        for line in result.explain():
+            print(f"  {line}")
+
+
+def stitched_report(r: StitchedResult, explain: bool) -> str:
+    """Before/after totals and the candidates (with `explain`, what each covered)."""
+    distinct = sum(c.reused_from is None for c in r.candidates)
+    lines = _totals(r.before, r.after)
+    lines.append(f"fused by candidates: {len(r.candidates)} candidates, {distinct} distinct "
+                 f"(identical ones fused once), {r.workers} process{'es' * (r.workers > 1)}, "
+                 f"{r.seconds:.2f} s")
+    for c in r.candidates:
+        lines.append(f"  {c.line()}")
+    if explain:
+        lines.append("no chain of rule applications for a program stitched from candidates: "
+                     "run apply on a candidate's kernels alone (--no-candidates) for one")
+    return "\n".join(lines)
+
+
+def _totals(b: ProgramCost, a: ProgramCost) -> list[str]:
+    """The before/after table and the line comparing both with the compulsory traffic."""
     rows = [
         ("kernels", str(b.n_kernels), str(a.n_kernels)),
         ("global read", fmt_bytes(b.bytes_read), fmt_bytes(a.bytes_read)),
@@ -538,6 +591,13 @@ def fusion_report(r: FuseResult) -> str:
                  f"{b.traffic / a.compulsory:.2f}x, after {a.traffic / a.compulsory:.2f}x; "
                  f"traffic {b.traffic / max(a.traffic, 1):.2f}x less, modeled time "
                  f"{b.time / a.time:.2f}x less")
+    return lines
+
+
+def fusion_report(r: FuseResult) -> str:
+    """Before/after totals, saturation per stage, extraction."""
+    b, a = r.before, r.after
+    lines = _totals(b, a)
     if (margin := r.margin()) is not None:
         ru = r.runner_up
         ties = (f"; times within {a.target.resolution:.0%} tie, less traffic wins"

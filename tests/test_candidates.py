@@ -1,0 +1,123 @@
+"""Candidate selection: long programs are cut into candidates, identical candidates are fused
+once, and the stitched program computes what the unfused one does with fewer kernels."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from bbrules import interp
+from bbrules.candidates import PackSource, fuse_candidates, select_candidates
+from bbrules.cli import main
+from bbrules.frontend import parse_program
+from bbrules.inputs import random_inputs
+from bbrules.ir import validate
+from bbrules.lower import lower
+from bbrules.packs import load_packs
+from bbrules.targets import get_target
+
+TARGET = get_target("h100")
+
+
+def attention_chain(n: int) -> str:
+    """n small attention blocks, each block's output the next block's queries (as
+    benchmarks/bench_apply.py builds them, at 128 x 128)."""
+    lines = ["dim q = 128 / 32", "dim k = 128 / 32", "dim d = 32",
+             "input Q0[q, d], K[k, d], V[k, d] : f32"]
+    for i in range(1, n + 1):
+        lines += [f"S{i}[q, k] = sum[d] Q{i - 1}[q, d] * K[k, d] * 0.125",
+                  f"M{i}[q] = max[k] S{i}[q, k]",
+                  f"E{i}[q, k] = exp(S{i}[q, k] - M{i}[q])",
+                  f"L{i}[q] = sum[k] E{i}[q, k]",
+                  f"P{i}[q, k] = E{i}[q, k] / L{i}[q]",
+                  f"Q{i}[q, d] = sum[k] P{i}[q, k] * V[k, d]"]
+    return "\n".join(lines) + f"\noutput Q{n}\n"
+
+
+def norm_chain(acts: list[str]) -> str:
+    """Blocks of `X_i = act(X_{i-1} / rowsum(X_{i-1}^2)) W_i`, one per activation."""
+    weights = ", ".join(f"W{i}[f, e]" for i in range(1, len(acts) + 1))
+    lines = ["dim m = 64 / 32", "dim e = 64 / 32", "dim f = 64 / 32",
+             f"input X0[m, e], {weights} : f32"]
+    for i, act in enumerate(acts, 1):
+        lines += [f"R{i}[m] = sum[f] X{i - 1}[m, f] * X{i - 1}[m, f]",
+                  f"N{i}[m, f] = {act}(X{i - 1}[m, f] / R{i}[m])",
+                  f"X{i}[m, e] = sum[f] N{i}[m, f] * W{i}[f, e]"]
+    return "\n".join(lines) + f"\noutput X{len(acts)}\n"
+
+
+@pytest.fixture(scope="module")
+def pack():
+    return load_packs([])
+
+
+@pytest.fixture(scope="module")
+def attention(pack):
+    p = lower(parse_program(attention_chain(4), "chain.bbp"))
+    candidates = select_candidates(p, 6)
+    return p, candidates, fuse_candidates(p, candidates, pack, TARGET)
+
+
+def test_cuts_at_the_cheapest_tensors(attention):
+    p, candidates, _ = attention
+    # Between the blocks only Q_i (128 x 32) crosses; inside, the 128 x 128 scores would.
+    assert [(c.start, c.stop) for c in candidates] == [(0, 6), (6, 12), (12, 18), (18, 24)]
+    assert [c.program.inputs for c in candidates] == [(f"Q{i}", "K", "V") for i in range(4)]
+    assert [c.program.outputs for c in candidates] == [(f"Q{i}",) for i in range(1, 5)]
+
+
+def test_identical_blocks_are_fused_once(attention):
+    _, _, result = attention
+    assert [c.reused_from for c in result.candidates] == [None, 0, 0, 0]
+    assert all(c.kernels_after == result.candidates[0].kernels_after for c in result.candidates)
+
+
+def test_stitched_program_is_equivalent_and_cheaper(attention):
+    p, _, result = attention
+    validate(result.program)
+    inputs = random_inputs(p, seed=1)
+    want, got = interp.run(p, inputs)["Q4"], interp.run(result.program, inputs)["Q4"]
+    assert np.allclose(got, want, rtol=1e-4, atol=1e-5)
+    assert result.after.n_kernels < result.before.n_kernels
+    assert result.after.traffic <= result.before.traffic
+    # Each block's scores stay local: none of S, E, P is stored by the stitched program.
+    stored = {s.tensor for s in result.program.stores}
+    assert not stored & {f"{t}{i}" for t in "SEP" for i in range(1, 5)}
+    assert result.program.tensors["Q2"].role == "temp"
+
+
+def test_distinct_candidates_are_fused_in_a_pool(pack):
+    p = lower(parse_program(norm_chain(["exp", "tanh"]), "norms.bbp"))
+    candidates = select_candidates(p, 3)
+    assert [(c.start, c.stop) for c in candidates] == [(0, 3), (3, 6)]
+    result = fuse_candidates(p, candidates, pack, TARGET, source=PackSource(), workers=2)
+    assert result.workers == 2 and [c.reused_from for c in result.candidates] == [None, None]
+    inputs = random_inputs(p, seed=2)
+    want, got = interp.run(p, inputs)["X2"], interp.run(result.program, inputs)["X2"]
+    assert np.allclose(got, want, rtol=1e-4, atol=1e-5)
+    assert result.after.traffic <= result.before.traffic
+
+
+def test_apply_reports_candidates(tmp_path, capsys):
+    program = tmp_path / "norms.bbp"
+    program.write_text(norm_chain(["exp"] * 3))
+    assert main(["apply", str(program), "--candidates", "3", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [c["kernels"] for c in report["candidates"]] == [[0, 3], [3, 6], [6, 9]]
+    assert [c["reused"] for c in report["candidates"]] == [False, True, True]
+    assert report["after"]["n_kernels"] < report["before"]["n_kernels"]
+
+    out = tmp_path / "norms.bbk"
+    assert main(["apply", str(program), "--candidates", "3", "--explain", "-o", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "candidate 2: kernels 6-8" in text and "no chain of rule applications" in text
+    assert main(["run", str(out)]) == 0
+
+
+def test_candidates_and_max_kernels_conflict(tmp_path, capsys):
+    program = tmp_path / "norms.bbp"
+    program.write_text(norm_chain(["exp"]))
+    assert main(["apply", str(program), "--candidates", "2", "--max-kernels", "1"]) == 2
+    assert "--max-kernels" in capsys.readouterr().err
