@@ -5,16 +5,18 @@ stage reports positions in it) plus the values of the model's initializers, whic
 that the backends load rather than draw at random.
 
 How ONNX shapes become named axes.  A `.bbp` tensor has named axes of extent > 1; an ONNX value
-is *a view of one*: its dimensions are groups of consecutive "pieces", each piece a factor of one
-of the tensor's axes.  So
+is *a view of one*: its dimensions are groups of "pieces", each piece a factor of one of the
+tensor's axes.  So
 
 - Reshape, Squeeze, Unsqueeze, Flatten, Transpose, Expand and Identity emit nothing: they
-  regroup, permute or broadcast the pieces of the same tensor.  A reshape that would merge
-  dimensions a transpose has separated copies the tensor first (one statement).
+  regroup, permute or broadcast the pieces of the same tensor (pieces need not stay in memory
+  order, so a transpose followed by a reshape moves no data either).
 - An operator that computes emits one statement over *atomic axes*: per dimension, the common
   refinement of how its operands factor it.  An operand reads a tensor axis that covers several
   atomic axes through a view (`X[t, (h, d)]`), so a head split feeds attention without a copy.
 - Dimensions of extent 1 have no axis at all: broadcasting them is free, keepdims costs nothing.
+- Slice, Split and Concat select chunks with one-hot sums whose block skipping visits only the
+  blocks of chunks that hold the selection (`gather_parts`).
 
 Constant subgraphs (shape arithmetic: Shape, Gather, Concat, Range on constants) are evaluated
 here with ONNX's own reference implementation of each operator, for the batch size given with
@@ -153,6 +155,13 @@ class _Index:
 
     def axes(self, dims: Sequence[int]) -> list[str]:
         return [n for d in dims for n in self.names[d]]
+
+    def position(self, d: int) -> str:
+        """The position along statement dimension `d`, from its axes' positions."""
+        names, extents = self.names[d], self.extents[d]
+        terms = [f"{n} * {math.prod(extents[i + 1:])}" if i + 1 < len(names) else n
+                 for i, n in enumerate(names)]
+        return f"({' + '.join(terms)})" if terms else "0"
 
 
 def reduce_expr(op: str, axes: list[str], body: str) -> str:
@@ -850,6 +859,113 @@ def _transpose(im: Importer, node) -> list[Value]:
     x = im.value(node.input[0])
     perm = _attr(node, "perm", None) or list(range(len(x.shape)))[::-1]
     return [im.transpose(x, perm)]
+
+
+def gather_parts(im: Importer, hint: str, parts: Sequence[tuple[Value, int]], axis: int,
+                 length: int) -> Value:
+    """`length` elements along `axis` assembled from slices of `parts`: part (x, at) places
+    x's elements from position `at` of the result (negative: x is cut off before it).
+
+    No statement can shift an index, so each part is read through a view that cuts `axis`
+    into chunks of g elements (g divides every boundary) and chosen by a one-hot sum over its
+    chunks: y[q, i] = sum over p of where(p == q + offset, x[p, i], 0).  Block skipping visits
+    only the blocks of chunks whose predicate may hold (one chunk per block where the chunks are
+    few, so then no more data moves than the selection holds)."""
+    shape = parts[0][0].shape
+    g = math.gcd(length, *(n for x, at in parts for n in (x.shape[axis], at)))
+    outer = tuple(shape[:axis]) + (length // g, g) + tuple(shape[axis + 1:])
+    r = len(outer)
+    dims = [*outer, *(x.shape[axis] // g for x, _ in parts)]
+    operands: list[Operand] = []
+    for k, (x, _) in enumerate(parts):
+        viewed = im.reshape(x, x.shape[:axis] + (x.shape[axis] // g, g) + x.shape[axis + 1:])
+        where = list(range(r))
+        where[axis] = r + k
+        operands.append((viewed, [d if viewed.shape[j] == dims[d] else None
+                                  for j, d in enumerate(where)]))
+
+    def expr(refs: list[str], ix: _Index) -> str:
+        terms = []
+        for k, (ref, (_, at)) in enumerate(zip(refs, parts)):
+            hit = f"{ix.position(r + k)} == {ix.position(axis)} - {at // g}" if at >= 0 else \
+                f"{ix.position(r + k)} == {ix.position(axis)} + {-at // g}"
+            terms.append(reduce_expr("sum", ix.axes([r + k]), f"where({hit}, {ref}, 0)"))
+        return " + ".join(terms)
+    y = im.statement(hint, dims, range(r), operands, expr)
+    return im.reshape(y, tuple(shape[:axis]) + (length,) + tuple(shape[axis + 1:]))
+
+
+def _slice(im: Importer, hint: str, x: Value, axis: int, start: int, stop: int) -> Value:
+    if (start, stop) == (0, x.shape[axis]):
+        return x
+    return gather_parts(im, hint, [(x, -start)], axis, stop - start)
+
+
+@lowering("Slice")
+def _slice_node(im: Importer, node) -> list[Value]:
+    x = im.value(node.input[0])
+    r = len(x.shape)
+    starts = im.const(node.input[1], "the starts").reshape(-1).tolist()
+    ends = im.const(node.input[2], "the ends").reshape(-1).tolist()
+    axes = im.axes_of(node, r, index=3, default=list(range(len(starts))))
+    steps = im.const(node.input[4], "the steps").reshape(-1).tolist() \
+        if len(node.input) > 4 and node.input[4] else [1] * len(starts)
+    for start, end, axis, step in zip(starts, ends, axes, steps):
+        n = x.shape[axis]
+        if step < 1 or n % step:
+            raise im.error(f"a Slice with step {step} of an extent {n} it does not divide "
+                           f"(or a negative step) is not supported")
+        lo = min(max(start + n if start < 0 else start, 0), n)
+        hi = min(max(end + n if end < 0 else end, 0), n)
+        count = len(range(lo, hi, step))
+        if count == 0:
+            raise im.error(f"the slice {start}:{end} of extent {n} is empty")
+        if step == 1:
+            x = _slice(im, node.output[0], x, axis, lo, hi)
+            continue
+        # every step-th element: the axis read as (n / step, step), one column of it
+        outer, inner = x.shape[:axis], x.shape[axis + 1:]
+        x = im.reshape(x, outer + (n // step, step) + inner)
+        x = _slice(im, node.output[0], x, axis + 1, lo % step, lo % step + 1)
+        x = _slice(im, node.output[0], x, axis, lo // step, lo // step + count)
+        x = im.reshape(x, outer + (count,) + inner)
+    return [x]
+
+
+@lowering("Split")
+def _split(im: Importer, node) -> list[Value]:
+    x = im.value(node.input[0])
+    axis = _attr(node, "axis", 0) % len(x.shape)
+    n = x.shape[axis]
+    sizes = _attr(node, "split", None)
+    if sizes is None and len(node.input) > 1 and node.input[1]:
+        sizes = im.const(node.input[1], "the split sizes").reshape(-1).tolist()
+    if sizes is None:
+        count = _attr(node, "num_outputs", len(node.output))
+        chunk = -(-n // count)
+        sizes = [min(chunk, n - i * chunk) for i in range(count)]
+    outs, at = [], 0
+    for name, size in zip(node.output, sizes):
+        if size == 0:  # nothing: a Concat drops it; any other use is refused as empty
+            outs.append(Value(x.shape[:axis] + (0,) + x.shape[axis + 1:], number=0.0))
+        else:
+            outs.append(_slice(im, name, x, axis, at, at + size))
+        at += size
+    return outs
+
+
+@lowering("Concat")
+def _concat(im: Importer, node) -> list[Value]:
+    xs = [im.value(n) for n in node.input if n]
+    axis = _attr(node, "axis", 0) % len(xs[0].shape)
+    xs = [x for x in xs if x.shape[axis] > 0]
+    if len(xs) == 1:
+        return xs
+    parts, at = [], 0
+    for x in xs:
+        parts.append((x, at))
+        at += x.shape[axis]
+    return [gather_parts(im, node.output[0], parts, axis, at)]
 
 
 @lowering("Expand")

@@ -26,7 +26,8 @@ from bbrules.targets import get_target  # noqa: E402
 SUBSET = ["Add", "Mul", "Div", "Pow", "Sqrt", "Reciprocal", "Tanh", "Erf", "Gelu", "MatMul",
           "Gemm", "Softmax", "LogSoftmax", "ReduceSum", "ReduceMean", "ReduceMax",
           "LayerNormalization", "RMSNormalization", "Attention", "Transpose", "Reshape",
-          "Squeeze", "Unsqueeze", "Expand", "Where", "Equal", "Less", "Identity"]
+          "Squeeze", "Unsqueeze", "Expand", "Where", "Equal", "Less", "Identity", "Slice",
+          "Concat", "Split", "RotaryEmbedding"]
 
 # ... and these must be among the passes (each a kind of attention or norm a model uses).
 MUST_PASS = ["test_attention_4d", "test_attention_4d_causal", "test_attention_4d_gqa",
@@ -35,7 +36,10 @@ MUST_PASS = ["test_attention_4d", "test_attention_4d_causal", "test_attention_4d
              "test_layer_normalization_4d_axis1", "test_rms_normalization_4d_axis1",
              "test_softmax_axis_1", "test_logsoftmax_axis_1", "test_gemm_all_attributes",
              "test_matmul_4d", "test_matmul_1d_3d", "test_gelu_default_1", "test_gelu_tanh_1",
-             "test_reshape_negative_extended_dims", "test_unsqueeze_unsorted_axes"]
+             "test_reshape_negative_extended_dims", "test_unsqueeze_unsorted_axes",
+             "test_slice", "test_slice_negative_axes", "test_concat_3d_axis_1",
+             "test_split_variable_parts_2d_opset13", "test_rotary_embedding_no_position_ids",
+             "test_rotary_embedding_no_position_ids_interleaved"]
 
 
 @pytest.mark.parametrize("op", SUBSET)
@@ -50,14 +54,15 @@ def test_backend_cases_agree_or_are_refused(op):
 
 
 FUSED = ["test_attention_4d_causal", "test_attention_4d_gqa_expanded",
-         "test_layer_normalization_4d_axis1", "test_softmax_axis_1", "test_gemm_all_attributes"]
+         "test_layer_normalization_4d_axis1", "test_softmax_axis_1", "test_gemm_all_attributes",
+         "test_rotary_embedding_no_position_ids", "test_concat_3d_axis_1"]
 
 
 @pytest.mark.parametrize("name", FUSED)
 def test_fused_cases_agree_through_numpy(name):
     pack, target = load_packs([]), get_target("h100")
-    case = next(c for c in backend_cases(["Attention", "LayerNormalization", "Softmax", "Gemm"])
-                if c.name == name)
+    ops = ["Attention", "LayerNormalization", "Softmax", "Gemm", "RotaryEmbedding", "Concat"]
+    case = next(c for c in backend_cases(ops) if c.name == name)
     outcome = run_case(case, lambda p, x: numpy_gen.run(fuse(p, pack, target).program, x))
     assert outcome.status == "passed", outcome.detail
 
