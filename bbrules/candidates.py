@@ -75,28 +75,76 @@ class Candidate:
 def select_candidates(p: BlockProgram, max_kernels_per_candidate: int) -> list[Candidate]:
     """Partition `p`'s kernels into contiguous candidates of at most `max_kernels_per_candidate`
     kernels, cutting where the round trips through global memory cost least (see the module
-    docstring).  Bytes, not modeled time: every target orders round trips the same way."""
+    docstring).  Bytes, not modeled time: every target orders round trips the same way.
+
+    A program that repeats itself from its start (the layers of a model) is cut the same way
+    in every repetition, so that the repetitions' candidates are identical and fused once."""
     if max_kernels_per_candidate < 1:
         raise ValueError("a candidate holds at least one kernel")
     n = len(p.kernels)
     loads = [_loads(k) for k in p.kernels]
     cuts = [_cut_cost(p, loads, c) for c in range(n + 1)]
-    # best[j]: the cheapest partition of kernels [0, j) as (views cut, bytes cut, candidates)
-    best: list[tuple[float, float, float]] = [(0, 0, 0)] + [(math.inf,) * 3] * n
-    back = [0] * (n + 1)
-    for j in range(1, n + 1):
-        for i in range(max(0, j - max_kernels_per_candidate), j):
+    period, repeats = _repetition(p, max_kernels_per_candidate)
+    bounds, tail = [], 0
+    if repeats > 1:
+        inner = _partition(cuts, 0, period, max_kernels_per_candidate)
+        bounds = [(start + k * period, stop + k * period) for k in range(repeats)
+                  for start, stop in inner]
+        tail = repeats * period
+    bounds += _partition(cuts, tail, n, max_kernels_per_candidate)
+    return [Candidate(i, start, stop, _standalone(p, start, stop))
+            for i, (start, stop) in enumerate(bounds)]
+
+
+def _partition(cuts: list[tuple[int, int]], lo: int, hi: int,
+               most: int) -> list[tuple[int, int]]:
+    """The cheapest cut of kernels [lo, hi) into runs of at most `most`, by dynamic
+    programming over cut positions; `cuts[c]` is the cost of cutting before kernel c."""
+    # best[j]: the cheapest partition of [lo, lo + j) as (views cut, bytes cut, candidates)
+    best: list[tuple[float, float, float]] = [(0, 0, 0)] + [(math.inf,) * 3] * (hi - lo)
+    back = [0] * (hi - lo + 1)
+    for j in range(1, hi - lo + 1):
+        for i in range(max(0, j - most), j):
             views, size, count = best[i]
-            key = (views + cuts[i][0], size + cuts[i][1], count + 1)
+            cost = cuts[lo + i] if i else (0, 0)
+            key = (views + cost[0], size + cost[1], count + 1)
             if key < best[j]:
                 best[j], back[j] = key, i
     bounds = []
-    j = n
+    j = hi - lo
     while j > 0:
-        bounds.append((back[j], j))
+        bounds.append((lo + back[j], lo + j))
         j = back[j]
-    return [Candidate(i, start, stop, _standalone(p, start, stop))
-            for i, (start, stop) in enumerate(reversed(bounds))]
+    return bounds[::-1]
+
+
+_LONGEST_PERIOD = 512  # kernels: longer layers than this are not looked for
+
+
+def _repetition(p: BlockProgram, most: int) -> tuple[int, int]:
+    """(period, repeats): the shortest run of kernels that the program's first kernels repeat
+    (the same kernels up to tensor names, `canonical`), widened to hold a whole candidate of
+    `most` kernels where it is shorter; (0, 0) if the program does not start with a
+    repetition."""
+    n = len(p.kernels)
+    shapes = [(len(k.grid), *(type(node).__name__ for s in k.stores
+                                         for node in postorder(s.value))) for k in p.kernels]
+
+    def form(start: int, stop: int) -> str:
+        return show_program(canonical(_standalone(p, start, stop))[0])
+
+    for period in range(1, min(n // 2, _LONGEST_PERIOD) + 1):
+        if shapes[:period] != shapes[period:2 * period]:
+            continue  # a cheap test first: the kernels' node kinds differ
+        first = form(0, period)
+        repeats = 1
+        while (repeats + 1) * period <= n and \
+                form(repeats * period, (repeats + 1) * period) == first:
+            repeats += 1
+        if repeats > 1:
+            widen = max(1, most // period)  # short periods: several per candidate
+            return period * widen, repeats // widen
+    return 0, 0
 
 
 def _tensor_bytes(p: BlockProgram, name: str) -> int:

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 
 from bbrules import interp
-from bbrules.candidates import PackSource, fuse_candidates, select_candidates
+from bbrules.candidates import PackSource, canonical, fuse_candidates, select_candidates
 from bbrules.cli import main
 from bbrules.frontend import parse_program
 from bbrules.inputs import random_inputs
-from bbrules.ir import validate
+from bbrules.ir import show_program, validate
 from bbrules.lower import lower
 from bbrules.packs import load_packs
 from bbrules.targets import get_target
@@ -121,3 +121,18 @@ def test_candidates_and_max_kernels_conflict(tmp_path, capsys):
     program.write_text(norm_chain(["exp"]))
     assert main(["apply", str(program), "--candidates", "2", "--max-kernels", "1"]) == 2
     assert "--max-kernels" in capsys.readouterr().err
+
+
+def test_a_repeating_program_is_cut_alike_in_every_repetition():
+    # Five blocks of 6 kernels, candidates of up to 10: a period of 6 holds one block, so every
+    # block is cut the same way (without the repetition the cheapest cut could straddle them).
+    p = lower(parse_program(attention_chain(5), "chain.bbp"))
+    candidates = select_candidates(p, 10)
+    assert [(c.start, c.stop) for c in candidates] == [(i, i + 6) for i in range(0, 30, 6)]
+    forms = {show_program(canonical(c.program)[0]) for c in candidates}
+    assert len(forms) == 1
+
+
+def test_a_program_that_does_not_repeat_is_cut_by_bytes_alone():
+    p = lower(parse_program(norm_chain(["exp", "tanh", "sigmoid"]), "norms.bbp"))
+    assert [(c.start, c.stop) for c in select_candidates(p, 3)] == [(0, 3), (3, 6), (6, 9)]
