@@ -17,6 +17,7 @@ Nothing is asserted: this measures.
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import tempfile
 import time
@@ -117,6 +118,9 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=Budget.seconds,
                     help="the fusion budget, the same whatever the layer count")
     ap.add_argument("--check", action="store_true")
+    ap.add_argument("--cpu", action="store_true",
+                    help="time the fused model through the numpy backend against onnxruntime "
+                         "(when installed) on the same input, medians of 5")
     args = ap.parse_args()
     target, pack = get_target(args.target), load_packs([])
     print("| layers | statements | kernels | traffic | modeled time | candidates (distinct) "
@@ -153,7 +157,37 @@ def main() -> int:
             got = imported.onnx_outputs(numpy_gen.run(r.program, imported.bbp_inputs({"X": x})))
             err = np.abs(got["Y"] - want).max() / np.abs(want).max()
             print(f"  layers={layers}: max error relative to max |Y|: {err:.2e}", file=sys.stderr)
+        if args.cpu:
+            print(f"  layers={layers}: {cpu_times(model, imported, r.program, args)}",
+                  file=sys.stderr)
     return 0
+
+
+def cpu_times(model: onnx.ModelProto, imported, program, args) -> str:
+    """Median wall times on this machine: the fused program's generated numpy code against
+    onnxruntime's CPU session of the same model, on the same input."""
+    x = np.random.default_rng(2).standard_normal((1, args.tokens, args.width)).astype(np.float32)
+    runner = numpy_gen.load(program).run
+    inputs = imported.bbp_inputs({"X": x})
+
+    def median(fn) -> float:
+        fn()  # warm up
+        times = []
+        for _ in range(5):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+    ours = median(lambda: runner(**inputs))
+    try:
+        import onnxruntime
+    except ImportError:
+        return f"numpy backend {ours * 1e3:.1f} ms (onnxruntime is not installed)"
+    session = onnxruntime.InferenceSession(model.SerializeToString(),
+                                           providers=["CPUExecutionProvider"])
+    theirs = median(lambda: session.run(None, {"X": x}))
+    return (f"numpy backend {ours * 1e3:.1f} ms, onnxruntime {theirs * 1e3:.1f} ms "
+            f"({ours / theirs:.2f}x)")
 
 
 if __name__ == "__main__":
