@@ -195,7 +195,7 @@ class Importer:
         self.weights: dict[str, np.ndarray] = {}
         self.tensor_axes: dict[str, tuple[int, ...]] = {}
         self.names: set[str] = set()
-        self.dim_copies: dict[int, int] = {}
+        self.dim_copies: dict[int, int] = {}  # extent -> axis names needed
         self.symbolic: dict[str, int] = {}
         self.node_at = ""
         self.elem_types: dict[str, int] = {}
@@ -203,8 +203,10 @@ class Importer:
     # --- names --------------------------------------------------------------------------
 
     def fresh(self, hint: str) -> str:
-        """A `.bbp` name for an ONNX name: identifier characters, no keyword, unique."""
-        base = re.sub(r"\W+", "_", hint).strip("_") or "t"
+        """A `.bbp` name for an ONNX name: identifier characters, no keyword, unique.
+        Exporters name values by their scope (`/model/layers.0/attn/MatMul_output_0`): the
+        last two parts say what a value is and keep the program readable."""
+        base = re.sub(r"\W+", "_", "/".join(hint.split("/")[-2:])).strip("_") or "t"
         if not base[0].isalpha() or base in _KEYWORDS or re.fullmatch(r"d\d+(_\d+)?", base):
             base = "t_" + base
         name, i = base, 1
@@ -966,6 +968,50 @@ def _concat(im: Importer, node) -> list[Value]:
         parts.append((x, at))
         at += x.shape[axis]
     return [gather_parts(im, node.output[0], parts, axis, at)]
+
+
+@lowering("Conv")
+def _conv(im: Importer, node) -> list[Value]:
+    """A convolution of one group: each output position sums the kernel's taps over input
+    positions picked by a one-hot sum,
+    y[n, m, o] = b[m] + sum[c, k] w[m, c, k] * sum[s] where(s == o * stride + k * dilation -
+    pad, x[n, c, s], 0).  Positions outside the input match nothing: zero padding for free."""
+    x, w, b = im.value(node.input[0]), im.value(node.input[1]), im.input(node, 2)
+    r = len(x.shape) - 2
+    kernel, spatial = w.shape[2:], x.shape[2:]
+    strides = _attr(node, "strides", [1] * r)
+    dilations = _attr(node, "dilations", [1] * r)
+    if _attr(node, "group", 1) != 1:
+        raise im.error("grouped convolutions are not supported")
+    auto = _attr(node, "auto_pad", "NOTSET")
+    if auto in ("SAME_UPPER", "SAME_LOWER"):
+        total = [max((-(-n // st) - 1) * st + (k - 1) * dl + 1 - n, 0)
+                 for n, k, st, dl in zip(spatial, kernel, strides, dilations)]
+        begin = [t // 2 if auto == "SAME_UPPER" else t - t // 2 for t in total]
+        end = [t - lo for t, lo in zip(total, begin)]
+    else:
+        pads = _attr(node, "pads", [0] * 2 * r) if auto == "NOTSET" else [0] * 2 * r
+        begin, end = pads[:r], pads[r:]
+    out = [(n + lo + hi - dl * (k - 1) - 1) // st + 1
+           for n, lo, hi, k, st, dl in zip(spatial, begin, end, kernel, strides, dilations)]
+    # statement dims: n, m, o..., then the reduced c, k..., s...
+    o_dims = list(range(2, 2 + r))
+    c_dim = 2 + r
+    k_dims = list(range(c_dim + 1, c_dim + 1 + r))
+    s_dims = list(range(c_dim + 1 + r, c_dim + 1 + 2 * r))
+    dims = [x.shape[0], w.shape[0], *out, x.shape[1], *kernel, *spatial]
+    operands: list[Operand] = [(x, [0, c_dim, *s_dims]), (w, [1, c_dim, *k_dims])]
+    if b is not None:
+        operands.append((b, [1]))
+
+    def expr(refs: list[str], ix: _Index) -> str:
+        hits = " and ".join(
+            f"{ix.position(s)} == {ix.position(o)} * {st} + {ix.position(k)} * {dl} - {lo}"
+            for s, o, k, st, dl, lo in zip(s_dims, o_dims, k_dims, strides, dilations, begin))
+        picked = reduce_expr("sum", ix.axes(s_dims), f"where({hits}, {refs[0]}, 0)")
+        total = reduce_expr("sum", ix.axes([c_dim, *k_dims]), f"{refs[1]} * {picked}")
+        return f"{total} + {refs[2]}" if b is not None else total
+    return [im.statement(node.output[0], dims, range(2 + r), operands, expr)]
 
 
 @lowering("Expand")

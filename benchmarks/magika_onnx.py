@@ -1,0 +1,98 @@
+"""A real trained model through bbrules: magika's file-type classifier (`model.onnx` from the
+`magika` PyPI package: 95 nodes, opset 15, exported from JAX; a one-hot through Equal + Cast,
+a 5x1 convolution, GlobalMaxPool, decomposed LayerNorms, tanh-GELU).
+
+Imports it for a batch size, fuses it as `bbrules apply` does (by candidates), runs the fused
+program with the model's own weights through the numpy backend on random byte sequences and
+compares with onnxruntime on the same inputs; reports kernels, modeled traffic and time before
+and after, the largest difference and whether the predicted labels agree, and CPU times.
+
+    python benchmarks/magika_onnx.py [--model PATH] [--batch 1]
+
+Without --model the wheel is fetched with `pip download --no-deps magika` (a package index
+must be reachable).  Needs onnxruntime.  Nothing is asserted: this measures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from pathlib import Path
+
+import numpy as np
+
+from bbrules.candidates import DEFAULT_THRESHOLD, fuse_candidates, select_candidates
+from bbrules.codegen import numpy_gen
+from bbrules.cost import cost_program, fmt_bytes, fmt_time
+from bbrules.frontend import parse_program
+from bbrules.lower import lower
+from bbrules.onnx_import import import_onnx
+from bbrules.packs import load_packs
+from bbrules.targets import get_target
+
+MODEL = "magika/models/standard_v3_3/model.onnx"
+
+
+def fetch(into: Path) -> Path:
+    """The model file out of the magika wheel."""
+    subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
+                    "--only-binary=:all:", "magika", "-d", str(into)], check=True)
+    wheel = next(into.glob("magika-*.whl"))
+    with zipfile.ZipFile(wheel) as z:
+        z.extract(MODEL, into)
+    return into / MODEL
+
+
+def median_seconds(fn, repeat: int = 5) -> float:
+    fn()
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", help="magika's model.onnx (default: fetched)")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--target", default="h100")
+    args = ap.parse_args()
+    import onnxruntime
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(args.model) if args.model else fetch(Path(tmp))
+        imported = import_onnx(path, {"unk__214": (args.batch, None)})
+        session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    ast = parse_program(imported.text, "model.onnx")
+    program, target = lower(ast), get_target(args.target)
+    start = time.perf_counter()
+    size = min(DEFAULT_THRESHOLD, len(program.kernels))
+    r = fuse_candidates(program, select_candidates(program, size), load_packs([]), target)
+    fusing = time.perf_counter() - start
+    b, a = cost_program(program, target), r.after
+    print(f"statements {len(ast.statements)}; kernels {b.n_kernels} -> {a.n_kernels}; "
+          f"traffic {fmt_bytes(b.traffic)} -> {fmt_bytes(a.traffic)}; modeled time "
+          f"{fmt_time(b.time)} -> {fmt_time(a.time)} on {args.target} (unfused legal: "
+          f"{b.legal}); fused in {fusing:.1f} s")
+    x = np.random.default_rng(0).integers(0, 257, size=(args.batch, 2048)).astype(np.int32)
+    want = session.run(None, {"bytes": x})[0]
+    runner = numpy_gen.load(r.program).run
+    inputs = imported.bbp_inputs({"bytes": x})
+    got = imported.onnx_outputs(runner(**inputs))["target_label"]
+    print(f"largest difference from onnxruntime {np.abs(got - want).max():.2e}; labels agree: "
+          f"{bool((got.argmax(-1) == want.argmax(-1)).all())}")
+    ours = median_seconds(lambda: runner(**inputs))
+    theirs = median_seconds(lambda: session.run(None, {"bytes": x}))
+    print(f"CPU: numpy backend {ours * 1e3:.1f} ms, onnxruntime {theirs * 1e3:.2f} ms "
+          f"({ours / theirs:.0f}x)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
