@@ -30,6 +30,7 @@ from __future__ import annotations
 import math
 import multiprocessing
 import os
+import re
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
@@ -38,6 +39,7 @@ from typing import Callable
 from .cost import ProgramCost, cost_program
 from .blockfile import parse_block_program
 from .engine import Budget
+from .extract import NoCandidate
 from .fuse import fuse
 from .ir import (BlockProgram, IRError, Kernel, Load, Node, Sort, Store, TensorDecl, axes_named,
                  map_attrs, postorder, show_program, transform, validate)
@@ -387,7 +389,10 @@ def fuse_candidates(p: BlockProgram, candidates: list[Candidate], pack: RulePack
     if workers == 1:
         for i in distinct:
             began = time.perf_counter()
-            r = fuse(forms[i][0], pack, target, objective, budget=budget, options=options)
+            try:
+                r = fuse(forms[i][0], pack, target, objective, budget=budget, options=options)
+            except NoCandidate as err:
+                raise _in_candidate(err, candidates[i], forms[i][1]) from None
             fused[i], stats[i] = r.program, (time.perf_counter() - began, r.stop)
     else:
         # spawn, not fork: the parent runs egglog's threads, which a fork would not carry
@@ -396,7 +401,10 @@ def fuse_candidates(p: BlockProgram, candidates: list[Candidate], pack: RulePack
             futures = {i: pool.submit(_fuse_text, show_program(forms[i][0]), target, objective,
                                       budget, options) for i in distinct}
             for i, future in futures.items():
-                done = future.result()
+                try:
+                    done = future.result()
+                except NoCandidate as err:
+                    raise _in_candidate(err, candidates[i], forms[i][1]) from None
                 fused[i] = parse_block_program(done.program).program
                 stats[i] = (done.seconds, done.stop)
     taken = set(p.tensors)
@@ -412,6 +420,13 @@ def fuse_candidates(p: BlockProgram, candidates: list[Candidate], pack: RulePack
     stitched = stitch(p, programs)
     return StitchedResult(stitched, cost_program(p, target), cost_program(stitched, target),
                           tuple(reports), objective, workers, time.perf_counter() - start)
+
+
+def _in_candidate(err: NoCandidate, c: Candidate, back: dict[str, str]) -> NoCandidate:
+    """A candidate's failure told with the program's tensor names (not the canonical T0, T1,
+    ... it was fused under) and the kernels it covers."""
+    message = re.sub(r"\bT\d+\b", lambda m: back.get(m.group(), m.group()), str(err))
+    return NoCandidate(f"candidate {c.index} (kernels {c.start}-{c.stop - 1}): {message}")
 
 
 def stitch(p: BlockProgram, parts: list[BlockProgram]) -> BlockProgram:

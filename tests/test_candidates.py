@@ -4,6 +4,7 @@ once, and the stitched program computes what the unfused one does with fewer ker
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,7 +12,8 @@ import pytest
 from bbrules import interp
 from bbrules.candidates import PackSource, canonical, fuse_candidates, select_candidates
 from bbrules.cli import main
-from bbrules.frontend import parse_program
+from bbrules.extract import NoCandidate
+from bbrules.frontend import load_program, parse_program
 from bbrules.inputs import random_inputs
 from bbrules.ir import show_program, validate
 from bbrules.lower import lower
@@ -19,6 +21,7 @@ from bbrules.packs import load_packs
 from bbrules.targets import get_target
 
 TARGET = get_target("h100")
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def attention_chain(n: int) -> str:
@@ -136,3 +139,12 @@ def test_a_repeating_program_is_cut_alike_in_every_repetition():
 def test_a_program_that_does_not_repeat_is_cut_by_bytes_alone():
     p = lower(parse_program(norm_chain(["exp", "tanh", "sigmoid"]), "norms.bbp"))
     assert [(c.start, c.stop) for c in select_candidates(p, 3)] == [(0, 3), (3, 6), (6, 9)]
+
+
+def test_a_candidate_that_fits_nowhere_is_named_with_the_program_s_tensors(pack):
+    # Rows of 2^20 floats in one block fit no local memory: the refusal names the candidate,
+    # its kernels and the program's own tensors, not the canonical names it was fused under.
+    p = lower(load_program(ROOT / "examples" / "softmax.bbp",
+                           {"r": (64, 16), "c": (1 << 20, 1 << 20)}))
+    with pytest.raises(NoCandidate, match=r"candidate 0 \(kernels 0-1\): .*kernel (M|E)\b"):
+        fuse_candidates(p, select_candidates(p, 2), pack, TARGET)
