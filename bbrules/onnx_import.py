@@ -974,8 +974,13 @@ def _concat(im: Importer, node) -> list[Value]:
 def _conv(im: Importer, node) -> list[Value]:
     """A convolution of one group: each output position sums the kernel's taps over input
     positions picked by a one-hot sum,
-    y[n, m, o] = b[m] + sum[c, k] w[m, c, k] * sum[s] where(s == o * stride + k * dilation -
-    pad, x[n, c, s], 0).  Positions outside the input match nothing: zero padding for free."""
+    y[n, m, o] = b[m] + sum[k, c] w[m, c, k] * sum[s] where(s == o * stride + k * dilation -
+    pad, 1, 0) * x[n, c, s].  Positions outside the input match nothing: zero padding for free.
+
+    Both sums are contractions whose tiles span few axes: the one-hot is a factor of its own
+    (a [o, k, s] tile times x's [c, s]), not a selection from x (an [o, k, c, s] tile), and the
+    channels, the longer axis, are contracted innermost, with the taps looped around them, as
+    an implicit GEMM does."""
     x, w, b = im.value(node.input[0]), im.value(node.input[1]), im.input(node, 2)
     r = len(x.shape) - 2
     kernel, spatial = w.shape[2:], x.shape[2:]
@@ -1008,8 +1013,8 @@ def _conv(im: Importer, node) -> list[Value]:
         hits = " and ".join(
             f"{ix.position(s)} == {ix.position(o)} * {st} + {ix.position(k)} * {dl} - {lo}"
             for s, o, k, st, dl, lo in zip(s_dims, o_dims, k_dims, strides, dilations, begin))
-        picked = reduce_expr("sum", ix.axes(s_dims), f"where({hits}, {refs[0]}, 0)")
-        total = reduce_expr("sum", ix.axes([c_dim, *k_dims]), f"{refs[1]} * {picked}")
+        picked = reduce_expr("sum", ix.axes(s_dims), f"where({hits}, 1, 0) * {refs[0]}")
+        total = reduce_expr("sum", ix.axes([*k_dims, c_dim]), f"{refs[1]} * {picked}")
         return f"{total} + {refs[2]}" if b is not None else total
     return [im.statement(node.output[0], dims, range(2 + r), operands, expr)]
 

@@ -128,6 +128,33 @@ def test_imported_block_matches_onnx_reference_fused(tmp_path, batch):
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
 
+def test_a_wide_convolution_fits_local_memory_and_fuses_with_its_activation(tmp_path):
+    # magika's layer at a quarter of its width: 128 channels, 256 positions, 5 taps.  A tile
+    # over output positions, taps, channels and input positions at once would not fit h100's
+    # 227 KiB; the shift is a contraction of its own and the taps loop around the channels.
+    rng = np.random.default_rng(3)
+    w = numpy_helper.from_array(rng.standard_normal((128, 128, 5)).astype(np.float32) / 20, "w")
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w"], ["c"], kernel_shape=[5]),
+         helper.make_node("Tanh", ["c"], ["y"])], "conv",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 128, 256])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 128, 252])], [w])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    onnx.save(model, str(tmp_path / "conv.onnx"))
+    imported = import_onnx(tmp_path / "conv.onnx")
+    from bbrules.cost import cost_program
+    from bbrules.frontend import parse_program
+    from bbrules.lower import lower
+    program = lower(parse_program(imported.text))
+    assert cost_program(program, get_target("h100")).legal
+    fused = fuse(program, load_packs([]), get_target("h100")).program
+    assert len(fused.kernels) == 1
+    x = rng.standard_normal((1, 128, 256)).astype(np.float32)
+    want = ReferenceEvaluator(model).run(None, {"x": x})[0]
+    got = imported.onnx_outputs(numpy_gen.run(fused, imported.bbp_inputs({"x": x})))["y"]
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
 def bbrules(*args, cwd=None):
     return subprocess.run([sys.executable, "-m", "bbrules", *args], capture_output=True,
                           text=True, cwd=cwd)
