@@ -37,6 +37,7 @@ from .errors import SourceError, UsageError
 from .options import Budget
 
 if TYPE_CHECKING:
+    from .candidates import StitchedResult
     from .frontend import DimOverrides
     from .fuse import FuseResult
     from .ir import BlockProgram
@@ -105,7 +106,7 @@ class Fusion:
     report `bbrules apply` prints)."""
 
     model: Model
-    result: FuseResult
+    result: FuseResult | StitchedResult
 
     @property
     def program(self) -> BlockProgram:
@@ -124,13 +125,20 @@ class Fusion:
     def explain(self) -> list[str]:
         """The chain of rule applications that turns the input into the output, in replay
         order, one line each: the rule's file:line, the kernel, the iteration, and the subterm
-        before and after (`bbrules apply --explain`)."""
+        before and after (`bbrules apply --explain`).  Fused by candidates: one line per
+        candidate, the kernels it covered and what they fused to."""
+        from .candidates import StitchedResult
+        if isinstance(self.result, StitchedResult):
+            return [c.line() for c in self.result.candidates]
         return self.result.explain()
 
     def report(self) -> str:
         """`bbrules apply`'s report: costs before and after, the runner-up, saturation and
-        extraction."""
-        from .cli import fusion_report
+        extraction (fused by candidates: the candidates)."""
+        from .candidates import StitchedResult
+        from .cli import fusion_report, stitched_report
+        if isinstance(self.result, StitchedResult):
+            return stitched_report(self.result, explain=False)
         return fusion_report(self.result)
 
     def __repr__(self) -> str:
@@ -208,7 +216,7 @@ def fuse(program: ProgramLike, rules: str | os.PathLike[str] | Sequence[str | os
          = (), target: str = "h100", objective: str = "time", max_kernels: int | None = None,
          nodes: int = Budget.nodes, iterations: int = Budget.iterations,
          seconds: float = Budget.seconds, memory: int | None = None, split: bool = True,
-         reblock: bool = True, installed: bool = True) -> Fusion:
+         reblock: bool = True, installed: bool = True, candidates: int | None = None) -> Fusion:
     """Fuse `program` as `bbrules apply` does: rewrite it with the rule packs and extract the
     equivalent block program that minimises `objective` ("time" or "traffic") on `target` (a
     built-in name or a .toml file), with at most `max_kernels` kernels if given.
@@ -220,7 +228,13 @@ def fuse(program: ProgramLike, rules: str | os.PathLike[str] | Sequence[str | os
     error, the best program found in time is the result.  `split=False` launches every
     reduction whole (`--no-split`); `reblock=False` keeps the program's block sizes in every
     kernel (`--fixed-blocks`).
+
+    `candidates`: the most kernels per candidate, as `--candidates N` (0: fuse the program in
+    one e-graph, `--no-candidates`).  By default a program of more than 12 kernels is fused by
+    candidates (`bbrules.candidates`) in a process pool, as `apply` fuses it; `explain()` then
+    lists the candidates instead of rule applications.
     """
+    from .candidates import DEFAULT_THRESHOLD, PackSource, fuse_candidates, select_candidates
     from .extract import NoCandidate
     from .fuse import fuse as fuse_program
     from .memory import default_budget
@@ -236,6 +250,15 @@ def fuse(program: ProgramLike, rules: str | os.PathLike[str] | Sequence[str | os
                         ("max_kernels", max_kernels), ("memory", memory)):
         if value is not None and (not isinstance(value, int) or value < 1):
             raise UsageError(f"{name} must be a positive integer, got {value!r}")
+    if candidates is not None and (not isinstance(candidates, int) or candidates < 0):
+        raise UsageError(f"candidates must be a number of kernels or 0, got {candidates!r}")
+    if candidates and max_kernels is not None:
+        raise UsageError("max_kernels bounds the whole program's kernels and cannot be combined "
+                         "with candidates; pass candidates=0")
+    size = candidates or None
+    if candidates is None and max_kernels is None and \
+            len(model.program.kernels) > DEFAULT_THRESHOLD:
+        size = DEFAULT_THRESHOLD
     if not 0 < seconds < math.inf:
         raise UsageError(f"seconds must be a finite positive number, got {seconds!r}")
     chip = get_target(target)
@@ -245,9 +268,15 @@ def fuse(program: ProgramLike, rules: str | os.PathLike[str] | Sequence[str | os
     directories = pack_directories([Path(d) for d in extra], installed)
     packs = load_each(directories)
     require_sound(list(directories), packs)
+    options = Options(split_folds=split, reblock=reblock)
     try:
-        result = fuse_program(model.program, merge_all(packs), chip, objective, max_kernels,
-                              budget, None, Options(split_folds=split, reblock=reblock), meter)
+        if size is not None:
+            result = fuse_candidates(model.program, select_candidates(model.program, size),
+                                     merge_all(packs), chip, objective, budget, options,
+                                     PackSource(tuple(map(str, extra)), installed))
+        else:
+            result = fuse_program(model.program, merge_all(packs), chip, objective,
+                                  max_kernels, budget, None, options, meter)
     except NoCandidate as e:
         raise UsageError(str(e)) from None
     return Fusion(Model(result.program, model.ast, model.name), result)

@@ -119,6 +119,27 @@ def test_apply_reports_candidates(tmp_path, capsys):
     assert main(["run", str(out)]) == 0
 
 
+def test_the_api_fuses_by_candidates_as_apply_does():
+    # 18 kernels: above the threshold the API cuts candidates as `apply` does; 0 turns it off
+    import bbrules
+    text = norm_chain(["exp", "tanh", "sigmoid", "exp", "tanh", "sigmoid"])
+    by_candidates = bbrules.fuse(text)
+    assert [line.split(":")[0] for line in by_candidates.explain()] == \
+        ["candidate 0", "candidate 1"]
+    assert "fused by candidates: 2 candidates" in by_candidates.report()
+    inputs = random_inputs(by_candidates.program, seed=4)
+    want = interp.run(bbrules.load(text).program, inputs)["X6"]
+    got = bbrules.compile(by_candidates)(**inputs)["X6"]
+    assert np.allclose(got, want, rtol=1e-4, atol=1e-5)
+    assert by_candidates.cost.n_kernels < by_candidates.baseline.n_kernels
+    three = bbrules.fuse(text, candidates=3)
+    assert len(three.explain()) == 6
+    with pytest.raises(bbrules.UsageError, match="cannot be combined"):
+        bbrules.fuse(text, candidates=3, max_kernels=4)
+    with pytest.raises(bbrules.UsageError, match="candidates must be"):
+        bbrules.fuse(text, candidates=-1)
+
+
 def test_candidates_and_max_kernels_conflict(tmp_path, capsys):
     program = tmp_path / "norms.bbp"
     program.write_text(norm_chain(["exp"]))
