@@ -934,6 +934,94 @@ def _slice_node(im: Importer, node) -> list[Value]:
     return [x]
 
 
+@lowering("Pad")
+def _pad(im: Importer, node) -> list[Value]:
+    """Constant padding: per axis, negative pads crop (a slice) and positive ones place the
+    values at an offset in a longer axis (`gather_parts`, whose empty positions are 0); a pad
+    value other than 0 (or one known only at run time) is selected by position, so that -inf
+    (a mask's) stays exact.  The pads set the shape: they must be known at import."""
+    x = im.value(node.input[0])
+    r = len(x.shape)
+    mode = _attr(node, "mode", "constant")
+    if mode != "constant":
+        raise im.error(f"Pad mode '{mode}' is not supported (only 'constant')")
+    value: Value = Value((), number=0.0)
+    if im.opset < 11:
+        pads = _attr(node, "pads", [0] * 2 * r)
+        value = Value((), number=float(_attr(node, "value", 0.0)))
+    else:
+        pads = im.const(node.input[1], "the pads").reshape(-1).tolist()
+        if len(node.input) > 2 and node.input[2]:
+            value = im.value(node.input[2])
+            value = im.reshape(value, (1,) * len(value.shape))
+    axes = im.axes_of(node, r, index=3, default=list(range(r)))
+    placed: list[tuple[int, int, int]] = []  # (axis, first, stop) of the values
+    for axis, begin, end in zip(axes, pads[:len(axes)], pads[len(axes):]):
+        n = x.shape[axis]
+        if n + begin + end <= 0:
+            raise im.error(f"pads {begin}, {end} leave nothing of extent {n}")
+        x = _slice(im, node.output[0], x, axis, max(-begin, 0), n - max(-end, 0))
+        begin, end, n = max(begin, 0), max(end, 0), x.shape[axis]
+        if begin or end:
+            x = gather_parts(im, node.output[0], [(x, begin)], axis, begin + n + end)
+            placed.append((axis, begin, begin + n))
+    if value.number == 0.0 or not placed:
+        return [x]
+
+    def expr(refs: list[str], ix: _Index) -> str:
+        inside = " and ".join(f"{ix.position(a)} >= {lo} and {ix.position(a)} < {hi}"
+                              for a, lo, hi in placed)
+        return f"where({inside}, {refs[0]}, {refs[1]})"
+    return [im.statement(node.output[0], x.shape, range(r),
+                         [(x, list(range(r))), (value, [None] * len(value.shape))], expr)]
+
+
+@lowering("Gather")
+def _gather(im: Importer, node) -> list[Value]:
+    """y[..., j..., ...] = x[..., i[j...], ...] along `axis`.
+
+    Indices known at import that pick one position or a run of consecutive ones are a slice
+    (a view where it can be one).  Others are a one-hot matmul over the axis, as an embedding
+    lookup by a one-hot vector is: y = sum[p] where(i[j] == p, 1, 0) * x[p]; an index that
+    is out of range matches nothing and reads 0.  Indices known only at run time may be
+    negative (counted from the end), so they match p - extent too."""
+    x = im.value(node.input[0])
+    r = len(x.shape)
+    axis = _attr(node, "axis", 0) % r
+    n, outer, inner = x.shape[axis], x.shape[:axis], x.shape[axis + 1:]
+    negative = node.input[1] not in im.consts
+    if not negative:
+        idx = np.asarray(im.const(node.input[1], "the indices")).astype(np.int64)
+        if np.any((idx < -n) | (idx >= n)):
+            raise im.error(f"an index of {idx.reshape(-1).tolist()} is out of range for "
+                           f"extent {n}")
+        idx = np.where(idx < 0, idx + n, idx)
+        flat = idx.reshape(-1)
+        if flat.size and np.all(flat == flat[0]):  # one position, repeated
+            y = _slice(im, node.output[0], x, axis, int(flat[0]), int(flat[0]) + 1)
+            y = im.reshape(y, outer + (1,) * idx.ndim + inner)
+            return [im.expand(y, outer + idx.shape + inner)]
+        if np.array_equal(flat, np.arange(flat[0], flat[0] + flat.size)):
+            y = _slice(im, node.output[0], x, axis, int(flat[0]), int(flat[0]) + flat.size)
+            return [im.reshape(y, outer + idx.shape + inner)]
+        i = im.declare(node.input[1], idx.shape, "f32", idx)
+    else:
+        i = im.value(node.input[1])
+    q = len(i.shape)
+    dims = [*outer, *i.shape, *inner, n]
+    p = len(dims) - 1
+    operands: list[Operand] = [
+        (x, [*range(axis), p, *range(axis + q, axis + q + len(inner))]),
+        (i, list(range(axis, axis + q)))]
+
+    def expr(refs: list[str], ix: _Index) -> str:
+        at = ix.position(p)
+        hit = f"{refs[1]} == {at} or {refs[1]} == {at} - {n}" if negative else \
+            f"{refs[1]} == {at}"
+        return reduce_expr("sum", ix.axes([p]), f"where({hit}, 1, 0) * {refs[0]}")
+    return [im.statement(node.output[0], dims, range(p), operands, expr)]
+
+
 @lowering("Split")
 def _split(im: Importer, node) -> list[Value]:
     x = im.value(node.input[0])

@@ -1,6 +1,6 @@
 """A LLaMA-style decoder stack as an ONNX model, imported and fused by bbrules.
 
-Each layer: RMSNorm, Q/K/V projections (grouped-query: fewer K/V heads), rotate-half RoPE
+Token ids in, an embedding lookup (Gather), then per layer: RMSNorm, Q/K/V projections (grouped-query: fewer K/V heads), rotate-half RoPE
 written as an exporter writes it (Slice, Neg, Concat), the opset-23 `Attention` operator with
 `is_causal`, the output projection and residual, RMSNorm, a SwiGLU MLP and residual.  The
 script builds the model with `onnx.helper`, imports it, fuses it (by candidates above the
@@ -9,7 +9,8 @@ and traffic, the candidates (and how many distinct ones were fused), wall time o
 plus fusion; with `--check`, the fused program's outputs against
 ONNX's reference evaluator on random inputs.
 
-    python benchmarks/llama_onnx.py [--layers 1,4,32] [--tokens 128] [--width 256] [--check]
+    python benchmarks/llama_onnx.py [--layers 1,4,32] [--tokens 128] [--width 256]
+                                    [--vocab 1024] [--check] [--cpu]
 
 Nothing is asserted: this measures.
 """
@@ -39,8 +40,8 @@ from bbrules.targets import get_target
 
 
 def llama(layers: int, tokens: int, width: int, heads: int, kv_heads: int, hidden: int,
-          seed: int = 0) -> onnx.ModelProto:
-    """The model: input X[1, tokens, width] -> Y[1, tokens, width]."""
+          vocab: int, seed: int = 0) -> onnx.ModelProto:
+    """The model: token ids IDS[1, tokens] (int64) -> hidden states Y[1, tokens, width]."""
     rng = np.random.default_rng(seed)
     d = width // heads
     inits, nodes = [], []
@@ -74,7 +75,7 @@ def llama(layers: int, tokens: int, width: int, heads: int, kv_heads: int, hidde
         return node("Transpose", [node("Reshape", [x, shape], f"{tag}_4")], f"{tag}_t",
                     perm=[0, 2, 1, 3])
 
-    x = "X"
+    x = node("Gather", [weight("embed", vocab, width), "IDS"], "X")
     for i in range(layers):
         p = f"l{i}"
         xn = node("RMSNormalization", [x, const(f"{p}_g1", np.ones(width, np.float32))],
@@ -100,9 +101,9 @@ def llama(layers: int, tokens: int, width: int, heads: int, kv_heads: int, hidde
         x = node("Add", [h, node("MatMul", [act, weight(f"{p}_w2", hidden, width)], f"{p}_down")],
                  f"{p}_y")
     nodes.append(helper.make_node("Identity", [x], ["Y"]))
-    io = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [1, tokens, width])
-          for n in ("X", "Y")]
-    graph = helper.make_graph(nodes, "llama", [io[0]], [io[1]], inits)
+    graph = helper.make_graph(
+        nodes, "llama", [helper.make_tensor_value_info("IDS", TensorProto.INT64, [1, tokens])],
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [1, tokens, width])], inits)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)])
 
 
@@ -114,6 +115,7 @@ def main() -> int:
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--vocab", type=int, default=1024)
     ap.add_argument("--target", default="h100")
     ap.add_argument("--seconds", type=float, default=Budget.seconds,
                     help="the fusion budget, the same whatever the layer count")
@@ -127,7 +129,8 @@ def main() -> int:
           "| import | fusion |")
     print("|---|---|---|---|---|---|---|---|")
     for layers in map(int, args.layers.split(",")):
-        model = llama(layers, args.tokens, args.width, args.heads, args.kv_heads, args.hidden)
+        model = llama(layers, args.tokens, args.width, args.heads, args.kv_heads, args.hidden,
+                      args.vocab)
         began = time.perf_counter()
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / "llama.onnx"
@@ -151,10 +154,9 @@ def main() -> int:
               flush=True)
         if args.check:
             from onnx.reference import ReferenceEvaluator
-            x = np.random.default_rng(1).standard_normal(
-                (1, args.tokens, args.width)).astype(np.float32)
-            want = ReferenceEvaluator(model).run(None, {"X": x})[0]
-            got = imported.onnx_outputs(numpy_gen.run(r.program, imported.bbp_inputs({"X": x})))
+            feed = token_ids(args, seed=1)
+            want = ReferenceEvaluator(model).run(None, feed)[0]
+            got = imported.onnx_outputs(numpy_gen.run(r.program, imported.bbp_inputs(feed)))
             err = np.abs(got["Y"] - want).max() / np.abs(want).max()
             print(f"  layers={layers}: max error relative to max |Y|: {err:.2e}", file=sys.stderr)
         if args.cpu:
@@ -163,12 +165,18 @@ def main() -> int:
     return 0
 
 
+def token_ids(args, seed: int) -> dict[str, np.ndarray]:
+    """Random token ids, the model's input."""
+    ids = np.random.default_rng(seed).integers(0, args.vocab, size=(1, args.tokens))
+    return {"IDS": ids.astype(np.int64)}
+
+
 def cpu_times(model: onnx.ModelProto, imported, program, args) -> str:
     """Median wall times on this machine: the fused program's generated numpy code against
     onnxruntime's CPU session of the same model, on the same input."""
-    x = np.random.default_rng(2).standard_normal((1, args.tokens, args.width)).astype(np.float32)
+    feed = token_ids(args, seed=2)
     runner = numpy_gen.load(program).run
-    inputs = imported.bbp_inputs({"X": x})
+    inputs = imported.bbp_inputs(feed)
 
     def median(fn) -> float:
         fn()  # warm up
@@ -185,7 +193,7 @@ def cpu_times(model: onnx.ModelProto, imported, program, args) -> str:
         return f"numpy backend {ours * 1e3:.1f} ms (onnxruntime is not installed)"
     session = onnxruntime.InferenceSession(model.SerializeToString(),
                                            providers=["CPUExecutionProvider"])
-    theirs = median(lambda: session.run(None, {"X": x}))
+    theirs = median(lambda: session.run(None, feed))
     return (f"numpy backend {ours * 1e3:.1f} ms, onnxruntime {theirs * 1e3:.1f} ms "
             f"({ours / theirs:.2f}x)")
 

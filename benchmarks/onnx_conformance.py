@@ -30,7 +30,7 @@ OPERATORS = ["MatMul", "Gemm", "Add", "Sub", "Mul", "Div", "Pow", "Exp", "Log", 
              "ReduceSum", "ReduceMean", "ReduceMax", "LayerNormalization", "RMSNormalization",
              "Attention", "RotaryEmbedding", "Transpose", "Reshape", "Squeeze", "Unsqueeze",
              "Slice", "Concat", "Split", "Expand", "Where", "Equal", "Less", "Greater", "Cast",
-             "Constant", "Identity", "Conv"]
+             "Constant", "Identity", "Conv", "Gather", "Pad"]
 
 
 def main() -> int:

@@ -3,6 +3,7 @@ graphs regroup heads without copies, and what cannot be imported is refused clea
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from collections import Counter
@@ -27,7 +28,7 @@ SUBSET = ["Add", "Mul", "Div", "Pow", "Sqrt", "Reciprocal", "Tanh", "Erf", "Gelu
           "Gemm", "Softmax", "LogSoftmax", "ReduceSum", "ReduceMean", "ReduceMax",
           "LayerNormalization", "RMSNormalization", "Attention", "Transpose", "Reshape",
           "Squeeze", "Unsqueeze", "Expand", "Where", "Equal", "Less", "Identity", "Slice",
-          "Concat", "Split", "RotaryEmbedding", "Conv"]
+          "Concat", "Split", "RotaryEmbedding", "Conv", "Gather"]
 
 # ... and these must be among the passes (each a kind of attention or norm a model uses).
 MUST_PASS = ["test_attention_4d", "test_attention_4d_causal", "test_attention_4d_gqa",
@@ -40,7 +41,9 @@ MUST_PASS = ["test_attention_4d", "test_attention_4d_causal", "test_attention_4d
              "test_slice", "test_slice_negative_axes", "test_concat_3d_axis_1",
              "test_split_variable_parts_2d_opset13", "test_rotary_embedding_no_position_ids",
              "test_rotary_embedding_no_position_ids_interleaved",
-             "test_basic_conv_with_padding", "test_conv_with_strides_and_asymmetric_padding"]
+             "test_basic_conv_with_padding", "test_conv_with_strides_and_asymmetric_padding",
+             "test_gather_negative_indices", "test_gather_2d_indices",
+             "test_rotary_embedding", "test_rotary_embedding_3d_input"]
 
 
 @pytest.mark.parametrize("op", SUBSET)
@@ -155,6 +158,44 @@ def test_a_wide_convolution_fits_local_memory_and_fuses_with_its_activation(tmp_
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("indices, sliced", [
+    (np.array(2), True),                     # one row: a slice that drops the axis
+    (np.array([[3, 3], [3, 3]]), True),      # one row, repeated: a broadcast slice
+    (np.array([1, 2, 3]), True),             # consecutive rows: a slice
+    (np.array([4, -1, 0, 2]), False)])       # any rows (-1: the last): a one-hot matmul
+def test_gather_with_constant_indices(tmp_path, indices, sliced):
+    data = np.random.default_rng(5).standard_normal((2, 6, 8)).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("Gather", ["x", "i"], ["g"], axis=1),
+         helper.make_node("Mul", ["g", "g"], ["y"])], "gather",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 6, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(indices.astype(np.int64), "i")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    onnx.save(model, str(tmp_path / "gather.onnx"))
+    imported = import_onnx(tmp_path / "gather.onnx")
+    # a slice picks rows by position; other indices are a weight the one-hot compares with
+    assert (re.search(r"^input i\[", imported.text, re.M) is None) == sliced, imported.text
+    from bbrules.frontend import parse_program
+    from bbrules.lower import lower
+    program = lower(parse_program(imported.text))
+    got = imported.onnx_outputs(interp.run(program, imported.bbp_inputs({"x": data})))["y"]
+    want = ReferenceEvaluator(model).run(None, {"x": data})[0]
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def test_gather_index_out_of_range_is_refused(tmp_path):
+    graph = helper.make_graph(
+        [helper.make_node("Gather", ["x", "i"], ["y"])], "gather",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(np.array([0, 4], np.int64), "i")])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]),
+              str(tmp_path / "gather.onnx"))
+    with pytest.raises(OnnxError, match=r"node 0 .*Gather.*out of range for extent 4"):
+        import_onnx(tmp_path / "gather.onnx")
+
+
 def bbrules(*args, cwd=None):
     return subprocess.run([sys.executable, "-m", "bbrules", *args], capture_output=True,
                           text=True, cwd=cwd)
@@ -174,17 +215,17 @@ def test_cli_import_writes_program_and_weights_and_runs(tmp_path):
 
 
 def test_unsupported_operator_names_node_and_position(tmp_path):
-    node = helper.make_node("Gather", ["r", "idx"], ["y"], name="gather0", axis=1)
+    node = helper.make_node("GatherElements", ["r", "idx"], ["y"], name="gather0", axis=1)
     graph = helper.make_graph(
         [helper.make_node("Relu", ["x"], ["r"]), node], "g",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 8])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
-        [numpy_helper.from_array(np.array([3, 1], np.int64), "idx")])
+        [numpy_helper.from_array(np.array([[3, 1], [0, 2]], np.int64), "idx")])
     onnx.save(helper.make_model(graph), str(tmp_path / "gather.onnx"))
-    with pytest.raises(OnnxError, match=r"node 1 'gather0' \(Gather\): operator Gather is not"):
+    with pytest.raises(OnnxError, match=r"node 1 'gather0' \(GatherElements\): operator GatherElements is not"):
         import_onnx(tmp_path / "gather.onnx")
     r = bbrules("import", str(tmp_path / "gather.onnx"))
-    assert r.returncode == 2 and "Traceback" not in r.stderr and "Gather" in r.stderr
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "GatherElements" in r.stderr
 
 
 def test_junk_file_is_refused(tmp_path):
