@@ -945,12 +945,12 @@ def _pad(im: Importer, node) -> list[Value]:
     mode = _attr(node, "mode", "constant")
     if mode != "constant":
         raise im.error(f"Pad mode '{mode}' is not supported (only 'constant')")
-    value: Value = Value((), number=0.0)
     if im.opset < 11:
         pads = _attr(node, "pads", [0] * 2 * r)
         value = Value((), number=float(_attr(node, "value", 0.0)))
     else:
         pads = im.const(node.input[1], "the pads").reshape(-1).tolist()
+        value = Value((), number=0.0)
         if len(node.input) > 2 and node.input[2]:
             value = im.value(node.input[2])
             value = im.reshape(value, (1,) * len(value.shape))
@@ -989,8 +989,8 @@ def _gather(im: Importer, node) -> list[Value]:
     r = len(x.shape)
     axis = _attr(node, "axis", 0) % r
     n, outer, inner = x.shape[axis], x.shape[:axis], x.shape[axis + 1:]
-    negative = node.input[1] not in im.consts
-    if not negative:
+    at_run_time = node.input[1] not in im.consts
+    if not at_run_time:
         idx = np.asarray(im.const(node.input[1], "the indices")).astype(np.int64)
         if np.any((idx < -n) | (idx >= n)):
             raise im.error(f"an index of {idx.reshape(-1).tolist()} is out of range for "
@@ -1016,7 +1016,7 @@ def _gather(im: Importer, node) -> list[Value]:
 
     def expr(refs: list[str], ix: _Index) -> str:
         at = ix.position(p)
-        hit = f"{refs[1]} == {at} or {refs[1]} == {at} - {n}" if negative else \
+        hit = f"{refs[1]} == {at} or {refs[1]} == {at} - {n}" if at_run_time else \
             f"{refs[1]} == {at}"
         return reduce_expr("sum", ix.axes([p]), f"where({hit}, 1, 0) * {refs[0]}")
     return [im.statement(node.output[0], dims, range(p), operands, expr)]

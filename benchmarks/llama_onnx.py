@@ -1,8 +1,9 @@
 """A LLaMA-style decoder stack as an ONNX model, imported and fused by bbrules.
 
-Token ids in, an embedding lookup (Gather), then per layer: RMSNorm, Q/K/V projections (grouped-query: fewer K/V heads), rotate-half RoPE
-written as an exporter writes it (Slice, Neg, Concat), the opset-23 `Attention` operator with
-`is_causal`, the output projection and residual, RMSNorm, a SwiGLU MLP and residual.  The
+Token ids in, an embedding lookup (Gather), then per layer: RMSNorm, Q/K/V projections
+(grouped-query: fewer K/V heads), rotate-half RoPE written as an exporter writes it (Slice,
+Neg, Concat), the opset-23 `Attention` operator with `is_causal`, the output projection and
+residual, RMSNorm, a SwiGLU MLP and residual.  The
 script builds the model with `onnx.helper`, imports it, fuses it (by candidates above the
 threshold) and reports per layer count: statements, kernels before and after, modeled time
 and traffic, the candidates (and how many distinct ones were fused), wall time of import
