@@ -20,7 +20,7 @@ from typing import Callable
 import numpy as np
 
 from . import __version__, dense, interp
-from .codegen import cuda_gen, numpy_gen
+from .codegen import cuda_gen, numpy_gen, triton_gen
 from .blockfile import BlockFile, load_block_program
 from .cost import ProgramCost, cost_program, fmt_bytes, fmt_flops, fmt_time
 from .engine import Budget, run_checks
@@ -289,7 +289,8 @@ def _run_args(p: argparse.ArgumentParser) -> None:
     _program_args(p)
     _fuse_args(p)
     p.add_argument("--backend", choices=tuple(BACKENDS), default="interp",
-                   help="the reference interpreter (default), generated numpy, or CUDA via CuPy")
+                   help="the reference interpreter (default), generated numpy, CUDA via CuPy, "
+                        "or Triton (on a GPU, else in Triton's interpreter)")
     p.add_argument("--no-fuse", action="store_true", help="run the unfused program")
     p.add_argument("--seed", type=_integer(0), default=0, help="seed of the random inputs")
     p.add_argument("--values", metavar="FILE.npz",
@@ -311,10 +312,25 @@ def _run_cuda(program: BlockProgram, inputs: dict[str, np.ndarray]) -> dict[str,
     return {name: cupy.asnumpy(x) for name, x in outputs.items()}
 
 
+def _run_triton(program: BlockProgram, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """On a GPU where torch finds one; otherwise in Triton's interpreter, on the CPU."""
+    module = triton_gen.generate(program)
+    try:
+        import torch
+        gpu = torch.cuda.is_available()
+    except ImportError:
+        gpu = False
+    if not gpu:
+        return triton_gen.run_interpreted(module, inputs)
+    outputs = module.runner()(**inputs)
+    return {name: x.float().cpu().numpy() for name, x in outputs.items()}
+
+
 BACKENDS: dict[str, Callable[[BlockProgram, dict[str, np.ndarray]], dict[str, np.ndarray]]] = {
     "interp": interp.run,
     "numpy": numpy_gen.run,
     "cuda": _run_cuda,
+    "triton": _run_triton,
 }
 
 def _load_values(path: str, program: BlockProgram) -> dict[str, np.ndarray]:
@@ -631,7 +647,10 @@ def rule_table(r: FuseResult) -> str:
 def _codegen_args(p: argparse.ArgumentParser) -> None:
     _program_args(p)
     _fuse_args(p)
-    p.add_argument("--backend", choices=("numpy", "cuda"), default="numpy")
+    p.add_argument("--backend", choices=("numpy", "cuda", "triton"), default="numpy")
+    p.add_argument("--precision", choices=triton_gen.PRECISIONS, default="tf32x3",
+                   help="triton: how f32 contractions use the matrix unit (tf32x3: three TF32 "
+                        "products, about f32 accuracy; tf32: one; ieee: CUDA cores)")
     p.add_argument("--no-fuse", action="store_true", help="generate code for the unfused program")
     p.add_argument("-o", "--output", metavar="FILE",
                    help="write the code here (cuda: FILE gets the CUDA source and FILE.py the "
@@ -679,12 +698,16 @@ def cmd_import(args: argparse.Namespace) -> int:
     return 0
 
 
-@command("codegen", "generate numpy (CPU) or CUDA C (GPU) code for a program", _codegen_args)
+@command("codegen", "generate numpy (CPU), CUDA C or Triton (GPU) code for a program",
+         _codegen_args)
 def cmd_codegen(args: argparse.Namespace) -> int:
     _check_output(args.output, args.program)
     _, program = _program_to_run(args)
     if args.backend == "numpy":
         files = {args.output: numpy_gen.generate(program)}
+    elif args.backend == "triton":
+        target = get_target(args.target)
+        files = {args.output: triton_gen.generate(program, target, args.precision).source}
     else:
         module = cuda_gen.generate(program, get_target(args.target))
         files = {args.output: module.source,

@@ -15,7 +15,7 @@ import pytest
 
 from bbrules import interp
 from bbrules.blockfile import parse_block_program
-from bbrules.codegen import cuda_gen, numpy_gen
+from bbrules.codegen import cuda_gen, numpy_gen, triton_gen
 from bbrules.engine import CONSTRUCTORS, Saturator, compile_pack
 from bbrules.inputs import random_inputs
 from bbrules.ir import (KINDS, KindTable, attrs, children, kind_of, map_attrs, postorder,
@@ -28,7 +28,7 @@ from test_blockfile import every_node
 
 cost = importlib.import_module("bbrules.cost")  # `bbrules.cost` is the API function
 
-PASSES = [interp, cost, numpy_gen, cuda_gen]
+PASSES = [interp, cost, numpy_gen, cuda_gen, triton_gen]
 
 
 def _nodes_of(program) -> set:

@@ -1,0 +1,183 @@
+"""The Triton backend, verified without a GPU.
+
+- Numerics: the generated kernels run in Triton's interpreter (on the CPU) and must match the
+  reference interpreter -- every example fused at small sizes, blocks that are not powers of
+  two, ragged extents, contractions large enough for `tl.dot`, f16 tensors, every
+  elementwise operator.
+- Machine code: every example's fused kernels, at the sizes the example declares, compile for
+  sm_90a with Triton's own toolchain; the SASS must hold tensor-core instructions wherever the
+  kernel has a contraction on the matrix unit, no kernel may spill to local memory, and every
+  kernel's shared memory must fit the H100's 227 KiB.
+
+Triton ships for Linux on x86-64 only; there the test extra installs it and these tests run.
+"""
+
+from __future__ import annotations
+
+import platform
+import sys
+from dataclasses import replace
+from functools import lru_cache
+
+import numpy as np
+import pytest
+
+from bbrules import interp
+from bbrules.cli import main
+from bbrules.errors import UsageError
+from bbrules.fuse import fuse
+from bbrules.frontend import load_program
+from bbrules.inputs import random_inputs
+from bbrules.ir import Binary, Const, Load, Store, Unary, Where
+from bbrules.lower import lower
+from bbrules.ops import BINARY, ELEMENTWISE, UNARY
+from bbrules.packs import load_packs
+from bbrules.targets import get_target
+from irbuild import flash_attention, online_softmax, program
+from test_cuda_backend import EXAMPLES, assert_matches, small_example
+
+if not (sys.platform == "linux" and platform.machine() == "x86_64"):
+    pytest.skip("Triton ships for Linux on x86-64 only", allow_module_level=True)
+
+from bbrules.codegen import triton_gen  # noqa: E402  (after the platform check)
+
+H100_SHARED = 227 * 1024
+
+
+@lru_cache(maxsize=None)
+def _pack():
+    return load_packs([])
+
+
+def fused(p):
+    return fuse(p, _pack(), get_target("h100")).program
+
+
+def check_interpreted(p, rtol: float = 1e-4, **options) -> triton_gen.TritonModule:
+    module = triton_gen.generate(p, **options)
+    inputs = random_inputs(p, seed=1)
+    assert_matches(triton_gen.run_interpreted(module, inputs), interp.run(p, inputs), rtol)
+    return module
+
+
+# --------------------------------------------------------------------------------------------
+# Numerics in Triton's interpreter
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
+def test_fused_example_runs_like_the_interpreter(path):
+    check_interpreted(fused(small_example(path)))
+
+
+def test_unfused_programs_run_like_the_interpreter():
+    """Kernels the rules did not touch: one store each, temporaries between them."""
+    for stem in ("attention", "decoder_layer"):
+        check_interpreted(small_example(next(e for e in EXAMPLES if e.stem == stem)))
+
+
+@pytest.mark.parametrize("dims", [
+    {"q": (60, 20), "k": (36, 12), "d": (24, 24)},  # no block is a power of two
+    {"q": (100, 48), "k": (150, 48), "d": (40, 40)},  # ragged extents, padded tl.dot operands
+], ids=["padded-blocks", "ragged"])
+def test_causal_attention_with_padded_lanes(dims):
+    path = next(e for e in EXAMPLES if e.stem == "causal_attention")
+    check_interpreted(fused(lower(load_program(path, {"h": (2, 1), **dims}))))
+
+
+def test_contractions_use_tl_dot_and_match():
+    """Blocks of 64: both contractions of Flash Attention go to the matrix unit."""
+    p = flash_attention(256, 64, 256, 64, 64, online_softmax("triton_test_softmax"))
+    module = check_interpreted(p, precision="ieee")
+    assert [k.dots for k in module.kernels] == [2]
+    assert "tl.dot(" in module.source
+
+
+def with_dtype(p, dtype: str):
+    """`p` with every tensor of element type `dtype`."""
+    return replace(p, tensors={n: replace(t, dtype=dtype) for n, t in p.tensors.items()})
+
+
+def test_f16_tensors_are_loaded_and_stored_as_f16():
+    p = flash_attention(128, 32, 128, 32, 32, online_softmax("triton_test_softmax16"))
+    # Both round the stored output to f16 (relative step 2^-11), the operands too.
+    module = check_interpreted(with_dtype(p, "f16"), rtol=2e-3, upcast_dots=True)
+    assert "tl.float16" in module.source
+
+
+@pytest.mark.parametrize("op", sorted(ELEMENTWISE))
+def test_every_elementwise_operator_matches_numpy(op):
+    arity = 1 if op in UNARY else 2 if op in BINARY else 3
+    x, y, z = Load("X", ("s", "e")), Load("A", ("e",)), Load("B", ("s", "e"))
+    node = {1: lambda: Unary(op, x), 2: lambda: Binary(op, x, y),
+            3: lambda: Where(Binary("gt", x, Const(0.0)), y, z)}[arity]()
+    p = program({"s": (24, 8), "e": (40, 20)}, {"X": ("s", "e"), "A": ("e",), "B": ("s", "e")},
+                [Store("Y", ("s", "e"), node)])
+    module = triton_gen.generate(p)
+    inputs = random_inputs(p, seed=2)
+    got = triton_gen.run_interpreted(module, inputs)["Y"]
+    np.testing.assert_allclose(got, interp.run(p, inputs)["Y"], rtol=2e-6, atol=2e-6)
+
+
+def test_every_elementwise_operator_has_a_triton_expression():
+    assert set(ELEMENTWISE) <= set(triton_gen.TRITON_OPS)
+
+
+# --------------------------------------------------------------------------------------------
+# Machine code, compiled offline for sm_90a
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
+def test_example_compiles_to_tensor_core_code_without_spills(path):
+    module = triton_gen.generate(fused(lower(load_program(path))))
+    compiled = triton_gen.compile_offline(module)
+    assert set(compiled) == {k.name for k in module.kernels}
+    for k in module.kernels:
+        c = compiled[k.name]
+        assert c.local_bytes == 0, f"{k.name} spills {c.local_bytes} bytes per thread"
+        assert c.shared_bytes <= H100_SHARED, f"{k.name} needs {c.shared_bytes} B of shared"
+        if k.dots:
+            assert c.tensor_core > 0, f"{k.name} has {k.dots} tl.dot but no HGMMA/HMMA"
+        else:
+            assert c.tensor_core == 0
+
+
+def test_fused_attention_uses_warpgroup_mma_and_async_copies():
+    """On sm_90a Flash Attention's two contractions are warpgroup MMAs (HGMMA), fed by
+    asynchronous global-to-shared copies of K and V."""
+    path = next(e for e in EXAMPLES if e.stem == "causal_attention")
+    module = triton_gen.generate(fused(lower(load_program(path))), precision="tf32")
+    (c,) = triton_gen.compile_offline(module).values()
+    assert c.count("HGMMA") > 0
+
+
+# --------------------------------------------------------------------------------------------
+# The command line
+
+
+def test_codegen_writes_a_triton_module(tmp_path, capsys):
+    out = tmp_path / "attention.py"
+    path = str(next(e for e in EXAMPLES if e.stem == "attention"))
+    assert main(["codegen", path, "--backend", "triton", "--precision", "ieee",
+                 "--dim", "q=256/64", "--dim", "k=256/64", "-o", str(out)]) == 0
+    text = out.read_text()
+    assert "@triton.jit" in text and 'input_precision="ieee"' in text
+    compile(text, str(out), "exec")
+
+
+def test_run_with_the_triton_backend_compares_with_the_dense_program(capsys):
+    path = str(next(e for e in EXAMPLES if e.stem == "softmax"))
+    assert main(["run", path, "--backend", "triton", "--dim", "r=64/16",
+                 "--dim", "c=96/32"]) == 0
+    assert ": ok" in capsys.readouterr().out
+
+
+def test_unknown_precision_is_refused():
+    with pytest.raises(UsageError, match="unknown precision"):
+        triton_gen.generate(small_example(EXAMPLES[0]), precision="fp8")
+
+
+def test_bf16_programs_are_refused_by_the_interpreter_with_a_reason():
+    p = with_dtype(small_example(next(e for e in EXAMPLES if e.stem == "softmax")), "bf16")
+    with pytest.raises(UsageError, match="bf16"):
+        triton_gen.run_interpreted(triton_gen.generate(p), random_inputs(p, seed=0))
+
