@@ -19,7 +19,7 @@ from typing import Callable
 
 import numpy as np
 
-from . import __version__, dense, interp
+from . import __version__, dense, gpukit, interp
 from .codegen import cuda_gen, numpy_gen, triton_gen
 from .blockfile import BlockFile, load_block_program
 from .cost import ProgramCost, cost_program, fmt_bytes, fmt_flops, fmt_time
@@ -718,6 +718,24 @@ def cmd_codegen(args: argparse.Namespace) -> int:
         else:
             Path(path).write_text(text)
             print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+def _gpukit_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("folder", help="a new (or empty) folder for the kit")
+    p.add_argument("--quick", action="store_true",
+                   help="one small case of each kind: a dry run of the kit")
+    p.add_argument("--progress", action="store_true", help="progress lines on stderr")
+
+
+@command("gpukit", "prepare a folder of generated kernels and a runner for a GPU machine that "
+                   "has torch, triton, cupy and numpy only", _gpukit_args)
+def cmd_gpukit(args: argparse.Namespace) -> int:
+    manifest = gpukit.prepare(args.folder, args.quick, _progress(args))
+    n = sum(len(c["variants"]) for c in manifest["cases"])
+    print(f"wrote {args.folder}: {len(manifest['cases'])} cases, {n} kernel variants; on the "
+          f"GPU machine run `python {Path(args.folder) / 'runner.py'} --out RESULTS`",
+          file=sys.stderr)
     return 0
 
 

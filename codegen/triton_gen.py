@@ -491,11 +491,11 @@ class _KernelGen:
         if min(n_rows, n_cols, self.size(k)) < DOT_MIN:
             return self.product_sum(w, a, b, k, order)
         self.dots += 1
-        native = not self.upcast_dots and self.tiles[a].dtype == self.tiles[b].dtype != "f32"
+        narrow = self.operand_dtype(a, b)
         lead = [n_batch] if n_batch > 1 else []
-        lhs = self.dot_operand(a, k, batch + rows + [k], lead + [n_rows, self.size(k)], native)
-        rhs = self.dot_operand(b, k, batch + [k] + cols, lead + [self.size(k), n_cols], native)
-        precision = "" if native else f', input_precision="{self.precision}"'
+        lhs = self.dot_operand(a, k, batch + rows + [k], lead + [n_rows, self.size(k)], narrow)
+        rhs = self.dot_operand(b, k, batch + [k] + cols, lead + [self.size(k), n_cols], narrow)
+        precision = "" if narrow != "f32" else f', input_precision="{self.precision}"'
         r = self.bind(w, "d", f"tl.dot({lhs}, {rhs}{precision}, out_dtype=tl.float32)", ())
         natural = tuple(batch + rows + cols)
         code = f"tl.reshape({r.code}, {self.shape(natural)})"
@@ -503,14 +503,25 @@ class _KernelGen:
             code = f"tl.permute({code}, {[natural.index(ax) for ax in order]})"
         return self.bind(w, "v", code, order)
 
+    def operand_dtype(self, a: Value, b: Value) -> str:
+        """The dtype both operands of a contraction are given.  A contraction reading a 16-bit
+        tensor runs on the matrix unit in that format, its other operand rounded to it as
+        FlashAttention rounds P before P @ V; the products accumulate in f32.  A program of f32
+        tensors (or one mixing f16 with bf16) uses f32 at the chosen precision."""
+        narrow = {self.tiles[v].dtype for v in (a, b)} - {"f32"}
+        return narrow.pop() if len(narrow) == 1 and not self.upcast_dots else "f32"
+
     def dot_operand(self, v: Value, k: str, want: list[str], shape: list[int],
-                    native: bool) -> str:
-        """Operand `v` of a contraction over `k`: its padding lanes along `k` zeroed (a loaded
-        tile's already are), permuted into `want`'s order and reshaped to the matrix `shape`."""
+                    dtype: str) -> str:
+        """Operand `v` of a contraction over `k`, in `dtype`: its padding lanes along `k`
+        zeroed (a loaded tile's already are), permuted into `want`'s order and reshaped to the
+        matrix `shape`."""
         t = self.tiles[v]
-        code = t.code if native else self.f32(t).code
+        code = t.code if t.dtype == dtype else self.f32(t).code
         if self.padded(k) and v.kind != "load":
             code = f"tl.where({self.lane_mask(t.order, (k,))}, {code}, 0.0)"
+        if t.dtype != dtype and dtype != "f32":
+            code = f"({code}).to({_TL_DTYPE[dtype]})"
         if list(t.order) != want:
             code = f"tl.permute({code}, {[t.order.index(ax) for ax in want]})"
         if [self.size(ax) for ax in want] != shape:
@@ -659,6 +670,7 @@ OUTPUTS = {outputs!r}
 # (function, program instances, tensor arguments, stored tensors, num_warps, num_stages)
 KERNELS = {kernels!r}
 PRECISION = {precision!r}
+DEVICE = "cuda"  # where `run` allocates: "cpu" only under Triton's interpreter
 
 
 def run(**inputs):
@@ -672,11 +684,11 @@ def run(**inputs):
             continue
         if name not in inputs:
             raise ValueError(f"missing input '{{name}}'")
-        x = torch.as_tensor(inputs[name], device="cuda").to(dtypes[dtype])
+        x = torch.as_tensor(inputs[name], device=DEVICE).to(dtypes[dtype])
         if tuple(x.shape) != extent:
             raise ValueError(f"input '{{name}}' has shape {{tuple(x.shape)}}, expected {{extent}}")
         if shape != extent:  # zeros after a ragged axis's extent
-            padded = torch.zeros(shape, dtype=x.dtype, device="cuda")
+            padded = torch.zeros(shape, dtype=x.dtype, device=DEVICE)
             padded[tuple(slice(0, n) for n in extent)] = x
             x = padded
         memory[name] = x.contiguous()
@@ -684,7 +696,7 @@ def run(**inputs):
         for t in params:
             if t not in memory:
                 memory[t] = torch.empty(TENSORS[t][0], dtype=dtypes[TENSORS[t][1]],
-                                        device="cuda")
+                                        device=DEVICE)
         globals()[name][(grid,)](*(memory[t] for t in params), num_warps=num_warps,
                                  num_stages=num_stages)
     stored = dict.fromkeys(t for k in KERNELS for t in k[3])

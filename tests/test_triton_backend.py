@@ -150,6 +150,19 @@ def test_fused_attention_uses_warpgroup_mma_and_async_copies():
     assert c.count("HGMMA") > 0
 
 
+def test_bf16_attention_multiplies_bf16_on_the_matrix_unit():
+    """P is rounded to bf16 before P @ V, as FlashAttention does: both contractions are bf16
+    warpgroup MMAs accumulating in f32, not f32 emulated with TF32."""
+    path = next(e for e in EXAMPLES if e.stem == "causal_attention")
+    p = with_dtype(lower(load_program(path, {"h": (2, 1), "q": (1024, 64), "k": (1024, 64)})),
+                   "bf16")
+    module = triton_gen.generate(fused(p))
+    assert "input_precision" not in module.source
+    (c,) = triton_gen.compile_offline(module).values()
+    hgmma = [line for line in c.sass.splitlines() if "HGMMA" in line]
+    assert hgmma and all(".BF16" in line for line in hgmma)
+
+
 # --------------------------------------------------------------------------------------------
 # The command line
 

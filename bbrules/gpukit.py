@@ -1,0 +1,149 @@
+"""The GPU kit: kernels generated on a CPU machine, checked and timed on a bare GPU machine.
+
+A GPU machine lent for a few minutes has CUDA, torch, triton, cupy and numpy, but no egglog,
+no lark and no network, so nothing there can parse or fuse a program.  `prepare` does all of
+that here: for each case (attention in f32 and bf16, one and 32 heads, 1k to 16k tokens, causal
+or not; decode attention over long caches; matmul-shaped kernels) it writes the fused program's
+Triton module (for each key-block variant) and, for the smaller cases, its CUDA C launcher,
+with the modeled time and traffic.  `runner.py`, copied beside them, needs only torch, triton,
+cupy and numpy: one command on the GPU machine checks every kernel against torch and times it
+against `torch.nn.functional.scaled_dot_product_attention` or cuBLAS, writing three files
+(`results.json`, `results.md`, `run.log`) within a time limit.
+
+    bbrules gpukit DIR [--quick]          # here
+    python DIR/runner.py --out RESULTS    # there
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from .codegen import cuda_gen, triton_gen
+from .cost import cost_program
+from .errors import UsageError
+from .frontend import parse_program
+from .fuse import fuse
+from .lower import lower
+from .packs import load_packs
+from .targets import get_target
+
+TARGET = "h200"  # the GPU machine
+RUNNER = Path(__file__).parent / "codegen" / "gpu_runner.py"
+# Above this many modeled bytes the CUDA C kernels (CUDA cores, no tensor cores) are not run:
+# they would spend the machine's minutes where the Triton kernels are the subject.
+CUDA_MAX_BYTES = 1 << 30
+
+
+@dataclass(frozen=True)
+class Case:
+    """One program the kit checks and times, and the torch computation it is compared with."""
+
+    kind: str  # attention, decode, matmul, rmsnorm_matmul
+    dtype: str  # f32, f16, bf16
+    heads: int = 1
+    queries: int = 1
+    keys: int = 1
+    head_dim: int = 64
+    causal: bool = False
+    width: int = 0  # matmul-shaped: m = n = e = width
+
+    @property
+    def name(self) -> str:
+        if self.kind in ("matmul", "rmsnorm_matmul"):
+            return f"{self.kind}-{self.dtype}-{self.width}"
+        mask = "-causal" if self.causal else ""
+        return f"{self.kind}{mask}-{self.dtype}-bh{self.heads}-n{self.keys}"
+
+    def source(self, blocks: tuple[int, int]) -> str:
+        """The case as a .bbp program, rows and columns (queries and keys) in `blocks`."""
+        bm, bn = blocks
+        t = {"f32": "f32", "f16": "f16", "bf16": "bf16"}[self.dtype]
+        scale = self.head_dim ** -0.5
+        if self.kind == "attention":
+            mask = ("where(k <= q, sum[d] Q[h, q, d] * K[h, k, d] * {s}, -inf)" if self.causal
+                    else "sum[d] Q[h, q, d] * K[h, k, d] * {s}").format(s=scale)
+            return (f"dim h = {self.heads} / 1\ndim q = {self.queries} / {bm}\n"
+                    f"dim k = {self.keys} / {bn}\ndim d = {self.head_dim}\n"
+                    f"input Q[h, q, d], K[h, k, d], V[h, k, d] : {t}\n"
+                    f"S[h, q, k] = {mask}\nM[h, q] = max[k] S[h, q, k]\n"
+                    "E[h, q, k] = exp(S[h, q, k] - M[h, q])\nL[h, q] = sum[k] E[h, q, k]\n"
+                    "O[h, q, d] = sum[k] E[h, q, k] * V[h, k, d] / L[h, q]\noutput O\n")
+        if self.kind == "decode":
+            return (f"dim h = {self.heads} / 1\ndim k = {self.keys} / {bn}\n"
+                    f"dim d = {self.head_dim}\ninput Q[h, d], K[h, k, d], V[h, k, d] : {t}\n"
+                    f"S[h, k] = sum[d] Q[h, d] * K[h, k, d] * {scale}\nM[h] = max[k] S[h, k]\n"
+                    "E[h, k] = exp(S[h, k] - M[h])\nL[h] = sum[k] E[h, k]\n"
+                    "O[h, d] = sum[k] E[h, k] * V[h, k, d] / L[h]\noutput O\n")
+        w = self.width
+        head = f"dim m = {w} / {bm}\ndim e = {w} / 64\ndim n = {w} / {bn}\n"
+        if self.kind == "matmul":
+            return head + (f"input A[m, e], B[e, n] : {t}\nC[m, n] = sum[e] A[m, e] * B[e, n]\n"
+                           "output C\n")
+        return head + (f"input X[m, e], G[e], W[e, n] : {t}\n"
+                       f"SS[m] = sum[e] square(X[m, e]) * {1.0 / w}\n"
+                       "XN[m, e] = X[m, e] * rsqrt(SS[m] + 1e-6) * G[e]\n"
+                       "Y[m, n] = sum[e] XN[m, e] * W[e, n]\noutput Y\n")
+
+
+def cases(quick: bool = False) -> list[Case]:
+    """The kit's cases; `quick`: one of each kind at small sizes (a dry run)."""
+    if quick:
+        return [Case("attention", "bf16", 1, 1024, 1024, causal=True),
+                Case("decode", "f32", 8, 1, 1024, head_dim=128),
+                Case("matmul", "bf16", width=1024)]
+    out = [Case("attention", dtype, bh, n, n, causal=causal)
+           for dtype in ("f32", "bf16") for causal in (False, True)
+           for bh in (1, 32) for n in (1024, 4096, 16384)]
+    out += [Case("attention", "f16", 32, 4096, 4096, causal=True)]
+    out += [Case("decode", dtype, 32, 1, n, head_dim=128)
+            for dtype in ("f32", "bf16") for n in (4096, 32768)]
+    out += [Case(kind, dtype, width=4096) for kind in ("matmul", "rmsnorm_matmul")
+            for dtype in ("f32", "bf16")]
+    return out
+
+
+def variants(case: Case) -> list[tuple[int, int]]:
+    """Row x column blockings to try: the key block is tuned on the GPU among these."""
+    if case.kind == "decode":
+        return [(1, 64), (1, 128)]
+    return [(64, 64), (128, 64)] if case.kind == "attention" else [(128, 128), (64, 128)]
+
+
+def prepare(folder: str | Path, quick: bool = False,
+            progress: Callable[[str], None] | None = None) -> dict:
+    """Write the kit into `folder` (which must not exist or be empty); its manifest."""
+    root = Path(folder)
+    if root.exists() and any(root.iterdir()):
+        raise UsageError(f"{root}: not empty; the kit is written into a new folder")
+    (root / "kernels").mkdir(parents=True, exist_ok=True)
+    pack, target = load_packs([]), get_target(TARGET)
+    manifest: dict = {"target": TARGET, "cases": []}
+    for case in cases(quick):
+        entry = {"name": case.name, **asdict(case), "variants": []}
+        for blocks in variants(case):
+            label = f"{blocks[0]}x{blocks[1]}"
+            program = lower(parse_program(case.source(blocks), f"<{case.name}>"))
+            fused = fuse(program, pack, target).program
+            cost = cost_program(fused, target)
+            stem = f"{case.name}-{label}"
+            (root / "kernels" / f"{stem}.triton.py").write_text(
+                triton_gen.generate(fused, target).source)
+            cuda = None
+            if cost.traffic <= CUDA_MAX_BYTES and blocks == variants(case)[0]:
+                cuda = f"kernels/{stem}.cuda.py"
+                (root / cuda).write_text(cuda_gen.generate(fused, target).launcher)
+            entry["variants"].append({
+                "label": label, "triton": f"kernels/{stem}.triton.py", "cuda": cuda,
+                "kernels": len(fused.kernels), "modeled_time_s": cost.time,
+                "modeled_bytes": cost.traffic, "modeled_flops": cost.flops})
+            if progress:
+                progress(f"{stem}: {len(fused.kernels)} kernel(s), modeled "
+                         f"{cost.time * 1e6:.1f} us")
+        manifest["cases"].append(entry)
+    (root / "cases.json").write_text(json.dumps(manifest, indent=1))
+    shutil.copyfile(RUNNER, root / "runner.py")
+    return manifest

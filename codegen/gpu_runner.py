@@ -1,0 +1,279 @@
+"""Run a bbrules GPU kit: check every generated kernel against torch and time it against
+torch's own kernels, on a machine that has torch, triton, cupy and numpy and nothing else.
+
+    python runner.py --out RESULTS [--minutes 7] [--only NAME ...]
+    python runner.py --out RESULTS --interpret     # no GPU: Triton's interpreter, tiny cases
+
+The interpreter checks the runner and f32 numerics only: it multiplies bf16 `tl.dot` operands
+wrongly, so bf16 errors under `--interpret` mean nothing.
+
+`bbrules gpukit DIR` wrote this file beside `cases.json` and `kernels/`.  For each case and
+each of its key-block variants, the fused program's Triton kernels are launched with 4 and 8
+warps (3 pipeline stages); every configuration's output is compared with a float32
+torch reference, and the fastest correct one is the case's figure.  The baseline is
+`torch.nn.functional.scaled_dot_product_attention` in the case's dtype for attention (flash or
+memory-efficient kernels) and cuBLAS through `torch.matmul` for the matmul-shaped cases.  The
+CUDA C kernels (CuPy), where the kit has them, are checked and timed too.  Times are medians
+of CUDA-event timings of whole calls, after a warm-up.
+
+Three files are written to RESULTS: results.json (every figure), results.md (the table) and
+run.log.  Cases left when `--minutes` run out are recorded as skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+TOLERANCE = {"f32": 1e-4, "f16": 5e-3, "bf16": 3e-2}  # max |error| / max |reference|
+CONFIGS = [(4, 3), (8, 3)]  # (warps, pipeline stages): two compilations per variant
+
+
+class Log:
+    """Lines to stdout and run.log."""
+
+    def __init__(self, path: Path):
+        self.file = path.open("w")
+
+    def __call__(self, line: str) -> None:
+        stamped = f"[{time.strftime('%H:%M:%S')}] {line}"
+        print(stamped, flush=True)
+        self.file.write(stamped + "\n")
+        self.file.flush()
+
+
+def load(path: Path, name: str):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def bench(fn, torch, device: str) -> float:
+    """Median seconds of `fn()`: CUDA events after a warm-up, for at least 5 and at most 100
+    runs or about 0.3 s; one wall-clock run on the CPU."""
+    if device == "cpu":
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+    fn()
+    torch.cuda.synchronize()
+    times: list[float] = []
+    until = time.perf_counter() + 0.3
+    while len(times) < 5 or (time.perf_counter() < until and len(times) < 100):
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(begin.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def inputs_for(case: dict, torch, device: str) -> dict:
+    """Seeded inputs in the case's dtype, named as the program names them."""
+    dtype = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[case["dtype"]]
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen, device=device) * scale).to(dtype)
+
+    h, n, d, w = case["heads"], case["keys"], case["head_dim"], case["width"]
+    if case["kind"] == "attention":
+        return {"Q": randn(h, case["queries"], d), "K": randn(h, n, d), "V": randn(h, n, d)}
+    if case["kind"] == "decode":
+        return {"Q": randn(h, d), "K": randn(h, n, d), "V": randn(h, n, d)}
+    if case["kind"] == "matmul":
+        return {"A": randn(w, w), "B": randn(w, w, scale=w ** -0.5)}
+    return {"X": randn(w, w), "G": randn(w), "W": randn(w, w, scale=w ** -0.5)}
+
+
+def torch_op(case: dict, torch, x: dict, f32: bool):
+    """The case computed by torch: in float32 (the reference) or in the case's dtype (the
+    baseline: SDPA or cuBLAS)."""
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    if f32:
+        x = {k: v.float() for k, v in x.items()}
+    scale = case["head_dim"] ** -0.5
+    if case["kind"] == "attention":
+        return sdpa(x["Q"][None], x["K"][None], x["V"][None], is_causal=case["causal"],
+                    scale=scale)[0]
+    if case["kind"] == "decode":
+        return sdpa(x["Q"][:, None], x["K"], x["V"], scale=scale)[:, 0]
+    if case["kind"] == "matmul":
+        return x["A"] @ x["B"]
+    xs = x["X"]
+    norm = xs * torch.rsqrt((xs.float() * xs.float()).mean(-1, keepdim=True) + 1e-6).to(xs.dtype)
+    return (norm * x["G"]) @ x["W"]
+
+
+def work(case: dict) -> tuple[float, float]:
+    """(flops, bytes) the case needs at least: for TFLOP/s and GB/s columns."""
+    size = {"f32": 4, "f16": 2, "bf16": 2}[case["dtype"]]
+    h, n, d, w = case["heads"], case["keys"], case["head_dim"], case["width"]
+    if case["kind"] == "attention":
+        q = case["queries"]
+        flops = 4.0 * h * q * n * d * (0.5 if case["causal"] else 1.0)
+        return flops, size * h * d * (2 * q + 2 * n)
+    if case["kind"] == "decode":
+        return 4.0 * h * n * d, size * h * d * (2 * n + 2)
+    return 2.0 * w ** 3, size * 3 * w * w
+
+
+def relative_error(out, ref) -> float:
+    scale = float(ref.abs().max()) or 1.0
+    return float((out.float() - ref).abs().max()) / scale
+
+
+def run_case(case: dict, torch, device: str, log: Log, deadline: float) -> dict:
+    x = inputs_for(case, torch, device)
+    ref = torch_op(case, torch, x, f32=True)
+    result: dict = {"name": case["name"], "variants": []}
+    result["torch_s"] = bench(lambda: torch_op(case, torch, x, f32=False), torch, device)
+    output = {"attention": "O", "decode": "O", "matmul": "C", "rmsnorm_matmul": "Y"}[case["kind"]]
+    tol = TOLERANCE[case["dtype"]]
+    for v in case["variants"]:
+        if time.time() > deadline:
+            break
+        module = load(HERE / v["triton"], f"kit_{case['name']}_{v['label']}".replace("-", "_"))
+        module.DEVICE = device
+        base = list(module.KERNELS)
+        for warps, stages in CONFIGS if device == "cuda" else CONFIGS[:1]:
+            module.KERNELS[:] = [(k[0], k[1], k[2], k[3], warps, stages) for k in base]
+            entry = {"variant": v["label"], "warps": warps, "stages": stages,
+                     "kernels": v["kernels"], "modeled_s": v["modeled_time_s"]}
+            try:
+                err = relative_error(module.run(**x)[output], ref)
+                entry.update(error=err, ok=err <= tol,
+                             seconds=bench(lambda: module.run(**x), torch, device))
+            except Exception as e:  # a configuration that does not compile or fit
+                entry.update(ok=False, failure=f"{type(e).__name__}: {str(e)[:300]}")
+            result["variants"].append(entry)
+            log(f"  {case['name']} {v['label']} w{warps} s{stages}: "
+                + (f"{entry['seconds'] * 1e6:.1f} us, error {entry['error']:.2e}"
+                   if "seconds" in entry else entry["failure"]))
+        if v.get("cuda") and device == "cuda":
+            result["cuda_c"] = run_cuda(HERE / v["cuda"], case, x, ref, output, torch, tol)
+    measured = [e for e in result["variants"] if "error" in e]
+    result["ok"] = bool(measured) and all(e["ok"] for e in measured)
+    good = [e for e in measured if e["ok"]]
+    if good:
+        best = min(good, key=lambda e: e["seconds"])
+        flops, nbytes = work(case)
+        result.update(best=best, speedup=result["torch_s"] / best["seconds"],
+                      tflops=flops / best["seconds"] / 1e12,
+                      gbps=nbytes / best["seconds"] / 1e9)
+    return result
+
+
+def run_cuda(path: Path, case: dict, x: dict, ref, output: str, torch, tol: float) -> dict:
+    """The CUDA C backend's kernels (CuPy), checked and timed like the Triton ones."""
+    try:
+        import cupy as cp
+        module = load(path, f"kit_cuda_{case['name']}".replace("-", "_"))
+        arrays = {k: cp.asarray(v.float().contiguous()) for k, v in x.items()}
+        out = module.run(**arrays)[output]
+        err = relative_error(torch.as_tensor(out, device="cuda"), ref)
+        seconds = bench(lambda: module.run(**arrays), torch, "cuda")
+        return {"error": err, "ok": err <= tol, "seconds": seconds}
+    except Exception as e:
+        return {"ok": False, "failure": f"{type(e).__name__}: {str(e)[:300]}"}
+
+
+def environment(torch, device: str) -> dict:
+    import numpy
+    import triton
+    env = {"python": platform.python_version(), "torch": torch.__version__,
+           "triton": triton.__version__, "numpy": numpy.__version__, "device": device}
+    if device == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(0)
+    try:
+        import cupy
+        env["cupy"] = cupy.__version__
+    except ImportError:
+        env["cupy"] = None
+    return env
+
+
+def table(env: dict, results: list[dict]) -> str:
+    lines = [f"GPU kit results: {env.get('gpu', env['device'])}, torch {env['torch']}, "
+             f"triton {env['triton']}, {time.strftime('%Y-%m-%d')}", "",
+             "| case | kernels | best (blocks, warps, stages) | bbrules Triton | torch | "
+             "speed-up vs torch | TFLOP/s | GB/s | CUDA C | max rel. error | ok |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        if "skipped" in r or "failure" in r:
+            why = r.get("skipped") or r["failure"]
+            lines.append(f"| {r['name']} | | {why[:80]} | | | | | | | | no |")
+            continue
+        cuda = r.get("cuda_c", {})
+        cuda_text = f"{cuda['seconds'] * 1e6:.0f} us" if "seconds" in cuda else \
+            ("failed" if cuda else "")
+        b = r.get("best")
+        if b is None:
+            lines.append(f"| {r['name']} | | no correct configuration | | "
+                         f"{r['torch_s'] * 1e6:.1f} us | | | | {cuda_text} | | no |")
+            continue
+        lines.append(
+            f"| {r['name']} | {b['kernels']} | {b['variant']}, {b['warps']}, {b['stages']} | "
+            f"{b['seconds'] * 1e6:.1f} us | {r['torch_s'] * 1e6:.1f} us | {r['speedup']:.2f}x | "
+            f"{r['tflops']:.1f} | {r['gbps']:.0f} | {cuda_text} | {b['error']:.1e} | "
+            f"{'yes' if r['ok'] else 'no'} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, help="folder for results.json, results.md, run.log")
+    ap.add_argument("--minutes", type=float, default=7.0, help="stop starting cases after this")
+    ap.add_argument("--only", nargs="*", default=[], help="case names to run (default: all)")
+    ap.add_argument("--interpret", action="store_true",
+                    help="no GPU: run in Triton's interpreter on the CPU (small kits only)")
+    args = ap.parse_args()
+    if args.interpret:
+        os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
+    import torch
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    log = Log(out / "run.log")
+    device = "cuda" if torch.cuda.is_available() and not args.interpret else "cpu"
+    if device == "cpu" and not args.interpret:
+        log("no GPU found: run with --interpret for a CPU check of the kit")
+        return 2
+    env = environment(torch, device)
+    log(f"environment: {env}")
+    manifest = json.loads((HERE / "cases.json").read_text())
+    deadline = time.time() + 60 * args.minutes
+    results = []
+    for case in manifest["cases"]:
+        if args.only and case["name"] not in args.only:
+            continue
+        if time.time() > deadline:
+            results.append({"name": case["name"], "skipped": "out of time"})
+            continue
+        log(f"{case['name']}")
+        try:
+            results.append(run_case(case, torch, device, log, deadline))
+        except Exception as e:  # one case's failure must not lose the others' figures
+            log(traceback.format_exc())
+            results.append({"name": case["name"], "failure": f"{type(e).__name__}: {e}"[:300]})
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    (out / "results.json").write_text(json.dumps({"environment": env, "results": results},
+                                                 indent=1))
+    (out / "results.md").write_text(table(env, results))
+    log(f"wrote {out / 'results.json'} and {out / 'results.md'}")
+    return 0 if all(r.get("ok") for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""The GPU kit's dry run: `bbrules gpukit --quick` prepares a folder a bare GPU machine can run.
+
+The GPU machine has torch, triton, cupy and numpy and nothing else, so everything the kit
+ships must import only those and the standard library; its manifest must name files that
+exist; the runner must start (`--help`) without any of them imported.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bbrules.cli import main
+from bbrules.frontend import parse_program
+from bbrules.gpukit import Case, cases
+from bbrules.lower import lower
+
+ALLOWED = {"torch", "triton", "cupy", "numpy"} | set(sys.stdlib_module_names)
+
+
+def imports(path: Path) -> set[str]:
+    """Top-level packages a Python file imports, wherever the import statement is."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+@pytest.fixture(scope="module")
+def kit(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("kit")
+    assert main(["gpukit", str(folder), "--quick"]) == 0
+    return folder
+
+
+def test_the_kit_ships_a_runner_kernels_and_a_manifest(kit):
+    manifest = json.loads((kit / "cases.json").read_text())
+    assert [c["name"] for c in manifest["cases"]] == [c.name for c in cases(quick=True)]
+    for case in manifest["cases"]:
+        assert case["variants"], case["name"]
+        for v in case["variants"]:
+            assert (kit / v["triton"]).is_file()
+            assert v["cuda"] is None or (kit / v["cuda"]).is_file()
+            assert v["kernels"] >= 1 and v["modeled_time_s"] > 0
+
+
+def test_everything_the_kit_ships_imports_only_what_the_gpu_machine_has(kit):
+    files = [kit / "runner.py", *sorted((kit / "kernels").glob("*.py"))]
+    assert len(files) > 1
+    for f in files:
+        extra = imports(f) - ALLOWED
+        assert not extra, f"{f.name} imports {sorted(extra)}"
+        compile(f.read_text(), str(f), "exec")
+
+
+def test_the_runner_starts_without_torch(kit):
+    proc = subprocess.run([sys.executable, str(kit / "runner.py"), "--help"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "--out" in proc.stdout and "--interpret" in proc.stdout
+
+
+def test_kit_cases_are_programs_of_the_shapes_the_runner_compares():
+    """The output shapes the runner's torch computations give: O[h, q, d], O[h, d], C[m, n]."""
+    for case in cases() + [Case("rmsnorm_matmul", "bf16", width=256)]:
+        p = lower(parse_program(case.source((64, 64)), f"<{case.name}>"))
+        (out,) = p.outputs
+        shape = tuple(p.extent(a) for a in p.tensors[out].axes)
+        want = {"attention": (case.heads, case.queries, case.head_dim),
+                "decode": (case.heads, case.head_dim)}.get(case.kind, (case.width,) * 2)
+        assert shape == want, case.name
+        assert {p.tensors[t].dtype for t in p.inputs} == {case.dtype}
+
+
+def test_a_kit_is_never_written_over_a_folder_in_use(tmp_path, capsys):
+    (tmp_path / "mine.txt").write_text("keep")
+    assert main(["gpukit", str(tmp_path), "--quick"]) == 2
+    assert "not empty" in capsys.readouterr().err
+    assert (tmp_path / "mine.txt").read_text() == "keep"
