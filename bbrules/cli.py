@@ -648,9 +648,10 @@ def _codegen_args(p: argparse.ArgumentParser) -> None:
     _program_args(p)
     _fuse_args(p)
     p.add_argument("--backend", choices=("numpy", "cuda", "triton"), default="numpy")
-    p.add_argument("--precision", choices=triton_gen.PRECISIONS, default="tf32x3",
-                   help="triton: how f32 contractions use the matrix unit (tf32x3: three TF32 "
-                        "products, about f32 accuracy; tf32: one; ieee: CUDA cores)")
+    p.add_argument("--precision", choices=triton_gen.PRECISIONS, default="tf32",
+                   help="triton: how f32 contractions use the matrix unit (tf32, the rate the "
+                        "GPU targets price them at; tf32x3: three TF32 products, about f32 "
+                        "accuracy; ieee: CUDA cores)")
     p.add_argument("--no-fuse", action="store_true", help="generate code for the unfused program")
     p.add_argument("-o", "--output", metavar="FILE",
                    help="write the code here (cuda: FILE gets the CUDA source and FILE.py the "

@@ -36,6 +36,9 @@ RUNNER = Path(__file__).parent / "codegen" / "gpu_runner.py"
 # Above this many modeled bytes the CUDA C kernels (CUDA cores, no tensor cores) are not run:
 # they would spend the machine's minutes where the Triton kernels are the subject.
 CUDA_MAX_BYTES = 1 << 30
+# torch's f32 attention and matmul do not use TF32 by default: the f32 cases are compared at
+# (about) the same accuracy.
+F32_PRECISION = "tf32x3"
 
 
 @dataclass(frozen=True)
@@ -131,7 +134,7 @@ def prepare(folder: str | Path, quick: bool = False,
             cost = cost_program(fused, target)
             stem = f"{case.name}-{label}"
             (root / "kernels" / f"{stem}.triton.py").write_text(
-                triton_gen.generate(fused, target).source)
+                triton_gen.generate(fused, target, F32_PRECISION).source)
             cuda = None
             if cost.traffic <= CUDA_MAX_BYTES and blocks == variants(case)[0]:
                 cuda = f"kernels/{stem}.cuda.py"

@@ -13,11 +13,13 @@ Why it looks the way it does:
   per monoid component) from iteration to iteration.
 - *Contractions run on tensor cores.*  A `dot` whose operands have one row and one column
   group of at least 16 elements becomes `tl.dot` (batched when both operands share an axis of
-  several elements), its operands permuted and reshaped into place; f32 operands use the
-  precision the caller states (`tf32x3`: three TF32 products, about f32 accuracy; `ieee`: the
-  CUDA cores; `tf32`: one TF32 product).  f16 and bf16 tiles go to the matrix unit as they
-  are, accumulating in f32.  A contraction too small for the matrix unit is a broadcast
-  product and `tl.sum`.
+  several elements), its operands permuted and reshaped into place.  f32 operands use the
+  precision the caller states: `tf32` (the default: one TF32 product, the rate the GPU
+  targets price f32 contractions at, `peak_flops_dot_f32`), `tf32x3` (three TF32 products,
+  about f32 accuracy, a third of that rate) or `ieee` (the CUDA cores).  A contraction
+  reading a 16-bit tensor runs in that format, accumulating in f32.  The smallest `tl.dot`
+  side, 16, is the targets' `block_granularity`.  A contraction too small for the matrix unit
+  is a broadcast product and `tl.sum`.
 - *Blocks are padded to powers of two* (`tl.arange` needs them).  Padding lanes are masked on
   load and store, and filled with the consumer's identity before an in-tile reduction or a
   contraction folds them, so they never change a result.  Ragged extents need nothing here:
@@ -66,8 +68,8 @@ from bbrules.targets import Target, get_target
 __all__ = ["CompiledKernel", "Precision", "TritonKernel", "TritonModule", "compile_offline",
            "generate", "run_interpreted"]
 
-Precision = Literal["tf32x3", "tf32", "ieee"]
-PRECISIONS: tuple[Precision, ...] = ("tf32x3", "tf32", "ieee")
+Precision = Literal["tf32", "tf32x3", "ieee"]
+PRECISIONS: tuple[Precision, ...] = ("tf32", "tf32x3", "ieee")
 DOT_MIN = 16  # tl.dot needs at least 16 rows, columns and reduced elements
 _TL_DTYPE = {"f32": "tl.float32", "f16": "tl.float16", "bf16": "tl.bfloat16"}
 _POINTER = {"f32": "*fp32", "f16": "*fp16", "bf16": "*bf16"}
@@ -235,7 +237,7 @@ class TritonModule:
 
 
 def generate(p: BlockProgram, target: Target | str | None = None,
-             precision: Precision = "tf32x3", upcast_dots: bool = False) -> TritonModule:
+             precision: Precision = "tf32", upcast_dots: bool = False) -> TritonModule:
     """Triton kernels for every kernel of `p`, from the plans the cost model priced on
     `target` (default h100).  `upcast_dots` gives every contraction f32 operands (Triton's
     interpreter multiplies 16-bit dot operands wrongly)."""

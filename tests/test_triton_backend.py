@@ -118,6 +118,17 @@ def test_every_elementwise_operator_matches_numpy(op):
     np.testing.assert_allclose(got, interp.run(p, inputs)["Y"], rtol=2e-6, atol=2e-6)
 
 
+def test_the_gpu_targets_price_what_the_triton_kernels_get():
+    """f32 contractions at the TF32 rate (the default precision), blocks no finer than the
+    smallest `tl.dot` side."""
+    p = small_example(EXAMPLES[0])
+    assert triton_gen.generate(p).precision == "tf32"
+    for name in ("h100", "h200"):
+        t = get_target(name)
+        assert t.block_granularity == triton_gen.DOT_MIN
+        assert t.peak_flops_dot_f32 > t.peak_flops  # the matrix unit, not the CUDA cores
+
+
 def test_every_elementwise_operator_has_a_triton_expression():
     assert set(ELEMENTWISE) <= set(triton_gen.TRITON_OPS)
 
