@@ -312,7 +312,9 @@ class _KernelGen:
     # -- shapes
 
     def order(self, axes) -> tuple[str, ...]:
-        return tuple(sorted(axes, key=self.rank.__getitem__))
+        """The dimensions of a tile over `axes`: in program order, without the axes of one
+        element (a head axis in blocks of 1), along which a tile is a scalar."""
+        return tuple(sorted((a for a in axes if self.size(a) > 1), key=self.rank.__getitem__))
 
     def size(self, a: str) -> int:
         return _pow2(self.p.block(a))
@@ -353,12 +355,15 @@ class _KernelGen:
 
     def lanes(self, a: str, order: tuple[str, ...]) -> str:
         """The lane index along `a` (0 .. padded block), broadcast over `order`."""
+        if self.size(a) == 1:
+            return "0"
         return self.expand(_Tile(f"tl.arange(0, {self.size(a)})", (a,)), order)
 
     def position(self, a: str, b: BlockIndex, order: tuple[str, ...]) -> str:
-        block = self.block_var(b, a)
-        lanes = self.lanes(a, order)
-        return lanes if block == "0" else f"({block} * {self.p.block(a)} + {lanes})"
+        block, lanes = self.block_var(b, a), self.lanes(a, order)
+        if block == "0" or lanes == "0":
+            return block if lanes == "0" else lanes
+        return f"({block} * {self.p.block(a)} + {lanes})"
 
     def lane_mask(self, order: tuple[str, ...], axes=None) -> str | None:
         """The lanes inside the block along every padded axis of `axes` (default: all)."""
@@ -440,8 +445,10 @@ class _KernelGen:
                                           order, self.p.tensors[load.tensor].dtype)
             case "pos":
                 a = x.node.axis
-                self.tiles[x] = self.bind(w, "i", f"({self.position(a, x.blocks[a], order)})"
-                                          ".to(tl.float32)", order)
+                pos = self.position(a, x.blocks[a], order)
+                # a scalar position may be a Python int (an axis of one block)
+                code = f"({pos}).to(tl.float32)" if order else f"({pos} + 0.0)"
+                self.tiles[x] = self.bind(w, "i", code, order)
             case "elementwise":
                 kids = [self.operand(a, order) for a in x.args]
                 self.tiles[x] = self.bind(w, "v", EXPR(x.node, kids, None), order)
@@ -464,7 +471,7 @@ class _KernelGen:
     def tile_reduce(self, w: _Writer, x: Value, order: tuple[str, ...]) -> _Tile:
         axis, (fn, identity) = x.node.axis, _REDUCE[x.node.op]
         src = x.args[0]
-        if src.kind == "const" or axis not in src.shape:  # constant along the reduced axis
+        if src.kind == "const" or axis not in self.order(src.shape):  # one value along it
             value = self.operand(src, order)
             code = f"{value} * {float(self.p.block(axis))!r}" if x.node.op == "sum" else value
             return self.bind(w, "v", code, order)
@@ -482,7 +489,8 @@ class _KernelGen:
         large enough, else a broadcast product summed over k."""
         k = x.node.axis
         a, b = x.args
-        if a.kind == "const" or b.kind == "const" or k not in a.shape or k not in b.shape:
+        if a.kind == "const" or b.kind == "const" or k not in self.order(a.shape) \
+                or k not in self.order(b.shape):
             return self.product_sum(w, a, b, k, order)
         ao, bo = self.order(a.shape), self.order(b.shape)
         batch = [ax for ax in order if ax in ao and ax in bo]
@@ -500,7 +508,9 @@ class _KernelGen:
         precision = "" if narrow != "f32" else f', input_precision="{self.precision}"'
         r = self.bind(w, "d", f"tl.dot({lhs}, {rhs}{precision}, out_dtype=tl.float32)", ())
         natural = tuple(batch + rows + cols)
-        code = f"tl.reshape({r.code}, {self.shape(natural)})"
+        code = r.code
+        if lead or len(rows) > 1 or len(cols) > 1:
+            code = f"tl.reshape({code}, {self.shape(natural)})"
         if natural != order:
             code = f"tl.permute({code}, {[natural.index(ax) for ax in order]})"
         return self.bind(w, "v", code, order)
@@ -533,7 +543,7 @@ class _KernelGen:
     def product_sum(self, w: _Writer, a: Value, b: Value, k: str,
                     order: tuple[str, ...]) -> _Tile:
         """A contraction too small for the matrix unit: the product over (order, k), summed."""
-        if k not in a.shape and k not in b.shape:  # constant along k
+        if k not in self.order(set(a.shape) | set(b.shape)):  # one value along k
             code = f"{self.operand(a, order)} * {self.operand(b, order)}"
             return self.bind(w, "v", f"({code}) * {float(self.p.block(k))!r}", order)
         whole = self.order(set(order) | {k})
@@ -650,7 +660,7 @@ class _KernelGen:
         order = self.order(s.axes)
         value = op.result
         code = self.operand(value, order)
-        if value.kind == "const" or set(value.shape) != set(order):
+        if value.kind == "const" or self.order(value.shape) != order:
             code = f"tl.broadcast_to({code}, {self.shape(order)})" if order else code
         dtype = self.p.tensors[s.tensor].dtype
         if dtype != "f32":
