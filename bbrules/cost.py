@@ -20,8 +20,9 @@ Work per execution, by the unit that does it (`Work`).  Unary/binary: elements o
 tile x the operator's flops (`bbrules.ops`), of which its special functions (exp, log, rsqrt,
 ...) are special-function work and the rest vector work; in-tile reduction: elements of its
 input, vector work; dot: 2 x elements of the result x the contracted block, matrix work at the
-rate for its operands (16-bit when both are loads of 16-bit tensors; anything computed is
-f32).  A loop pays each reduction's monoid `combine` once per iteration and its `finalize`
+rate for its operands: 16-bit when an operand is a load of a 16-bit tensor (the other,
+if computed, rounded to that format, as FlashAttention rounds P and as the Triton backend
+does), f32 when both are computed or the two formats differ.  A loop pays each reduction's monoid `combine` once per iteration and its `finalize`
 once per completion, both evaluated on the state tiles (distinct subexpressions once), split
 by operator like any elementwise work.  Recomputation inside fused kernels is therefore
 counted as it happens.  `flops` is the total of all units (a special function counts one).
@@ -400,9 +401,9 @@ def _(n: BlockReduce, c: _KernelCoster, v: Value, runs: int) -> Work:
 @FLOPS.on(Dot)
 def _(n: Dot, c: _KernelCoster, v: Value, runs: int) -> Work:
     f = 2 * c.elements(v.shape) * c.dims[n.axis].block
-    if all(isinstance(x, Load) and c.tensors[x.tensor].itemsize == 2 for x in (n.x, n.y)):
-        return Work(matrix_f16=f)
-    return Work(matrix_f32=f)
+    narrow = {c.tensors[x.tensor].dtype for x in (n.x, n.y)
+              if isinstance(x, Load) and c.tensors[x.tensor].itemsize == 2}
+    return Work(matrix_f16=f) if len(narrow) == 1 else Work(matrix_f32=f)
 
 
 class _KernelCoster:

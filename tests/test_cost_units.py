@@ -77,13 +77,23 @@ def test_a_dot_runs_on_the_matrix_unit_at_the_rate_for_its_operands(dtype, unit,
     assert k.time == pytest.approx(dot / rate + combine / 1e9, rel=1e-12)
 
 
-def test_a_dot_on_a_computed_operand_is_an_f32_dot():
+def test_a_dot_of_a_16_bit_tensor_and_a_computed_operand_runs_in_16_bit():
+    """The computed operand is rounded to the tensor's format (FlashAttention's P @ V)."""
     dims = {"m": (16, 16), "e": (32, 32), "n": (16, 16)}
     y = matmul(Unary("exp", Load("A", ("m", "e"))), Load("W", ("e", "n")), "e")
     p = program(dims, {"A": ("m", "e"), "W": ("e", "n")}, [Store("Y", ("m", "n"), y)],
                 dtype="f16")
     (k,) = cost_program(p, machine()).kernels
-    assert k.work == Work(vector=16 * 16, special=16 * 32, matrix_f32=2 * 16 * 16 * 32)
+    assert k.work == Work(vector=16 * 16, special=16 * 32, matrix_f16=2 * 16 * 16 * 32)
+
+
+def test_a_dot_of_two_computed_operands_is_an_f32_dot():
+    dims = {"m": (16, 16), "e": (32, 32), "n": (16, 16)}
+    y = matmul(Unary("exp", Load("A", ("m", "e"))), Unary("abs", Load("W", ("e", "n"))), "e")
+    p = program(dims, {"A": ("m", "e"), "W": ("e", "n")}, [Store("Y", ("m", "n"), y)],
+                dtype="f16")
+    (k,) = cost_program(p, machine()).kernels
+    assert k.work.matrix_f32 == 2 * 16 * 16 * 32 and k.work.matrix_f16 == 0
 
 
 def test_flash_attention_work_adds_up_to_its_flops_and_reports_each_unit():
