@@ -56,6 +56,7 @@ from typing import Literal
 
 import numpy as np
 
+from bbrules.codegen.cuda_gen import TensorInfo
 from bbrules.errors import UsageError
 from bbrules.ir import (ELEMENTWISE_KINDS, BlockProgram, BlockReduce, Const, Dot, Get, IRError,
                         KindTable, Load, Node, Pos, Reduce, Tuple, Var, children, is_elementwise,
@@ -200,17 +201,6 @@ class TritonKernel:
     num_warps: int
     num_stages: int
     dots: int  # contractions on the matrix unit (tl.dot)
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    """A tensor in device memory: `shape` in whole blocks, of which the program's tensor is the
-    leading `extent`."""
-
-    shape: tuple[int, ...]
-    dtype: str
-    role: str
-    extent: tuple[int, ...]
 
 
 @dataclass(frozen=True)
