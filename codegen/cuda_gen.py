@@ -24,6 +24,11 @@ Why it looks the way it does:
   has a barrier.  In-tile reductions and contractions split the reduced axis over the threads
   that have no output element of their own, so they are correct for any block size and any
   number of threads.
+- *The thread count is a compile-time constant on the device* (`BB_THREADS` in
+  `cuda_prelude.cuh`, the plan's launch width, which `__launch_bounds__` repeats): the strided
+  loops have constant trip counts, so nvcc unrolls them and folds their index arithmetic.  The
+  emulator runs the same text with the launch's thread count, so the tests still check that
+  every count computes the same values.
 - *Elementwise chains are not materialised* (the plan inlines them): a chain like
   `exp(S - M) / L` becomes one strided loop.  A materialised scalar is a register.  Resident
   slabs are loaded once, before the first step.
@@ -32,10 +37,16 @@ Why it looks the way it does:
   must read the *old* state of every component, so components are updated in groups of equal
   shape (one thread updates every component of one element) ordered so that a group reading
   another group's old state runs first; if no such order exists, through temporaries (the
-  plan's `Accumulation.groups`).
+  plan's `Accumulation.groups`).  An accumulator that only its own combine reads inside the
+  loop stays in registers while the loop runs (each thread owns the same elements every
+  iteration) and is stored to its shared-memory buffer once, after the loop
+  (`_register_states`).
+- *Tiles are copied from global memory 16 bytes at a time* where their rows along the
+  tensor's contiguous axis are whole, aligned vectors (`_vector_width`), element by element
+  otherwise; the launcher passes every tensor 16-byte aligned.
 - *Values are f32 in registers and shared memory*; f16/bf16 tensors are converted on load and
-  store with portable bit arithmetic (no CUDA headers), and 16-bit tiles stay 16-bit in shared
-  memory.
+  store by the hardware's conversion instructions (no CUDA headers; the emulator rounds the
+  same way in portable bit arithmetic), and 16-bit tiles stay 16-bit in shared memory.
 """
 
 from __future__ import annotations
@@ -85,52 +96,15 @@ FORMATS: dict[str, _Format] = {
     "bf16": _Format("unsigned short", "bb_b2f({})", "bb_f2b({})", 2),
 }
 
-_HALF_HELPERS = {
-    "f16": """\
-__device__ __forceinline__ float bb_h2f(unsigned short h) {
-    unsigned int u = ((unsigned int)h & 0x7fffu) << 13;
-    const unsigned int e = u & 0x0f800000u;
-    u += 0x38000000u;
-    float f;
-    if (e == 0x0f800000u) {
-        f = __uint_as_float(u + 0x38000000u);
-    } else if (e == 0u) {
-        f = __uint_as_float(u + 0x00800000u) - __uint_as_float(0x38800000u);
-    } else {
-        f = __uint_as_float(u);
-    }
-    return __uint_as_float(__float_as_uint(f) | (((unsigned int)h & 0x8000u) << 16));
-}
+# Definitions every generated source starts with (BB_THREADS, the 16-bit converters, the
+# vector loads), kept as a C++ file of their own so that both of their branches, device and
+# emulator, read as code.
+PRELUDE = Path(__file__).with_name("cuda_prelude.cuh")
 
-__device__ __forceinline__ unsigned short bb_f2h(float x) {
-    unsigned int u = __float_as_uint(x);
-    const unsigned int sign = (u >> 16) & 0x8000u;
-    u &= 0x7fffffffu;
-    unsigned int h;
-    if (u >= 0x47800000u) {
-        h = u > 0x7f800000u ? 0x7e00u : 0x7c00u;
-    } else if (u < 0x38800000u) {
-        h = __float_as_uint(__uint_as_float(u) + __uint_as_float(0x3f000000u)) - 0x3f000000u;
-    } else {
-        h = (u + 0xc8000fffu + ((u >> 13) & 1u)) >> 13;
-    }
-    return (unsigned short)(h | sign);
-}
-""",
-    "bf16": """\
-__device__ __forceinline__ float bb_b2f(unsigned short b) {
-    return __uint_as_float(((unsigned int)b) << 16);
-}
-
-__device__ __forceinline__ unsigned short bb_f2b(float x) {
-    const unsigned int u = __float_as_uint(x);
-    if ((u & 0x7fffffffu) > 0x7f800000u) {
-        return (unsigned short)((u >> 16) | 0x40u);
-    }
-    return (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-""",
-}
+# Accumulator elements one thread may keep in registers across a reduction loop (with the
+# 16 of a 4 x 4 contraction micro-tile and its operands, well under the 255 registers a thread
+# can have at 256 threads per block, so that nothing spills).
+STATE_REGISTERS = 32
 
 
 def to_storage(x, dtype: str, xp=np):
@@ -169,7 +143,7 @@ class KernelInfo:
     name: str
     tensors: tuple[str, ...]  # the tensors it stores, in store order
     grid: int  # thread blocks: one per grid point
-    threads: int  # threads per block (any count up to MAX_THREADS is correct)
+    threads: int  # threads per block: the count the kernel is compiled for
     shared_bytes: int  # dynamic shared memory per block
     params: tuple[str, ...]  # tensors passed, in argument order (the stored ones first)
     signature: tuple[str, ...]  # the C type of each parameter
@@ -216,7 +190,7 @@ def generate(p: BlockProgram, target: Target | str | None = None) -> CudaModule:
     validate(p)
     if target is None or isinstance(target, str):
         target = get_target(target or "h100")
-    kernels, bodies, helpers = [], [], set()
+    kernels, bodies = [], []
     for i, kernel in enumerate(p.kernels):
         plan = plan_for(p, kernel, target.local_capacity)
         if not plan.fits:
@@ -228,11 +202,8 @@ def generate(p: BlockProgram, target: Target | str | None = None) -> CudaModule:
         info, body = gen.emit()
         kernels.append(info)
         bodies.append(body)
-        helpers |= gen.formats
     prelude = [f"// Generated by bbrules: {len(kernels)} kernel(s), launched in order.",
-               "#define BB_INF __int_as_float(0x7f800000)",
-               "#define BB_NAN __int_as_float(0x7fffffff)", ""]
-    prelude += [_HALF_HELPERS[f] for f in ("f16", "bf16") if f in helpers]
+               PRELUDE.read_text()]
     source = "\n".join(prelude + bodies)
     tensors = {t.name: TensorInfo(tuple(p.padded(a) for a in t.axes), t.dtype, t.role,
                                   tuple(p.extent(a) for a in t.axes))
@@ -340,9 +311,9 @@ class _KernelGen:
         self.plan = plan
         self.kernel = plan.kernel
         self.name = name
-        self.formats: set[str] = set()  # 16-bit storage formats whose converters it needs
         self.counter = 0  # for fresh C names
         self.regs: dict[Value, str] = {}  # register values: their C names
+        self.state_regs: dict[Buffer, str] = {}  # accumulators kept in registers: their arrays
         self.dirty = False  # while emitting: has a register step or a write read shared
         # memory since the last barrier?
         self.grid_vars = {a: f"bb_g_{_c_name(a)}" for a in plan.grid}
@@ -362,13 +333,11 @@ class _KernelGen:
         signature = []
         for t in params:
             fmt = FORMATS[self.p.tensors[t].dtype]
-            if fmt is not FORMATS["f32"]:
-                self.formats.add(self.p.tensors[t].dtype)
             signature.append(fmt.ctype + "*" if t in stored
                              else f"const {fmt.ctype}*")
         w = _Writer()
         w("const int bb_tid = threadIdx.x;")
-        w("const int bb_nthr = blockDim.x;")
+        w(f"const int bb_nthr = BB_THREADS({self.plan.threads});")
         if self.plan.footprint:
             w("extern __shared__ float bb_smem[];")
         if any(b.itemsize == 2 for b in self.plan.buffers):
@@ -377,7 +346,7 @@ class _KernelGen:
         self._resident(w)
         self._ops(w, self.plan.body)
         args = ", ".join(f"{ct} __restrict__ g_{_c_name(t)}" for t, ct in zip(params, signature))
-        text = "\n".join([f'extern "C" __global__ void __launch_bounds__({MAX_THREADS}) '
+        text = "\n".join([f'extern "C" __global__ void __launch_bounds__({self.plan.threads}) '
                           f"{self.name}({args}) {{", *w.lines, "}", ""])
         grid = math.prod(self.p.blocks(a) for a in self.plan.grid)
         info = KernelInfo(self.name, stored, grid, self.plan.threads,
@@ -430,7 +399,10 @@ class _KernelGen:
                 self._contract(w, op)
             elif op.mode == "local":
                 self._before_write(w)
-                self._each(w, op.buffer.order, lambda e, x=op: self._materialise(x, e))
+                if op.kind == "load" and (n := self._vector_width(op)) > 1:
+                    self._copy_vectors(w, op, n)
+                else:
+                    self._each(w, op.buffer.order, lambda e, x=op: self._materialise(x, e))
                 self._barrier(w)
 
     def _materialise(self, x: Value, e: _Elem) -> None:
@@ -439,10 +411,72 @@ class _KernelGen:
         else:
             e.w(f"{self._at(x.buffer, e.coords)} = {self._compute(x, e)};")
 
-    def _each(self, w: _Writer, order: tuple[str, ...], body: Callable[[_Elem], None]) -> None:
+    def _vector_width(self, x: Value) -> int:
+        """Elements per 16-byte global load in the copy of load `x`'s tile, or 1 (scalar loads).
+
+        Vectors run along the tensor's contiguous last axis: the tile's rows along it must be
+        whole vectors, and every other axis' stride a whole number of vectors, so that each
+        vector starts 16-byte aligned once the tensor's base pointer is.
+        """
+        load = x.node
+        decl = self.p.tensors[load.tensor]
+        n = 16 // decl.itemsize
+        extents = [self.p.padded(a) for a in decl.axes]
+        strides = [math.prod(extents[j + 1:]) for j in range(len(extents))]
+        if not load.axes or set(x.buffer.order) != set(load.axes) \
+                or self.p.block(load.axes[-1]) % n or any(s % n for s in strides[:-1]):
+            return 1
+        return n
+
+    def _copy_vectors(self, w: _Writer, x: Value, n: int) -> None:
+        """Copy load `x`'s tile into shared memory, each thread taking `n` consecutive elements
+        along the tensor's last axis with one 16-byte load (`_vector_width`).
+
+        The launcher passes every tensor 16-byte aligned (`_aligned`).  The kernel does not
+        test it: a branch on a kernel argument is loop-invariant, and nvcc unswitches the key
+        loop of fused attention on it, doubling its body and its registers.
+        """
+        load, buf = x.node, x.buffer
+        last = load.axes[-1]
+        fmt = FORMATS[self.p.tensors[load.tensor].dtype]
+        pointer = f"g_{_c_name(self.p.tensors[load.tensor].storage)}"
+        blocks = {a: self._block_var(b, a) for a, b in x.blocks.items()}
+        sizes = tuple(self.p.block(a) // (n if a == last else 1) for a in buf.order)
+        vector = "bb_f32x4" if fmt.itemsize == 4 else "bb_u16x8"
+        with self._strided(w, math.prod(sizes), "bb_i"):
+            coords = self._decode(w, buf.order, "bb_i", sizes)  # the vector along `last`
+            first = f"{coords[last]} * {n}"
+            offset = self._global_offset(load.tensor, load.axes, blocks, {**coords, last: first})
+            w(f"const {vector} bb_v = bb_load_{vector[3:]}(&{pointer}[{offset}]);")
+            for j in range(n):
+                element = f"bb_v.v[{j}]"
+                value = element if buf.itemsize == 2 else fmt.to_float.format(element)
+                at = self._at(buf, {**coords, last: f"{first} + {j}" if j else first})
+                w(f"{at} = {value};")
+
+    @contextmanager
+    def _strided(self, w: _Writer, size: int | str, var: str,
+                 unroll: bool = False) -> Iterator[None]:
+        """The threads' loop over `size` items; the body reads its item as `var`.
+
+        Thread t takes items t, t + bb_nthr, ...: neighbouring threads touch neighbouring
+        elements.  On the device `bb_nthr` is a constant (`BB_THREADS`), so the trip count is
+        one too: nvcc unrolls the loop, folds each trip's index arithmetic, and drops the bound
+        test where the threads divide `size`.  The emulator runs the same text at any width.
+        `unroll` makes the unrolling certain (a register array indexed by the trip count
+        `bb_r` is only registers when every index is a constant).
+        """
+        if unroll:
+            w("BB_UNROLL")
+        with w.block(f"for (int bb_r = 0; bb_r < ({size} + bb_nthr - 1) / bb_nthr; ++bb_r)"):
+            w(f"const int {var} = bb_tid + bb_r * bb_nthr;")
+            with w.block(f"if ({size} % bb_nthr == 0 || {var} < {size})"):
+                yield
+
+    def _each(self, w: _Writer, order: tuple[str, ...], body: Callable[[_Elem], None],
+              unroll: bool = False) -> None:
         """A strided loop of the threads over the elements of a tile with axes `order`."""
-        size = math.prod(self.p.block(a) for a in order)
-        with w.block(f"for (int bb_i = bb_tid; bb_i < {size}; bb_i += bb_nthr)"):
+        with self._strided(w, math.prod(self.p.block(a) for a in order), "bb_i", unroll):
             body(_Elem(w, self._decode(w, order, "bb_i")))
 
     def _decode(self, w: _Writer, order: tuple[str, ...], var: str,
@@ -513,7 +547,7 @@ class _KernelGen:
             load = v.node
             blocks = {a: self.grid_vars[a] if a in self.grid_vars else "0" for a in load.axes}
             size = buf.elements if not buf.order else math.prod(buf.sizes)
-            with w.block(f"for (int bb_i = bb_tid; bb_i < {size}; bb_i += bb_nthr)"):
+            with self._strided(w, size, "bb_i"):
                 coords = self._decode(w, buf.order, "bb_i", buf.sizes)
                 offset = self._global_offset(load.tensor, load.axes, blocks, coords)
                 value = f"g_{_c_name(self.p.tensors[load.tensor].storage)}[{offset}]"
@@ -589,7 +623,8 @@ class _KernelGen:
 
         With more threads than output elements, `bb_p` threads share each output element: each
         folds every `bb_p`-th element of the reduced axis, and one of them folds the partial
-        results.  The split is capped by the scratch space, so any thread count is correct.
+        results.  The split is capped by the scratch space, so any thread count is correct; on
+        the device, where the thread count is a constant, so is `bb_p`, and nvcc keeps one path.
         """
         axis = x.node.axis
         k = self.p.block(axis)
@@ -624,7 +659,7 @@ class _KernelGen:
             self._barrier(w)
             return
         if scratch is None:
-            with w.block(f"for (int bb_o = bb_tid; bb_o < {n_out}; bb_o += bb_nthr)"):
+            with self._strided(w, n_out, "bb_o"):
                 write(partial("0", "1"))
             self._barrier(w)
             return
@@ -633,7 +668,7 @@ class _KernelGen:
             w(f"int bb_p = bb_nthr / {n_out};")
             w(f"bb_p = bb_p < {min(k, cap)} ? bb_p : {min(k, cap)};")
             w("bb_p = bb_p > 0 ? bb_p : 1;")
-            with w.block(f"for (int bb_i = bb_tid; bb_i < {n_out} * bb_p; bb_i += bb_nthr)"):
+            with self._strided(w, f"{n_out} * bb_p", "bb_i"):
                 if n_out > 1:
                     w("const int bb_o = bb_i / bb_p;")
                 coords = partial("bb_i % bb_p", "bb_p")
@@ -643,7 +678,7 @@ class _KernelGen:
                     w(f"bb_smem[{base} + bb_i] = bb_acc;")
             with w.block("if (bb_p > 1)"):
                 w("__syncthreads();")
-                with w.block(f"for (int bb_o = bb_tid; bb_o < {n_out}; bb_o += bb_nthr)"):
+                with self._strided(w, n_out, "bb_o"):
                     w(f"float bb_acc = bb_smem[{base} + bb_o * bb_p];")
                     with w.block("for (int bb_j = 1; bb_j < bb_p; ++bb_j)"):
                         part = f"bb_smem[{base} + bb_o * bb_p + bb_j]"
@@ -664,7 +699,7 @@ class _KernelGen:
                  for a in order}
         n_tiles = math.prod(steps.values())
         kvar = f"e_{_c_name(axis)}"
-        with w.block(f"for (int bb_t = bb_tid; bb_t < {n_tiles}; bb_t += bb_nthr)"):
+        with self._strided(w, n_tiles, "bb_t"):
             base: dict[str, str] = {}
             for j, a in enumerate(order):
                 inner = math.prod(steps[b] for b in order[j + 1:])
@@ -704,12 +739,20 @@ class _KernelGen:
         inits = [(ident, buf) for red in op.accs
                  for c, (ident, buf) in enumerate(zip(red.monoid.identity, red.states))
                  if c not in red.aliases]
-        if inits:
+        in_regs = self._register_states(op) if self._has_work(op) else []
+        shared = [(ident, buf) for ident, buf in inits if buf not in in_regs]
+        for ident, buf in inits:
+            if buf in in_regs:
+                name = self.state_regs[buf] = self._fresh("bb_s")
+                size = math.prod(self.p.block(a) for a in buf.order)  # as `_each` counts
+                w(f"float {name}[BB_PER_THREAD({size}, {self.plan.threads})];")
+                with self._strided(w, size, "bb_i", unroll=True):
+                    w(f"{name}[bb_r] = {self._expr(ident, {})};")
+        if shared:
             self._before_write(w)
-            for ident, buf in inits:
-                self._each(w, buf.order,
-                           lambda e, b=buf, i=ident: e.w(f"{self._at(b, e.coords)} = "
-                                                         f"{self._expr(i, {})};"))
+            for ident, buf in shared:
+                self._each(w, buf.order, lambda e, b=buf, i=ident: e.w(
+                    f"{self._at(b, e.coords)} = {self._expr(i, {})};"))
             self._barrier(w)
         if not self._has_work(op):
             return
@@ -722,6 +765,54 @@ class _KernelGen:
                 self._combine(w, red)
             if self.dirty:
                 self._barrier(w)
+        if in_regs:  # what reads the reduction's results reads shared memory
+            self._before_write(w)
+            for buf in in_regs:
+                self._each(w, buf.order, lambda e, b=buf: e.w(
+                    f"{self._at(b, e.coords)} = {self._state(b, e.coords)};"), unroll=True)
+            self._barrier(w)
+
+    def _register_states(self, op: LoopPlan) -> list[Buffer]:
+        """The accumulators of `op` to keep in registers while it runs.
+
+        A component qualifies when, inside the loop, only its own combine reads it: that step
+        visits its elements with the same threads every iteration (`_strided`), so each thread
+        keeps the elements it owns in registers (a fully unrolled array) instead of a
+        read-modify-write of shared memory per iteration, and stores them once, after the loop,
+        for whatever reads the reduction's results.  A component another group's combine reads
+        (as the output of an online softmax reads the running maximum) is read at other
+        elements, one a contraction adds into in place or that a tile holds is not the
+        combine's own, and temporaries (`via_tmp`) are shared memory; those stay where they are.
+        At most `STATE_REGISTERS` values per thread are taken, first come first served.
+        """
+        out, taken = [], 0
+        for red in op.accs:
+            if red.via_tmp:
+                continue
+            m = red.monoid
+            for group in red.groups:
+                for c in group:
+                    buf = red.states[c]
+                    reads = {f"a.{m.state[c]}"}
+                    others = [m.combine[o] for g in red.groups if g is not group for o in g]
+                    size = math.prod(self.p.block(a) for a in buf.order)
+                    per_thread = -(-size // self.plan.threads)
+                    if c in red.in_place or c in red.aliases \
+                            or buf.order != red.states[group[0]].order \
+                            or any(isinstance(n, Var) and n.name in reads
+                                   for e in others for n in postorder(e)) \
+                            or taken + per_thread > STATE_REGISTERS:
+                        continue
+                    out.append(buf)
+                    taken += per_thread
+        return out
+
+    def _state(self, buf: Buffer, coords: dict[str, str]) -> str:
+        """Element `coords` of an accumulator: its slot in this thread's registers inside a
+        strided loop over the accumulator's elements, or its place in shared memory."""
+        if buf in self.state_regs:
+            return f"{self.state_regs[buf]}[bb_r]"
+        return self._at(buf, coords)
 
     def _may_hold(self, op: LoopPlan) -> str:
         """C for: may the loop's skip predicate hold anywhere on the current block?  The
@@ -747,22 +838,28 @@ class _KernelGen:
             comps = [c for c in g if c not in red.in_place]
             if not comps:
                 continue
-            self._before_write(w)
+            in_regs = all(targets[c] in self.state_regs for c in comps)
+            if not in_regs:
+                self._before_write(w)
 
             def update(e: _Elem, comps: list[int] = comps) -> None:
                 env: dict[str, Callable[[], str]] = {}
                 for j, (c, buf) in enumerate(zip(m.state, red.states)):
-                    env[f"a.{c}"] = lambda b=buf: self._at(b, e.coords)
+                    env[f"a.{c}"] = lambda b=buf: self._state(b, e.coords)
                     env[f"b.{c}"] = lambda x=red.contribs[j]: self._val(x, e)
                 news = []
                 for c in comps:
                     news.append(self._fresh("bb_n"))
                     e.w(f"const float {news[-1]} = {self._expr(m.combine[c], env)};")
                 for c, new in zip(comps, news):
-                    e.w(f"{self._at(targets[c], e.coords)} = {new};")
+                    e.w(f"{self._state(targets[c], e.coords)} = {new};")
 
-            self._each(w, red.states[comps[0]].order, update)
-            self._barrier(w)
+            self._each(w, red.states[comps[0]].order, update,
+                       unroll=any(red.states[c] in self.state_regs for c in comps))
+            if in_regs:  # it only read shared memory: a later write waits for it
+                self.dirty = True
+            else:
+                self._barrier(w)
         if red.via_tmp:
             for tmp, state in zip(red.tmps, red.states):
                 self._each(w, state.order, lambda e, t=tmp, s=state:
@@ -814,6 +911,14 @@ _functions = {{}}
 
 {from_storage}
 
+def _aligned(x):
+    """`x`, copied unless its device memory starts on a 16-byte boundary: the kernels load
+    tiles 16 bytes at a time.  cupy allocates aligned memory, but an input may be a view into a
+    larger array.  (Host arrays, which have no CUDA pointer, are the tests' stand-in for cupy.)"""
+    interface = getattr(x, "__cuda_array_interface__", None)
+    return x.copy() if interface is not None and interface["data"][0] % 16 else x
+
+
 def _function(name, shared_bytes):
     if name not in _functions:
         if not _functions:
@@ -838,7 +943,7 @@ def run(**inputs):
                 raise ValueError(f"input '{{name}}' has shape {{x.shape}}, expected {{extent}}")
             if shape != extent:  # zeros after a ragged axis's extent
                 x = cp.pad(x, [(0, p - n) for n, p in zip(extent, shape)])
-            memory[name] = x
+            memory[name] = _aligned(x)
     for name, grid, threads, shared_bytes, params, _ in KERNELS:
         for t in params:
             if t not in memory:

@@ -11,9 +11,13 @@ generator can be specific to the standard rule pack.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
+import re
 import shutil
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +26,7 @@ from hypothesis import HealthCheck, given, settings
 
 from bbrules import interp
 from bbrules.blockfile import load_block_program, parse_block_program
+from bbrules.codegen import cuda_gen
 from bbrules.codegen.cuda_gen import (MAX_THREADS, CompileError, CudaModule, compile_check,
                                       from_storage, generate, to_storage)
 from bbrules.cost import cost_kernel
@@ -37,7 +42,7 @@ from bbrules.plan import MicroTile, micro_tile, plan_for
 from bbrules.targets import get_target
 
 from cuda_emu import emulate, fake_cupy, race_check
-from irbuild import (WELFORD, add, attention_reference, flash_attention, mul, online_softmax,
+from irbuild import (add, attention_reference, flash_attention, mul, online_softmax,
                      program, reshaped_dims, sub, welford_stats)
 from strategies import programs
 
@@ -564,3 +569,211 @@ def test_multi_head_attention_with_4x4_micro_tiles_runs_like_the_interpreter(fus
     module = check_emulated(p, threads=(None, 64))
     if shutil.which("nvcc"):
         assert set(compile_check(module.source)) == {k.name for k in module.kernels}
+
+
+# --------------------------------------------------------------------------------------------
+# What the generated code asks of nvcc, read back from the source and from the SASS (nvdisasm:
+# the CUDA toolkit's, or the copy Triton bundles), so that a change undoing one of these
+# optimisations fails here instead of only running slower.
+
+
+def _nvdisasm() -> str | None:
+    found = shutil.which("nvdisasm")
+    spec = importlib.util.find_spec("triton")
+    if found is None and spec is not None and spec.origin is not None:
+        bundled = Path(spec.origin).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+        found = str(bundled) if bundled.exists() else None
+    return found
+
+
+NVDISASM = _nvdisasm()
+needs_sass = pytest.mark.skipif(shutil.which("nvcc") is None or NVDISASM is None,
+                                reason="reading SASS needs nvcc and nvdisasm")
+_SASS_LINE = re.compile(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)(.*?);")
+_LABEL = re.compile(r"^\s*\.(L_x_\d+):")
+
+
+def sass(source: str) -> dict[str, list[tuple[str, str]]]:
+    """Each kernel's SASS for sm_90 in order: (opcode with modifiers, operands); a label is
+    ('label', its name)."""
+    with tempfile.TemporaryDirectory(prefix="bbrules-sass-") as tmp:
+        cu, cubin = Path(tmp) / "k.cu", Path(tmp) / "k.cubin"
+        cu.write_text(source)
+        subprocess.run(["nvcc", "-cubin", "-arch=sm_90", "-o", str(cubin), str(cu)],
+                       check=True, capture_output=True)
+        text = subprocess.run([NVDISASM, "-c", str(cubin)], check=True, capture_output=True,
+                              text=True).stdout
+    parts = re.split(r"\n\s*\.text\.(\w+):", text)
+    out = {}
+    for name, body in zip(parts[1::2], parts[2::2]):
+        out[name] = []
+        for line in body.splitlines():
+            if (m := _LABEL.match(line)) is not None:
+                out[name].append(("label", m.group(1)))
+            elif (m := _SASS_LINE.search(line)) is not None:
+                out[name].append((m.group(1), m.group(2)))
+    return out
+
+
+def outermost_loop(code: list[tuple[str, str]]) -> list[str]:
+    """The opcodes of the longest backward branch's body: a kernel's outermost loop."""
+    labels, loops = {}, []
+    for i, (op, args) in enumerate(code):
+        if op == "label":
+            labels[args] = i
+        elif op.startswith("BRA") and (m := re.search(r"L_x_\d+", args)) and m[0] in labels:
+            loops.append((labels[m[0]], i))
+    start, end = max(loops, key=lambda span: span[1] - span[0])
+    return [op for op, _ in code[start:end + 1] if op != "label"]
+
+
+def first_loop(text: str) -> str:
+    """The source of the first reduction or map loop in a kernel's `text`, braces matched."""
+    start = text.index("for (int bb_b")
+    depth = 0
+    for i in range(text.index("{", start), len(text)):
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
+        if depth == 0:
+            return text[start:i + 1]
+    raise ValueError("unbalanced braces")
+
+
+def kernel_texts(module: CudaModule) -> dict[str, str]:
+    """Each kernel's source, from its signature to the next kernel."""
+    starts = [module.source.index(f" {k.name}(") for k in module.kernels]
+    ends = starts[1:] + [len(module.source)]
+    return {k.name: module.source[a:b] for k, a, b in zip(module.kernels, starts, ends)}
+
+
+@pytest.mark.parametrize("name", [*FUSED, "attention fused by the pack"])
+def test_kernels_are_compiled_for_the_thread_count_they_are_launched_with(name):
+    """The launch width is a compile-time constant of each kernel, the one its launch bounds
+    name and the launcher uses; the kernels never ask blockDim (only the prelude's emulator
+    branch does)."""
+    p = FUSED[name]() if name in FUSED else fused_by_the_pack("attention")
+    module = generate(p)
+    for k in module.kernels:
+        text = kernel_texts(module)[k.name]
+        assert f"__launch_bounds__({k.threads}) {k.name}(" in module.source
+        assert f"const int bb_nthr = BB_THREADS({k.threads});" in text
+        assert "blockDim" not in text
+
+
+def test_tiles_are_loaded_16_bytes_at_a_time_where_their_rows_allow():
+    """Rows of whole 16-byte vectors along the contiguous axis: 4 floats or 8 halves per load.
+    Rows of 6 floats (block 6 on the last axis) are loaded one element at a time."""
+    assert generate(FUSED["flash_attention"]()).source.count("bb_load_f32x4(&") == 3  # Q K V
+    assert "bb_load_u16x8(&g_X" in generate(welford_layernorm(24, 8, 96, 32, "f16")).source
+    narrow = generate(welford_layernorm(24, 8, 96, 6)).source
+    assert "bb_load_f32x4(&" not in narrow and "= g_X[" in narrow
+
+
+@needs_cxx
+def test_16_byte_loads_of_rows_that_cross_blocks_run_like_the_interpreter():
+    """A narrow tile (blocks of 4 floats, one vector per row) in f32 and f16, through a map
+    loop and a Welford reduction."""
+    for dtype in ("f32", "f16"):
+        p = welford_layernorm(24, 8, 96, 8 if dtype == "f16" else 4, dtype)
+        module = generate(p)
+        assert "bb_load_" + ("f32x4" if dtype == "f32" else "u16x8") + "(&" in module.source
+        inputs = {n: from_storage(to_storage(x, dtype), dtype)
+                  for n, x in random_inputs(p, seed=7).items()}
+        for threads in (None, 48):
+            assert_matches(emulate(module, inputs, threads=threads), interp.run(p, inputs),
+                           rtol=2e-3, context=f"{dtype}, {threads} threads")
+
+
+def test_the_launcher_passes_every_tensor_16_byte_aligned():
+    """The kernels' vector loads need aligned tensors: a device array whose memory does not
+    start on a 16-byte boundary (a view into a larger one) is copied; others pass as they are."""
+    namespace: dict = {}
+    launcher = generate(FUSED["flash_attention"]()).launcher
+    exec(compile(launcher.replace("import cupy as cp", "import numpy as cp"), "<launcher>",
+                 "exec"), namespace)
+
+    class DeviceArray:
+        def __init__(self, pointer: int):
+            self.__cuda_array_interface__ = {"data": (pointer, False)}
+
+        def copy(self) -> str:
+            return "a copy"
+
+    aligned = DeviceArray(4096)
+    assert namespace["_aligned"](aligned) is aligned
+    assert namespace["_aligned"](DeviceArray(4100)) == "a copy"
+
+
+@needs_cxx
+def test_accumulators_only_their_own_combine_reads_stay_in_registers():
+    """The attention output's state is read only by its own combine: each thread keeps its
+    elements in registers across the key loop.  The running maximum is read by the output's
+    combine too (at other elements), so it stays in shared memory.  Welford's mean and M2 (per
+    row) stay in registers; its count (one scalar) is read by their combine, so it does not."""
+    source = generate(FUSED["flash_attention"]()).source
+    arrays = re.findall(r"float (bb_s\d+)\[BB_PER_THREAD\((\d+), 256\)\];", source)
+    assert sorted(int(size) for _, size in arrays) == [32, 32 * 16]  # the sum and the output
+    assert all(f"{name}[bb_r] = bb_n" in source for name, _ in arrays)
+    welford = generate(FUSED["welford_layernorm"]()).source
+    assert re.findall(r"float bb_s\d+\[BB_PER_THREAD\((\d+), 256\)", welford) == ["8", "8"]
+    # Without registers for them (STATE_REGISTERS = 0), the same numbers.
+    p = FUSED["flash_attention"]()
+    inputs = random_inputs(p, seed=1)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cuda_gen, "STATE_REGISTERS", 0)
+        in_shared = generate(p)
+    assert "BB_PER_THREAD(" not in in_shared.source.split('extern "C"')[1]
+    assert_matches(emulate(in_shared, inputs), emulate(generate(p), inputs), rtol=1e-5)
+
+
+@needs_sass
+@pytest.mark.parametrize("name", ["flash_attention", "attention fused by the pack"])
+def test_fused_attention_key_loop_in_sass(name):
+    """nvcc's code for the key-block loop of fused attention:
+
+    - no local memory anywhere: the register accumulators and micro-tiles stay registers
+      (an accumulator array indexed in a loop nvcc did not unroll would be local memory);
+    - every global load in the loop is a 16-byte vector;
+    - one copy of the loop body: as many barriers as the source's loop has (a branch on a
+      kernel argument, such as a pointer-alignment test, gets the loop unswitched into two);
+    - the thread count being a constant, nvcc unrolls the strided loops: the same kernel
+      with the thread count read from blockDim at run time has at least twice the branches,
+      and more instructions.
+    """
+    p = FUSED[name]() if name in FUSED else fused_by_the_pack("attention")
+    module = generate(p)
+    assert all(r.spill_bytes == 0 and r.stack_bytes == 0
+               for r in compile_check(module.source).values())
+    (kernel,) = [k for k in module.kernels if "for (int bb_b" in kernel_texts(module)[k.name]]
+    code = sass(module.source)[kernel.name]
+    loop = outermost_loop(code)
+    assert not any(op.startswith(("LDL", "STL")) for op, _ in code)
+    loads = [op for op in loop if op.startswith("LDG")]
+    assert loads and all(op.startswith("LDG.E.128") for op in loads)
+    assert sum(op.startswith("BAR.SYNC") for op in loop) == \
+        first_loop(kernel_texts(module)[kernel.name]).count("__syncthreads();")
+    at_run_time = module.source.replace("#define BB_THREADS(n) (n)",
+                                        "#define BB_THREADS(n) ((int)blockDim.x)")
+    slow = [op for op, _ in sass(at_run_time)[kernel.name] if op != "label"]
+    fast = [op for op, _ in code if op != "label"]
+    assert sum(op.startswith("BRA") for op in slow) >= 2 * sum(op.startswith("BRA") for op in fast)
+    assert len(slow) > len(fast)
+
+
+@needs_sass
+@pytest.mark.parametrize("dtype,convert,back", [("f16", "HADD2.F32", "F2FP.F16.F32.PACK_AB"),
+                                                ("bf16", None, "F2FP.BF16.F32.PACK_AB")])
+def test_16_bit_conversions_are_hardware_instructions(dtype, convert, back):
+    """f16 -> f32 is one HADD2.F32, f32 -> f16/bf16 one F2FP (bf16 -> f32 is a shift), and
+    the kernel is shorter than with the prelude's portable bit arithmetic (the emulator's
+    branch) compiled for the device instead."""
+    module = generate(welford_layernorm(24, 8, 96, 32, dtype))
+    name = module.kernels[0].name
+    ops = [op for op, _ in sass(module.source)[name] if op != "label"]
+    assert back in ops
+    if convert is not None:
+        assert convert in ops
+    portable = module.source
+    for converter in ("bb_h2f", "bb_f2h", "bb_f2b"):
+        guard = portable.index("#ifdef __CUDA_ARCH__", portable.index(f" {converter}("))
+        portable = f"{portable[:guard]}#if 0{portable[guard + len('#ifdef __CUDA_ARCH__'):]}"
+    assert len([op for op, _ in sass(portable)[name] if op != "label"]) > len(ops)
