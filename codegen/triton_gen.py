@@ -61,7 +61,7 @@ from bbrules.errors import UsageError
 from bbrules.ir import (ELEMENTWISE_KINDS, BlockProgram, BlockReduce, Const, Dot, Get, IRError,
                         KindTable, Load, Node, Pos, Reduce, Tuple, Var, children, is_elementwise,
                         operator, postorder, validate)
-from bbrules.masking import Algebra, may_hold
+from bbrules.masking import Algebra, NumpyAlgebra, may_hold
 from bbrules.plan import Accumulation, BlockIndex, KernelPlan, LoopPlan, Op, Value, WritePlan, \
     plan_for
 from bbrules.targets import Target, get_target
@@ -555,12 +555,47 @@ class _KernelGen:
                 value = self.monoid_expr(ident, {}, order, broadcast=False)
                 self.states[id(red)].append(self.bind(
                     w, "s", f"tl.full({self.shape(order)}, {value}, tl.float32)", order))
+        if op.skip is not None and self.visits_one_run(op):
+            lo, hi = self.visited_bounds(w, op)
+            with w.block(f"for b{op.id} in range({lo}, {hi})"):
+                self.loop_body(w, op)
+            return
         with w.block(f"for b{op.id} in range(0, {op.trips})"):
             if op.skip is None:
                 self.loop_body(w, op)
                 return
-            with w.block(f"if {self.may_hold(op)}"):
+            with w.block(f"if {self.may_hold(op, f'b{op.id}')}"):
                 self.loop_body(w, op)
+
+    def visits_one_run(self, op: LoopPlan) -> bool:
+        """Do the blocks a skipping loop visits form one run of consecutive blocks, wherever
+        the loop runs (every block of every other axis its predicate reads)?  Then the loop
+        runs over that run's bounds: a plain loop whose loads Triton can pipeline, where an
+        `if` around the body would stop it."""
+        axes = list(op.skip_blocks)
+        index = np.meshgrid(*(np.arange(self.p.blocks(a) if b is not None else 1,
+                                        dtype=np.float64) for a, b in op.skip_blocks.items()),
+                            indexing="ij")
+        bounds = {a: (i * self.p.block(a), i * self.p.block(a) + (self.p.block(a) - 1))
+                  for a, i in zip(axes, index)}
+        hold = np.broadcast_to(may_hold(op.skip, bounds, NumpyAlgebra()), index[0].shape)
+        if op.axis not in axes:
+            return False
+        along = np.moveaxis(hold, axes.index(op.axis), -1)
+        starts = along[..., :1].astype(int) + np.sum(along[..., 1:] & ~along[..., :-1], axis=-1,
+                                                      keepdims=True)
+        return bool(np.all(starts <= 1))
+
+    def visited_bounds(self, w: _Writer, op: LoopPlan) -> tuple[str, str]:
+        """The first and one past the last block the loop visits, found by scalar scans."""
+        lo, hi, trips = f"lo{op.id}", f"hi{op.id}", op.trips
+        w(f"{lo} = tl.full([], 0, tl.int32)")
+        with w.block(f"while ({lo} < {trips}) & ({self.may_hold(op, lo)} == 0)"):
+            w(f"{lo} += 1")
+        w(f"{hi} = tl.full([], {trips}, tl.int32)")
+        with w.block(f"while ({hi} > {lo}) & ({self.may_hold(op, f'({hi} - 1)')} == 0)"):
+            w(f"{hi} -= 1")
+        return lo, hi
 
     def single_trip(self, w: _Writer, op: LoopPlan) -> None:
         """A loop of one block: its body once, and each state is the contribution itself
@@ -585,11 +620,12 @@ class _KernelGen:
         if len(w.lines) == before:  # a body whose values are all constants
             w("pass")
 
-    def may_hold(self, op: LoopPlan) -> str:
-        """May the loop's skip predicate hold anywhere on the current block?"""
+    def may_hold(self, op: LoopPlan, block: str) -> str:
+        """May the loop's skip predicate hold anywhere on its block number `block`?"""
         bounds = {}
         for a, b in op.skip_blocks.items():
-            start = f"({self.block_var(b, a)} * {self.p.block(a)} + 0.0)"
+            var = block if b == op.id else self.block_var(b, a)
+            start = f"({var} * {self.p.block(a)} + 0.0)"
             bounds[a] = (start, f"({start} + {float(self.p.block(a) - 1)!r})")
         return may_hold(op.skip, bounds, TritonAlgebra())
 

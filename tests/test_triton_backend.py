@@ -26,7 +26,7 @@ from bbrules import interp
 from bbrules.cli import main
 from bbrules.errors import UsageError
 from bbrules.fuse import fuse
-from bbrules.frontend import load_program
+from bbrules.frontend import load_program, parse_program
 from bbrules.inputs import random_inputs
 from bbrules.ir import Binary, Const, Load, Store, Unary, Where
 from bbrules.lower import lower
@@ -82,6 +82,35 @@ def test_unfused_programs_run_like_the_interpreter():
 def test_causal_attention_with_padded_lanes(dims):
     path = next(e for e in EXAMPLES if e.stem == "causal_attention")
     check_interpreted(fused(lower(load_program(path, {"h": (2, 1), **dims}))))
+
+
+def masked_attention(mask: str, n: int = 192, block: int = 32):
+    """One head of attention whose scores outside `mask` (over positions q, k) are -inf."""
+    return lower(parse_program(
+        f"dim q = {n} / {block}\ndim k = {n} / {block}\ndim d = 16\n"
+        "input Q[q, d], K[k, d], V[k, d] : f32\n"
+        f"S[q, k] = where({mask}, sum[d] Q[q, d] * K[k, d] * 0.25, -inf)\n"
+        "M[q] = max[k] S[q, k]\nE[q, k] = exp(S[q, k] - M[q])\nL[q] = sum[k] E[q, k]\n"
+        "O[q, d] = sum[k] E[q, k] * V[k, d] / L[q]\noutput O\n"))
+
+
+def kernel_text(module: triton_gen.TritonModule) -> str:
+    """The module's kernels, without its helpers and launcher."""
+    return module.source[module.source.index("def k0_"):module.source.index("# name ->")]
+
+
+def test_skipped_blocks_in_one_run_become_loop_bounds():
+    """Causal: each query block visits key blocks 0 .. its own, so the loop runs over those
+    bounds (found by scalar scans) with no test inside it."""
+    text = kernel_text(check_interpreted(fused(masked_attention("k <= q"))))
+    assert "while (lo" in text and "range(lo" in text and " if " not in text
+
+
+def test_skipped_blocks_in_two_runs_are_tested_block_by_block():
+    """Keys far from the query on either side: a middle query block visits two runs of key
+    blocks, so the loop tests each block."""
+    text = kernel_text(check_interpreted(fused(masked_attention("abs(q - k) >= 96", n=384))))
+    assert "range(lo" not in text and " if " in text
 
 
 def test_contractions_use_tl_dot_and_match():
@@ -152,13 +181,14 @@ def test_example_compiles_to_tensor_core_code_without_spills(path):
             assert c.tensor_core == 0
 
 
-def test_fused_attention_uses_warpgroup_mma_and_async_copies():
-    """On sm_90a Flash Attention's two contractions are warpgroup MMAs (HGMMA), fed by
-    asynchronous global-to-shared copies of K and V."""
+def test_causal_attention_uses_warpgroup_mma_and_pipelined_copies():
+    """On sm_90a causal Flash Attention's two contractions are warpgroup MMAs (HGMMA), fed by
+    asynchronous global-to-shared copies of K and V (LDGSTS): the loop over the visited key
+    blocks is one Triton can pipeline."""
     path = next(e for e in EXAMPLES if e.stem == "causal_attention")
-    module = triton_gen.generate(fused(lower(load_program(path))), precision="tf32")
+    module = triton_gen.generate(fused(lower(load_program(path))))
     (c,) = triton_gen.compile_offline(module).values()
-    assert c.count("HGMMA") > 0
+    assert c.count("HGMMA") > 0 and c.count("LDGSTS") > 0
 
 
 def test_bf16_attention_multiplies_bf16_on_the_matrix_unit():
