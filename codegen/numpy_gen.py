@@ -27,21 +27,43 @@ Why it looks the way it does:
   never special-cased by name, so online softmax and Welford need no code of their own.
 - Static shapes are known while generating, so reshapes and transposes around `np.matmul` are
   written out as constants: the generated code is plain numpy a reader can follow.
+- *Every core.*  A vectorised tile runs numpy's elementwise work (exp, max, where, ...) on one
+  core; only matmul uses BLAS threads.  So a kernel with enough work (`MIN_CALL_FLOPS` per
+  numpy call of a part, by the cost model's count) is split along its grid axis of the most
+  blocks into *parts*, `PARTS_PER_THREAD` per thread: a part is a function for a contiguous
+  run of that axis' blocks, the same code at a smaller grid, reading its inputs and writing
+  its stores at the run's offset (`q_start`), into arrays allocated before the parts start.
+  `run_parts` runs them `threads` at a time (numpy releases the GIL in ufuncs and matmul),
+  with numpy's OpenBLAS limited to one thread meanwhile: parts each calling a BLAS that runs
+  a thread per core oversubscribe the cores and run slower than the whole kernel.  Two parts
+  per thread hold half the grid's tiles at once, so peak memory stays under the whole
+  kernel's even with the stores allocated first.  A part computes what the whole kernel
+  computes for its grid blocks, but BLAS may block a smaller matmul differently, so results
+  agree to float rounding, not bit for bit.  The number of threads is `threads=` (`load`,
+  `run`), else `$BBRULES_THREADS`, else the cores this process may run on where numpy's BLAS
+  thread count can be set (`default_threads`); `generate` defaults to one thread, so the text
+  it writes does not depend on the machine.
 """
 
 from __future__ import annotations
 
 import builtins
+import ctypes
 import keyword
 import linecache
+import os
+import threading
 import types
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor, wait
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from math import prod
-from typing import AbstractSet, Callable, Mapping, Sequence, Union
+from typing import AbstractSet, Callable, Iterator, Mapping, Sequence, Union
 
 import numpy as np
 
+from bbrules.cost import cost_kernel
 from bbrules.ir import (ELEMENTWISE_KINDS, Axis, Binary, BlockProgram, BlockReduce, Const, Dim,
                         Dot, Get, IRError, Kernel, KindTable, Load, Node, Pos, Reduce, Store,
                         TileType, Tuple, Var, children, is_elementwise, operator, postorder,
@@ -56,7 +78,7 @@ _INFIX = {"add": "+", "sub": "-", "mul": "*", "div": "/"}
 # Names generated code uses besides its own locals: the module's globals, the operator aliases
 # (`_Functions.ref`) and Python's builtins (loops call `range`).  A tensor named like one of
 # them is renamed.
-_RESERVED = {"np", "f32", "run", "inputs", "_input", "ELEMENTWISE", "TILE_REDUCE",
+_RESERVED = {"np", "f32", "run", "inputs", "_input", "run_parts", "ELEMENTWISE", "TILE_REDUCE",
              *(f"elementwise_{op}" for op in ELEMENTWISE),
              *(f"tile_reduce_{op}" for op in TILE_REDUCE),
              *dir(builtins)}
@@ -170,12 +192,29 @@ def _expressions(roots: Sequence[Node], env: Mapping[str, str], fns: _Functions,
 
 
 @dataclass(frozen=True)
+class _Part:
+    """A part of a kernel split along grid axis `axis`: `blocks` consecutive blocks of it, from
+    the element offset the generated function takes as its parameter `start`."""
+
+    axis: Axis
+    blocks: int
+    start: str
+
+
+@dataclass(frozen=True)
 class _Layout:
     """The array layout shared by every tile of one kernel (see the module docstring)."""
 
     grid: tuple[Axis, ...]
     others: tuple[Axis, ...]
     dims: Mapping[Axis, Dim]
+    part: _Part | None = None
+
+    def grid_blocks(self, axis: Axis) -> int:
+        """How many blocks of grid axis `axis` a tile holds: the part's along the split axis."""
+        if self.part is not None and axis == self.part.axis:
+            return self.part.blocks
+        return self.dims[axis].blocks
 
     def element_dim(self, axis: Axis) -> int:
         if axis in self.grid:
@@ -189,7 +228,7 @@ class _Layout:
         """Static array shape of a tile of type `t` inside loops over `looped`."""
         out: list[int] = []
         for a in self.grid:
-            out.append(self.dims[a].blocks if a in t.deps and a not in looped else 1)
+            out.append(self.grid_blocks(a) if a in t.deps and a not in looped else 1)
             out.append(self.dims[a].block if a in t.shape else 1)
         out.extend(self.dims[a].block if a in t.shape else 1 for a in self.others)
         return tuple(out)
@@ -331,10 +370,16 @@ def _(n: Dot, w: _KernelWriter) -> _Stmt:
 
 
 class _KernelWriter:
-    """Writes the function for one kernel by walking its schedule."""
+    """Writes the function for one kernel, or for one part of its grid, by walking its schedule.
+
+    A part (`split`: the axis and how many of its blocks) takes the arrays of the kernel's
+    stores as parameters after its inputs, then the element offset of its first block, and
+    writes its blocks of every store into them.
+    """
 
     def __init__(self, p: BlockProgram, kernel: Kernel, fn_name: str, params: Mapping[str, str],
-                 outputs: Mapping[str, str], fns: _Functions, capacity: int):
+                 outputs: Mapping[str, str], fns: _Functions, capacity: int,
+                 split: tuple[Axis, int] | None = None):
         self.p = p
         self.kernel = kernel
         self.fn_name = fn_name
@@ -344,9 +389,14 @@ class _KernelWriter:
         self.schedule = plan_for(p, kernel, capacity).schedule
         used = {a for k in kernel.stores for n in postorder(k.value) for a in _axes_of(n)}
         used.update(a for k in kernel.stores for a in k.axes)
-        self.layout = _Layout(kernel.grid, tuple(a for a in p.dims if a in used
-                                                 and a not in kernel.grid), p.dims)
         self.taken = {*params.values(), *outputs.values()}
+        self.part = None
+        if split is not None:
+            axis, blocks = split
+            self.part = _Part(axis, blocks, _identifier(f"{axis}_start", self.taken))
+            self.taken.add(self.part.start)
+        self.layout = _Layout(kernel.grid, tuple(a for a in p.dims if a in used
+                                                 and a not in kernel.grid), p.dims, self.part)
         self.counter = 0
         self.scopes: list[dict[Node, Code]] = [{}]
         self.loop_vars: dict[Axis, str] = {}
@@ -383,21 +433,41 @@ class _KernelWriter:
     # ---------------------------------------------------------------- steps
 
     def write(self) -> list[str]:
-        """The function: its outputs stored block by block allocated first, then every step."""
-        k = self.kernel
-        grid = ", ".join(f"{a}: {self.p.blocks(a)} x {self.p.block(a)}" for a in k.grid)
+        """The function: its outputs stored block by block allocated first, then every step.
+
+        A part allocates nothing it stores (its caller passes the whole arrays) and returns
+        nothing."""
+        k, part = self.kernel, self.part
+        grid = ", ".join(f"{a}: {self.layout.grid_blocks(a)} x {self.p.block(a)}" for a in k.grid)
         stored = ", ".join(f"{s.tensor}[{', '.join(s.axes)}]" for s in k.stores)
-        head = [f"def {self.fn_name}({', '.join(self.params.values())}):",
-                f'    """Kernel {stored}, all grid blocks at once ({grid or "no grid axes"})."""']
+        if part is None:
+            params = list(self.params.values())
+            doc = f"Kernel {stored}, all grid blocks at once ({grid or 'no grid axes'})."
+        else:
+            params = [*self.params.values(), *self.outputs.values(), part.start]
+            doc = (f"Kernel {stored}, the part of its grid from element {part.start} of "
+                   f"{part.axis} ({grid}).")
+        head = [f"def {self.fn_name}({', '.join(params)}):", f'    """{doc}"""']
         looped = {step.store.tensor for step, loops in walk_steps(self.schedule.body)
                   if isinstance(step, Write) and loops}
         for s in k.stores:
-            if s.tensor in looped:
+            if s.tensor in looped and part is None:
                 extents = tuple(self.p.padded(a) for a in s.axes)
                 head.append(f"    {self.outputs[s.tensor]} = np.empty({_shape_text(extents)}, f32)")
         stmts = self.steps(self.schedule.body)
-        stmts.append(_Stmt([f"return {', '.join(self.outputs[t] for t in k.tensors)}"]))
+        if part is None:
+            stmts.append(_Stmt([f"return {', '.join(self.outputs[t] for t in k.tensors)}"]))
+        else:
+            stmts.append(_Stmt([]))  # the end of the function: no temporary to delete after
         return head + _assemble(stmts, "    ", final_is_return=True)
+
+    def part_slice(self, axis: Axis) -> str | None:
+        """The index of the part's blocks of `axis` in a global array, when the part is split
+        along `axis` (and the code is not inside a loop over it)."""
+        part = self.part
+        if part is None or axis != part.axis or axis in self.loop_vars:
+            return None
+        return f"{part.start}:{part.start} + {part.blocks * self.p.block(axis)}"
 
     def steps(self, steps: Sequence[Step]) -> list[_Stmt]:
         out = []
@@ -452,8 +522,9 @@ class _KernelWriter:
                 index.append(f"{v}:{v} + {d.block}")
                 parts.append([(lay.element_dim(a), d.block)])
             elif a in lay.grid:
-                index.append(":")
-                parts.append([(lay.block_dim(a), d.blocks), (lay.element_dim(a), d.block)])
+                index.append(self.part_slice(a) or ":")
+                parts.append([(lay.block_dim(a), lay.grid_blocks(a)),
+                              (lay.element_dim(a), d.block)])
             else:
                 index.append(":")
                 parts.append([(lay.element_dim(a), d.block)])
@@ -470,8 +541,12 @@ class _KernelWriter:
             v = self.loop_vars[n.axis]
             code, parts = f"np.arange({v}, {v} + {d.block}, dtype=f32)", [[element]]
         elif n.axis in lay.grid:
-            code = f"np.arange({d.padded}, dtype=f32)"
-            parts = [[(lay.block_dim(n.axis), d.blocks), element]]
+            if self.part_slice(n.axis) is not None:
+                start = self.part.start
+                code = f"np.arange({start}, {start} + {self.part.blocks * d.block}, dtype=f32)"
+            else:
+                code = f"np.arange({d.padded}, dtype=f32)"
+            parts = [[(lay.block_dim(n.axis), lay.grid_blocks(n.axis)), element]]
         else:
             code, parts = f"np.arange({d.block}, dtype=f32)", [[element]]
         return _to_layout(code, parts, self.dims(n))
@@ -649,7 +724,8 @@ class _KernelWriter:
 
         Inside map loops, the block goes into the output array allocated at the top; outside
         every loop the tile is the whole tensor: a fresh array is returned as it is (never to be
-        overwritten afterwards), anything else is copied into a new one.
+        overwritten afterwards), anything else is copied into a new one.  A part writes its
+        blocks of the split axis into the array its caller passes.
         """
         value = self.tile(k.value)
         lay = self.layout
@@ -657,8 +733,8 @@ class _KernelWriter:
                   for a in k.axes]
         tile = _from_layout(value, self.dims(k.value), groups)
         out = self.outputs[k.tensor]
-        index = [f"{v}:{v} + {self.p.block(a)}" if (v := self.loop_vars.get(a)) else ":"
-                 for a in k.axes]
+        index = [f"{v}:{v} + {self.p.block(a)}" if (v := self.loop_vars.get(a))
+                 else self.part_slice(a) or ":" for a in k.axes]
         while index and index[-1] == ":":
             index.pop()
         uses = frozenset(self.reads)
@@ -749,11 +825,66 @@ def _kernel_params(p: BlockProgram, k: Kernel, names: Mapping[str, str]) -> dict
     return {t: names[t] for t in tensors}
 
 
-def generate(p: BlockProgram, target: Target | str | None = None) -> str:
+# Work each numpy call of a part must have for the part to be worth a thread (flops, by the
+# cost model's count; at least 1).  A part runs every step of the kernel's code, on a share of
+# the grid, and Python holds the GIL between numpy calls: parts whose calls take little longer
+# than the interpreter's few microseconds around them would wait on each other, not compute.
+# 2^16 flops is tens of microseconds of elementwise work.
+MIN_CALL_FLOPS = 1 << 16
+# Parts per thread: with more parts than threads, fewer grid blocks' tiles are held at once,
+# so the parts' peak memory stays under the whole kernel's although the kernel's stores are
+# allocated before its parts start.
+PARTS_PER_THREAD = 2
+
+
+def split_kernel(p: BlockProgram, k: Kernel, threads: int, target: Target
+                 ) -> tuple[Axis, list[tuple[int, int]]] | None:
+    """The parts a kernel runs in on `threads` threads: its grid axis of the most blocks (the
+    first of equals) and one (first block, blocks) run of it per part, or None to run whole.
+
+    `PARTS_PER_THREAD` parts per thread, but no more than the axis has blocks or than leave
+    each numpy call of a part `MIN_CALL_FLOPS`: a kernel of one grid block, of little work or
+    of many small steps runs whole, in the calling thread.  Runs differ in length by one block
+    at most.
+    """
+    if threads < 2 or not k.grid:
+        return None
+    kp = p.in_kernel(k)
+    axis = max(k.grid, key=kp.blocks)
+    schedule = plan_for(kp, k, target.local_capacity).schedule
+    calls = sum(prod(kp.blocks(loop.axis) for loop in loops)
+                for _, loops in walk_steps(schedule.body))
+    flops = cost_kernel(p, k, target).flops  # fractional where a mask skips blocks
+    n = min(threads * PARTS_PER_THREAD, kp.blocks(axis),
+            int(flops // (max(1, calls) * MIN_CALL_FLOPS)))
+    if n < 2:
+        return None
+    size, extra = divmod(kp.blocks(axis), n)
+    runs, first = [], 0
+    for i in range(n):
+        runs.append((first, size + (i < extra)))
+        first += runs[-1][1]
+    return axis, runs
+
+
+@dataclass
+class _Code:
+    """One kernel's generated functions: `whole`, or a function per length of its parts and
+    the parts as (function, element offset of the first block)."""
+
+    kernel: Kernel
+    lines: list[str]
+    whole: str | None = None
+    parts: list[tuple[str, int]] = field(default_factory=list)
+    threads: int = 1  # how many parts run at once
+
+
+def generate(p: BlockProgram, target: Target | str | None = None, threads: int = 1) -> str:
     """The numpy module for `p`: one function per kernel and `run(**inputs) -> outputs`.
 
     Each kernel runs the loops of its plan on `target` (default: the H100's local memory, which
-    decides only which inputs are resident, not the loops)."""
+    decides only which inputs are resident, not the loops).  With `threads` > 1, kernels with
+    enough work are split into parts run at once (`split_kernel`, `run_parts`)."""
     validate(p)
     if target is None or isinstance(target, str):
         target = get_target(target or "h100")
@@ -762,34 +893,54 @@ def generate(p: BlockProgram, target: Target | str | None = None) -> str:
         names[t] = _identifier(t, set(names.values()))
     fns = _Functions()
     taken = set(names.values())
-    kernels: list[tuple[str, Kernel, list[str]]] = []
+    kernels: list[_Code] = []
     for k in p.kernels:
-        fn_name = _identifier(f"kernel_{k.name}", taken)
-        taken.add(fn_name)
         params = _kernel_params(p, k, names)
         outputs = {t: names[t] for t in k.tensors}
-        body = _KernelWriter(p.in_kernel(k), k, fn_name, params, outputs, fns,
-                             target.local_capacity).write()
-        kernels.append((fn_name, k, body))
+        kp = p.in_kernel(k)
+        split = split_kernel(p, k, threads, target)
+        if split is None:
+            fn_name = _identifier(f"kernel_{k.name}", taken)
+            taken.add(fn_name)
+            body = _KernelWriter(kp, k, fn_name, params, outputs, fns,
+                                 target.local_capacity).write()
+            kernels.append(_Code(k, body, whole=fn_name))
+            continue
+        axis, runs = split
+        code = _Code(k, [], threads=threads)
+        by_length: dict[int, str] = {}
+        for first, blocks in runs:
+            if blocks not in by_length:
+                by_length[blocks] = fn_name = _identifier(f"kernel_{k.name}_{axis}{blocks}", taken)
+                taken.add(fn_name)
+                code.lines += _KernelWriter(kp, k, fn_name, params, outputs, fns,
+                                            target.local_capacity, (axis, blocks)).write()
+                code.lines.append("")
+            code.parts.append((by_length[blocks], first * kp.block(axis)))
+        code.lines.pop()
+        kernels.append(code)
 
     out = [f'"""numpy code generated by bbrules: {len(p.kernels)} kernel(s).',
            "",
            "Each tile holds every grid block at once: a (blocks, block) pair of dimensions per grid",
            "axis, then one dimension per other axis of the kernel, size 1 where the tile has no such",
            "axis.  Each Python loop walks the blocks of one axis, folding reductions over it and/or",
-           'storing one block per iteration of the tensors whose axes extend beyond the grid."""',
+           "storing one block per iteration of the tensors whose axes extend beyond the grid.",
+           "A kernel split into parts runs them on several threads at once (run_parts).\"\"\"",
            "",
            "import numpy as np",
            ""]
     tables = sorted({alias.split("[")[0] for alias in fns.aliases.values()})
     if tables:
         out[-1:] = [f"from bbrules.ops import {', '.join(tables)}", ""]
+    if any(c.parts for c in kernels):
+        out[-1:] = ["from bbrules.codegen.numpy_gen import run_parts", ""]
     out.append("f32 = np.float32")
     out += [f"{name} = {ref}" for name, ref in sorted(fns.aliases.items())]
-    for fn_name, k, body in kernels:
+    for code in kernels:
         out += ["", ""]
-        out += ["# " + line for line in show_kernel(k).splitlines()]
-        out += body
+        out += ["# " + line for line in show_kernel(code.kernel).splitlines()]
+        out += code.lines
     out += ["", "", *_run_function(p, names, kernels)]
     return "\n".join(out) + "\n"
 
@@ -810,8 +961,7 @@ _INPUT_HELPER = [
 ]
 
 
-def _run_function(p: BlockProgram, names: Mapping[str, str],
-                  kernels: list[tuple[str, Kernel, list[str]]]) -> list[str]:
+def _run_function(p: BlockProgram, names: Mapping[str, str], kernels: list[_Code]) -> list[str]:
     lines = [*_INPUT_HELPER, "", "",
              "def run(**inputs):",
              '    """Run every kernel in order; return every stored tensor by name (float32)."""']
@@ -831,9 +981,20 @@ def _run_function(p: BlockProgram, names: Mapping[str, str],
         lines.append(f"    {names[t]} = _input(inputs, {t!r}, {shape!r}, {padded!r})")
     bind_views(set(p.inputs), "    ")
     lines.append('    with np.errstate(all="ignore"):')
-    for fn_name, k, _ in kernels:
-        args = ", ".join(_kernel_params(p, k, names).values())
-        lines.append(f"        {', '.join(names[t] for t in k.tensors)} = {fn_name}({args})")
+    for code in kernels:
+        k = code.kernel
+        params = list(_kernel_params(p, k, names).values())
+        stored = [names[t] for t in k.tensors]
+        if code.whole is not None:
+            lines.append(f"        {', '.join(stored)} = {code.whole}({', '.join(params)})")
+        else:
+            kp = p.in_kernel(k)
+            for t in k.tensors:
+                extents = tuple(kp.padded(a) for a in p.tensors[t].axes)
+                lines.append(f"        {names[t]} = np.empty({_shape_text(extents)}, f32)")
+            parts = ", ".join(f"({fn}, {start})" for fn, start in code.parts)
+            lines.append(f"        run_parts([{parts}], {code.threads}, "
+                         f"{', '.join(params + stored)})")
         bind_views(set(k.tensors), "        ")
     def unpadded(t: str) -> str:
         axes = p.tensors[t].axes
@@ -846,12 +1007,13 @@ def _run_function(p: BlockProgram, names: Mapping[str, str],
     return lines
 
 
-def load(p: BlockProgram) -> types.ModuleType:
+def load(p: BlockProgram, threads: int | None = None) -> types.ModuleType:
     """Generate the module for `p` and execute it into a fresh module object.
 
-    The source is registered with `linecache`, so tracebacks and `inspect` show generated lines.
+    `threads` defaults to `default_threads()`.  The source is registered with `linecache`, so
+    tracebacks and `inspect` show generated lines.
     """
-    source = generate(p)
+    source = generate(p, threads=default_threads() if threads is None else threads)
     filename = f"<bbrules-numpy-{abs(hash(source)):x}>"
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
     module = types.ModuleType("bbrules_generated")
@@ -860,6 +1022,132 @@ def load(p: BlockProgram) -> types.ModuleType:
     return module
 
 
-def run(p: BlockProgram, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+def run(p: BlockProgram, inputs: Mapping[str, np.ndarray], threads: int | None = None
+        ) -> dict[str, np.ndarray]:
     """Generate, load and run `p` on `inputs`: every stored tensor, axes in declared order."""
-    return load(p).run(**inputs)
+    return load(p, threads).run(**inputs)
+
+
+# --------------------------------------------------------------------------------------------
+# Running a kernel's parts at once.
+
+
+def _find_openblas() -> tuple[Callable[[], int], Callable[[int], None]] | None:
+    """Get and set the thread count of the OpenBLAS numpy loaded, or None where there is none
+    this can find (another BLAS, or no /proc/self/maps to find it by: not Linux).
+
+    numpy has no API for it and reads OPENBLAS_NUM_THREADS only when it loads, so this calls
+    OpenBLAS's own C functions, under the names OpenBLAS and numpy's scipy-openblas build export.
+    """
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "openblas" in line.lower()}
+    except OSError:
+        return None
+    for path in sorted(paths):
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            continue
+        for prefix in ("scipy_openblas_", "openblas_"):
+            for suffix in ("64_", ""):
+                get = getattr(lib, f"{prefix}get_num_threads{suffix}", None)
+                set_ = getattr(lib, f"{prefix}set_num_threads{suffix}", None)
+                if get is not None and set_ is not None:
+                    get.restype, set_.argtypes = ctypes.c_int, [ctypes.c_int]
+                    return get, set_
+    return None
+
+
+_OPENBLAS = _find_openblas()
+_blas_lock = threading.Lock()
+_blas_users = 0
+_blas_saved = 0
+
+
+@contextmanager
+def _one_blas_thread() -> Iterator[None]:
+    """numpy's BLAS on one thread while parts run, its own count restored after the last part
+    running in this process (parts of several calls may overlap) has finished."""
+    global _blas_users, _blas_saved
+    if _OPENBLAS is None:
+        yield
+        return
+    get, set_ = _OPENBLAS
+    with _blas_lock:
+        if _blas_users == 0:
+            _blas_saved = get()
+            set_(1)
+        _blas_users += 1
+    try:
+        yield
+    finally:
+        with _blas_lock:
+            _blas_users -= 1
+            if _blas_users == 0:
+                set_(_blas_saved)
+
+
+def default_threads() -> int:
+    """Threads `load` and `run` split kernels over: `$BBRULES_THREADS` when set, else the cores
+    this process may run on, else 1 where numpy's BLAS threads cannot be limited (parts each
+    calling a multithreaded BLAS run slower than one)."""
+    given = os.environ.get("BBRULES_THREADS")
+    if given is not None:
+        if not given.strip().isdigit() or int(given) < 1:
+            raise ValueError(f"BBRULES_THREADS={given!r}: expected a whole number of threads >= 1")
+        return int(given)
+    if _OPENBLAS is None:
+        return 1
+    cores = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    return len(cores) if cores else os.cpu_count() or 1
+
+
+_pool: ThreadPoolExecutor | None = None
+_pool_size = 0
+_pool_lock = threading.Lock()
+
+
+def _workers(n: int) -> ThreadPoolExecutor:
+    """The process's pool of part threads (started on first use, shared by every generated
+    module), replaced by a larger one when a kernel has more parts than it has workers."""
+    global _pool, _pool_size
+    with _pool_lock:
+        if _pool is None or _pool_size < n:
+            old, _pool, _pool_size = _pool, ThreadPoolExecutor(n, "bbrules-part"), n
+            if old is not None:
+                old.shutdown(wait=False)  # its idle workers exit; queued parts still run
+        return _pool
+
+
+def run_parts(parts: Sequence[tuple[Callable[..., None], int]], threads: int,
+              *arrays: np.ndarray) -> None:
+    """Run a kernel's parts, `threads` at a time: part(*arrays, start) for each (function,
+    start), in order, taken by the calling thread and `threads` - 1 of the pool's as each
+    becomes free; numpy's BLAS on one thread meanwhile.
+
+    Returns when every part has finished; an exception a part raised is raised here."""
+    todo = iter(parts)
+    taking = threading.Lock()
+
+    def work() -> None:
+        # numpy's error state is per thread (a context variable): a worker starts from the default
+        with np.errstate(all="ignore"):
+            while True:
+                with taking:
+                    part = next(todo, None)
+                if part is None:
+                    return
+                fn, start = part
+                fn(*arrays, start)
+
+    with _one_blas_thread():
+        helpers = min(threads, len(parts)) - 1
+        pool = _workers(helpers) if helpers > 0 else None
+        futures = [pool.submit(work) for _ in range(helpers)]
+        try:
+            work()
+        finally:
+            wait(futures)
+        for future in futures:
+            future.result()

@@ -1,0 +1,285 @@
+"""The numpy backend on several threads: kernels split into parts along a grid axis.
+
+Threaded runs are checked against the same program run whole (threads=1) and against the
+float64 dense evaluation or the reference interpreter, on programs that exercise what a part
+must get right: Flash Attention (a fold over keys), causal attention (positions of the split
+axis and key blocks skipped by a predicate), a ragged split axis, kernels of several stores
+with map loops, split folds over views (decode attention), and random programs.  These
+programs are small, so `MIN_CALL_FLOPS` is lowered to let them split.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import tracemalloc
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+
+from bbrules import dense, interp
+from bbrules.blockfile import load_block_program, parse_block_program
+from bbrules.codegen import numpy_gen
+from bbrules.frontend import load_program, parse_program
+from bbrules.fuse import fuse
+from bbrules.inputs import random_inputs
+from bbrules.ir import BlockProgram, Const, Get, Load, Pos, Store, Unary
+from bbrules.lower import lower
+from bbrules.packs import load_packs
+from bbrules.targets import get_target
+
+from irbuild import add, attention_reference, mul, program, rand, sub, welford_stats
+from strategies import programs
+from test_numpy_backend import assert_close, flash
+
+EXAMPLES = Path(__file__).parent.parent / "examples"
+MULTI = sorted((Path(__file__).parent / "programs" / "multi").glob("*.bbk"))
+H100 = get_target("h100")
+
+
+@pytest.fixture
+def split_small(monkeypatch):
+    """Let kernels of any work split, so small programs exercise the parts."""
+    monkeypatch.setattr(numpy_gen, "MIN_CALL_FLOPS", 1)
+
+
+def parts_in(source: str) -> int:
+    """How many parts the generated run() starts, over all kernels."""
+    return sum(len(re.findall(r"\(kernel_\w+, \d+\)", line))
+               for line in source.splitlines() if "run_parts(" in line)
+
+
+def assert_threads_agree(p: BlockProgram, inputs: dict[str, np.ndarray],
+                         threads: tuple[int, ...] = (2, 3)) -> dict[str, np.ndarray]:
+    """Every stored tensor on each thread count within float rounding of the whole run (BLAS
+    may block a part's smaller matmul differently); returns the whole run's outputs."""
+    whole = numpy_gen.run(p, inputs, threads=1)
+    for n in threads:
+        assert parts_in(numpy_gen.generate(p, threads=n)) >= 2, f"{n} threads: nothing split"
+        got = numpy_gen.run(p, inputs, threads=n)
+        assert set(got) == set(whole)
+        for name, want in whole.items():
+            assert got[name].dtype == np.float32 and got[name].shape == want.shape
+            scale = max(1.0, float(np.abs(want[np.isfinite(want)]).max(initial=0.0)))
+            np.testing.assert_allclose(got[name], want, rtol=1e-5, atol=1e-6 * scale,
+                                       err_msg=f"{name} on {n} threads")
+    return whole
+
+
+@pytest.mark.usefixtures("split_small")
+@pytest.mark.parametrize("n, d, bq, bk", [(64, 8, 8, 16), (96, 16, 16, 32)])
+def test_flash_attention_on_threads_matches_whole_and_numpy(n, d, bq, bk):
+    p = flash(n, d, bq, bk)
+    inputs = {"Q": rand(n, d, seed=1), "K": rand(n, d, seed=2), "V": rand(n, d, seed=3)}
+    whole = assert_threads_agree(p, inputs)
+    assert_close(whole["O"], attention_reference(inputs["Q"], inputs["K"], inputs["V"]),
+                 "vs numpy")
+
+
+def test_fused_causal_attention_on_threads(monkeypatch):
+    """The mask reads the positions of the split query axis: each part must see its own.  The
+    cost model counts the flops of a kernel that skips masked blocks as a fraction, which must
+    still make a whole number of parts (here fewer than the grid's 4 query blocks)."""
+    ast = load_program(EXAMPLES / "causal_attention.bbp",
+                       dims={"h": (2, 1), "q": (64, 16), "k": (64, 16), "d": (16, 16)})
+    p = fuse(lower(ast), load_packs([]), H100).program
+    monkeypatch.setattr(numpy_gen, "MIN_CALL_FLOPS", 1500)
+    assert numpy_gen.split_kernel(p, p.kernels[0], 2, H100) == ("q", [(0, 2), (2, 1), (3, 1)])
+    inputs = random_inputs(ast, seed=4)
+    whole = assert_threads_agree(p, inputs)
+    want = dense.evaluate(ast, inputs, dtype=np.float64)
+    for name in whole:
+        assert_close(whole[name], want[name], f"{name} vs dense")
+
+
+@pytest.mark.usefixtures("split_small")
+def test_a_ragged_split_axis():
+    """Parts of a padded axis: the last part holds the ragged block, outputs are unpadded."""
+    ast = parse_program("dim r = 50 / 8\ndim c = 40 / 16\ninput X[r, c] : f32\n"
+                        "M[r] = max[c] X[r, c]\nE[r, c] = exp(X[r, c] - M[r])\n"
+                        "Y[r, c] = E[r, c] / sum[c] E[r, c]\noutput Y\n")
+    p = fuse(lower(ast), load_packs([]), H100).program
+    inputs = random_inputs(ast, seed=5)
+    whole = assert_threads_agree(p, inputs, threads=(2, 4))
+    assert whole["Y"].shape == (50, 40)
+    assert_close(whole["Y"], dense.evaluate(ast, inputs, dtype=np.float64)["Y"], "vs dense")
+
+
+@pytest.mark.usefixtures("split_small")
+def test_the_split_axis_also_folded_over():
+    """Grid (m, e) with statistics folded over all of e: split along e, each part's loop still
+    walks every block of e, and its stores cover only its own."""
+    x = Load("X", ("m", "e"))
+    stats = welford_stats(x, "e", 4)
+    y = mul(sub(x, Get(0, stats)), Unary("rsqrt", add(Get(1, stats), Const(1e-5))))
+    p = program({"m": (12, 4), "e": (24, 4)}, {"X": ("m", "e")}, [Store("Y", ("m", "e"), y)])
+    assert numpy_gen.split_kernel(p, p.kernels[0], 2, H100)[0] == "e"
+    inputs = {"X": rand(12, 24, seed=5, loc=3.0)}
+    whole = assert_threads_agree(p, inputs)
+    x64 = inputs["X"].astype(np.float64)
+    want = (x64 - x64.mean(1, keepdims=True)) / np.sqrt(x64.var(1, keepdims=True) + 1e-5)
+    assert_close(whole["Y"], want, "vs numpy")
+
+
+@pytest.mark.usefixtures("split_small")
+def test_a_kernel_of_positions_alone():
+    """No input at all: the part's positions are all it has to go by."""
+    y = add(mul(Pos("i"), Const(100.0)), Pos("j"))
+    p = program({"i": (20, 4), "j": (6, 3)}, {}, [Store("Y", ("i", "j"), y)])
+    whole = assert_threads_agree(p, {})
+    np.testing.assert_array_equal(whole["Y"], np.add.outer(np.arange(20) * 100.0, np.arange(6)))
+
+
+@pytest.mark.usefixtures("split_small")
+@pytest.mark.parametrize("path", MULTI, ids=[p.stem for p in MULTI])
+def test_multi_store_programs_on_threads(path):
+    """Several stores per kernel, map loops writing block by block into the caller's arrays;
+    `one_processor` has no grid, so it runs whole."""
+    p = load_block_program(path).program
+    inputs = random_inputs(p, seed=0)
+    if all(not k.grid for k in p.kernels):
+        assert parts_in(numpy_gen.generate(p, threads=2)) == 0
+        return
+    whole = assert_threads_agree(p, inputs)
+    ref = interp.run(p, inputs)
+    for name in ref:
+        np.testing.assert_allclose(whole[name], ref[name], rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+@pytest.mark.usefixtures("split_small")
+def test_a_map_loop_over_the_leading_axis_with_the_grid_split():
+    """The grid is the store's last axis: each part writes its columns of every row block."""
+    p = parse_block_program(
+        "dim i = 24 / 8\ndim j = 64 / 16\n"
+        "input a[i, j] : f32\noutput c[i, j] : f32\noutput s[j] : f32\n"
+        "kernel [j]:\n"
+        "  c[i, j] = exp(load(a[i, j]))\n"
+        "  s[j] = reduce(i, sum, bsum(i, load(a[i, j])))\n").program
+    inputs = random_inputs(p, seed=2)
+    source = numpy_gen.generate(p, threads=2)
+    assert "c[i0:i0 + 8, j_start:j_start + 16] = " in source
+    whole = assert_threads_agree(p, inputs)
+    np.testing.assert_allclose(whole["c"], np.exp(inputs["a"]), rtol=1e-6)
+    np.testing.assert_allclose(whole["s"], inputs["a"].sum(0), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.usefixtures("split_small")
+def test_split_folds_over_views_on_threads():
+    """Decode attention split over keys: chunks read through views, a second kernel combines
+    the chunks' states; both kernels split."""
+    ast = load_program(EXAMPLES / "decode_attention.bbp", {"h": (4, 1), "k": (1024, 64)})
+    p = fuse(lower(ast), load_packs([]), H100).program
+    assert len(p.kernels) == 2
+    inputs = random_inputs(ast, seed=1)
+    whole = assert_threads_agree(p, inputs)
+    np.testing.assert_allclose(whole["O"], dense.evaluate(ast, inputs)["O"], rtol=1e-5,
+                               atol=1e-6)
+
+
+@settings(max_examples=25, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(programs())
+def test_random_programs_on_threads(split_small, source):
+    ast = parse_program(source, "<random>")
+    block = lower(ast)
+    inputs = random_inputs(ast, seed=0)
+    got = numpy_gen.run(block, inputs, threads=3)
+    want = dense.evaluate(ast, inputs, dtype=np.float64)
+    for name, g in got.items():
+        assert_close(g, want[name], f"{name} vs dense in\n{source}")
+
+
+# --------------------------------------------------------------------------------------------
+# When to split, and the runtime of parts.
+
+
+def test_parts_cover_the_axis_in_near_equal_runs(split_small):
+    p = flash(80, 8, 8, 16)  # 10 query blocks
+    (k,) = p.kernels
+    axis, runs = numpy_gen.split_kernel(p, k, 2, H100)  # PARTS_PER_THREAD parts per thread
+    assert axis == "q" and runs == [(0, 3), (3, 3), (6, 2), (8, 2)]
+    assert numpy_gen.split_kernel(p, k, 16, H100)[1] == [(i, 1) for i in range(10)]
+    source = numpy_gen.generate(p, threads=2)
+    assert "def kernel_O_q3(" in source and "def kernel_O_q2(" in source  # one per length
+    assert ("run_parts([(kernel_O_q3, 0), (kernel_O_q3, 24), (kernel_O_q2, 48), "
+            "(kernel_O_q2, 64)], 2, Q, K, V, O)") in source
+
+
+def test_small_kernels_and_one_block_grids_run_whole():
+    small = flash(64, 8, 8, 16)
+    assert numpy_gen.split_kernel(small, small.kernels[0], 8, H100) is None  # little work
+    assert numpy_gen.generate(small, threads=8) == numpy_gen.generate(small)
+    one_block = flash(512, 64, 512, 64)  # enough work, one query block
+    assert numpy_gen.split_kernel(one_block, one_block.kernels[0], 8, H100) is None
+    big = flash(512, 64, 64, 64)
+    assert numpy_gen.split_kernel(big, big.kernels[0], 2, H100) is not None
+    assert numpy_gen.split_kernel(big, big.kernels[0], 1, H100) is None
+
+
+def test_threads_default_and_override(monkeypatch):
+    monkeypatch.setenv("BBRULES_THREADS", "3")
+    assert numpy_gen.default_threads() == 3
+    for bad in ("0", "two", "-1"):
+        monkeypatch.setenv("BBRULES_THREADS", bad)
+        with pytest.raises(ValueError, match="BBRULES_THREADS"):
+            numpy_gen.default_threads()
+    monkeypatch.delenv("BBRULES_THREADS")
+    assert numpy_gen.default_threads() >= 1
+
+
+def test_parts_run_threads_at_a_time_and_report_their_errors():
+    """Every part runs, `threads` at once and never more, with numpy's BLAS on one thread; the
+    BLAS count is restored after; a part's exception reaches the caller."""
+    seen: dict[int, tuple[str, int | None]] = {}
+    barrier = threading.Barrier(3, timeout=10)  # passes only when three parts run at once
+    running, most = [0], [0]
+    count = threading.Lock()
+    blas = numpy_gen._OPENBLAS
+    before = blas[0]() if blas else None
+
+    def part(out: np.ndarray, start: int) -> None:
+        with count:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        barrier.wait()
+        seen[start] = threading.current_thread().name, blas[0]() if blas else None
+        out[start] = start + 1
+        with count:
+            running[0] -= 1
+
+    out = np.zeros(6, np.float32)
+    numpy_gen.run_parts([(part, i) for i in range(6)], 3, out)
+    assert out.tolist() == [1, 2, 3, 4, 5, 6]
+    assert most[0] == 3 and len({name for name, _ in seen.values()}) == 3
+    if blas:
+        assert {count for _, count in seen.values()} == {1}
+        assert blas[0]() == before
+
+    def failing(out: np.ndarray, start: int) -> None:
+        if start:
+            raise RuntimeError(f"part {start}")
+
+    with pytest.raises(RuntimeError, match="part 1"):
+        numpy_gen.run_parts([(failing, 0), (failing, 1)], 2, out)
+    if blas:
+        assert blas[0]() == before
+
+
+def test_parts_do_not_raise_peak_memory():
+    n, d, bk = 2048, 16, 128
+    p = flash(n, d, 64, bk)
+    inputs = {"Q": rand(n, d, seed=1), "K": rand(n, d, seed=2), "V": rand(n, d, seed=3)}
+
+    def peak(threads: int) -> int:
+        module = numpy_gen.load(p, threads=threads)
+        tracemalloc.start()
+        try:
+            module.run(**inputs)
+            return tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+
+    assert parts_in(numpy_gen.generate(p, threads=2)) == 4
+    assert peak(2) <= peak(1)
