@@ -652,6 +652,9 @@ def _codegen_args(p: argparse.ArgumentParser) -> None:
                    help="triton: how f32 contractions use the matrix unit (tf32, the rate the "
                         "GPU targets price them at; tf32x3: three TF32 products, about f32 "
                         "accuracy; ieee: CUDA cores)")
+    p.add_argument("--threads", type=_integer(1), default=1,
+                   help="numpy: split each kernel with enough work into parts for this many "
+                        "threads (default 1: the code does not depend on the machine)")
     p.add_argument("--no-fuse", action="store_true", help="generate code for the unfused program")
     p.add_argument("-o", "--output", metavar="FILE",
                    help="write the code here (cuda: FILE gets the CUDA source and FILE.py the "
@@ -705,7 +708,7 @@ def cmd_codegen(args: argparse.Namespace) -> int:
     _check_output(args.output, args.program)
     _, program = _program_to_run(args)
     if args.backend == "numpy":
-        files = {args.output: numpy_gen.generate(program)}
+        files = {args.output: numpy_gen.generate(program, threads=args.threads)}
     elif args.backend == "triton":
         target = get_target(args.target)
         files = {args.output: triton_gen.generate(program, target, args.precision).source}
