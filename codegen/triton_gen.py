@@ -285,6 +285,8 @@ class _Tile:
 
 @dataclass
 class _KernelGen:
+    """The text of one kernel from its plan."""
+
     p: BlockProgram
     plan: KernelPlan
     name: str
@@ -339,9 +341,12 @@ class _KernelGen:
         return _Tile(name, order, dtype)
 
     def block_var(self, b: BlockIndex, a: str) -> str:
-        if b == "grid":
-            return self.grid_vars[a]
-        return "0" if b is None else f"b{b}"
+        """The block index of axis `a`: the grid's, a loop's, or 0 where there is one block
+        (so an index is never a Python int that tensor methods cannot be called on)."""
+        if b is None or (b == "grid" and self.p.blocks(a) == 1) \
+                or (b != "grid" and self.plan.loops[b].trips == 1):
+            return "0"
+        return self.grid_vars[a] if b == "grid" else f"b{b}"
 
     def lanes(self, a: str, order: tuple[str, ...]) -> str:
         """The lane index along `a` (0 .. padded block), broadcast over `order`."""
@@ -371,7 +376,7 @@ class _KernelGen:
         for j, a in enumerate(axes):
             stride = math.prod(extents[j + 1:])
             pos = self.position(a, blocks[a], order)
-            if wide:
+            if wide and pos != "0":
                 pos = f"({pos}).to(tl.int64)"
             terms.append(pos if stride == 1 else f"{pos} * {stride}")
         return " + ".join(terms) or "0"
@@ -399,9 +404,6 @@ class _KernelGen:
 
     def decode_grid(self, w: _Writer) -> None:
         axes = tuple(a for a in self.plan.grid if self.p.blocks(a) > 1)
-        for a in self.plan.grid:
-            if self.p.blocks(a) == 1:
-                w(f"{self.grid_vars[a]} = 0")
         if axes:
             w("pid = tl.program_id(0)")
         for i, a in enumerate(reversed(axes)):
@@ -600,7 +602,6 @@ class _KernelGen:
     def single_trip(self, w: _Writer, op: LoopPlan) -> None:
         """A loop of one block: its body once, and each state is the contribution itself
         (combining with the identity changes nothing, by the monoid's laws)."""
-        w(f"b{op.id} = 0")
         self.ops(w, op.body)
         for red in op.accs:
             states = []
