@@ -120,8 +120,8 @@ def prepare(folder: str | Path, quick: bool = False,
             progress: Callable[[str], None] | None = None) -> dict:
     """Write the kit into `folder` (which must not exist or be empty); its manifest."""
     root = Path(folder)
-    if root.exists() and any(root.iterdir()):
-        raise UsageError(f"{root}: not empty; the kit is written into a new folder")
+    if root.exists() and (not root.is_dir() or any(root.iterdir())):
+        raise UsageError(f"{root}: not an empty folder; the kit is written into a new one")
     (root / "kernels").mkdir(parents=True, exist_ok=True)
     pack, target = load_packs([]), get_target(TARGET)
     manifest: dict = {"target": TARGET, "cases": []}

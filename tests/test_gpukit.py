@@ -83,5 +83,7 @@ def test_kit_cases_are_programs_of_the_shapes_the_runner_compares():
 def test_a_kit_is_never_written_over_a_folder_in_use(tmp_path, capsys):
     (tmp_path / "mine.txt").write_text("keep")
     assert main(["gpukit", str(tmp_path), "--quick"]) == 2
-    assert "not empty" in capsys.readouterr().err
+    assert "not an empty folder" in capsys.readouterr().err
     assert (tmp_path / "mine.txt").read_text() == "keep"
+    assert main(["gpukit", str(tmp_path / "mine.txt"), "--quick"]) == 2
+    assert "not an empty folder" in capsys.readouterr().err
