@@ -64,6 +64,7 @@ from typing import AbstractSet, Callable, Iterator, Mapping, Sequence, Union
 import numpy as np
 
 from bbrules.cost import cost_kernel
+from bbrules.errors import UsageError
 from bbrules.ir import (ELEMENTWISE_KINDS, Axis, Binary, BlockProgram, BlockReduce, Const, Dim,
                         Dot, Get, IRError, Kernel, KindTable, Load, Node, Pos, Reduce, Store,
                         TileType, Tuple, Var, children, is_elementwise, operator, postorder,
@@ -1095,7 +1096,8 @@ def default_threads() -> int:
     given = os.environ.get("BBRULES_THREADS")
     if given is not None:
         if not given.strip().isdigit() or int(given) < 1:
-            raise ValueError(f"BBRULES_THREADS={given!r}: expected a whole number of threads >= 1")
+            raise UsageError(f"BBRULES_THREADS={given!r}: expected a whole number of threads "
+                             f">= 1")
         return int(given)
     if _OPENBLAS is None:
         return 1

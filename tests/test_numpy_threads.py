@@ -22,6 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from bbrules import dense, interp
 from bbrules.blockfile import load_block_program, parse_block_program
 from bbrules.codegen import numpy_gen
+from bbrules.errors import UsageError
 from bbrules.frontend import load_program, parse_program
 from bbrules.fuse import fuse
 from bbrules.inputs import random_inputs
@@ -223,7 +224,7 @@ def test_threads_default_and_override(monkeypatch):
     assert numpy_gen.default_threads() == 3
     for bad in ("0", "two", "-1"):
         monkeypatch.setenv("BBRULES_THREADS", bad)
-        with pytest.raises(ValueError, match="BBRULES_THREADS"):
+        with pytest.raises(UsageError, match="BBRULES_THREADS"):
             numpy_gen.default_threads()
     monkeypatch.delenv("BBRULES_THREADS")
     assert numpy_gen.default_threads() >= 1
