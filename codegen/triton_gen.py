@@ -709,6 +709,7 @@ OUTPUTS = {outputs!r}
 # (function, program instances, tensor arguments, stored tensors, num_warps, num_stages)
 KERNELS = {kernels!r}
 PRECISION = {precision!r}
+FP_FUSION = True  # multiply-adds contracted to FMA, stated rather than left to Triton's default
 DEVICE = "cuda"  # where `run` allocates: "cpu" only under Triton's interpreter
 
 
@@ -737,7 +738,7 @@ def run(**inputs):
                 memory[t] = torch.empty(TENSORS[t][0], dtype=dtypes[TENSORS[t][1]],
                                         device=DEVICE)
         globals()[name][(grid,)](*(memory[t] for t in params), num_warps=num_warps,
-                                 num_stages=num_stages)
+                                 num_stages=num_stages, enable_fp_fusion=FP_FUSION)
     stored = dict.fromkeys(t for k in KERNELS for t in k[3])
     return {{t: memory[t][tuple(slice(0, n) for n in TENSORS[t][3])] for t in stored}}
 '''
@@ -822,7 +823,8 @@ def compile_offline(module: TritonModule, capability: int = 90) -> dict[str, Com
             compiled = triton.compile(
                 ASTSource(fn=fn, signature=signature),
                 target=GPUTarget("cuda", capability, 32),
-                options={"num_warps": k.num_warps, "num_stages": k.num_stages})
+                options={"num_warps": k.num_warps, "num_stages": k.num_stages,
+                         "enable_fp_fusion": True})
             cubin = Path(tmp) / f"{k.name}.cubin"
             cubin.write_bytes(compiled.asm["cubin"])
             usage = _tool(tools / "cuobjdump", "-res-usage", cubin)
