@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import json
+import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -17,8 +18,11 @@ import pytest
 
 from bbrules.cli import main
 from bbrules.frontend import parse_program
-from bbrules.gpukit import Case, cases
+from bbrules.fuse import fuse
+from bbrules.gpukit import F32_PRECISION, TARGET, Case, cases, variants
 from bbrules.lower import lower
+from bbrules.packs import load_packs
+from bbrules.targets import get_target
 
 ALLOWED = {"torch", "triton", "cupy", "numpy"} | set(sys.stdlib_module_names)
 
@@ -78,6 +82,24 @@ def test_kit_cases_are_programs_of_the_shapes_the_runner_compares():
                 "decode": (case.heads, case.head_dim)}.get(case.kind, (case.width,) * 2)
         assert shape == want, case.name
         assert {p.tensors[t].dtype for t in p.inputs} == {case.dtype}
+
+
+@pytest.mark.skipif(not (sys.platform == "linux" and platform.machine() == "x86_64"),
+                    reason="Triton ships for Linux on x86-64 only")
+def test_the_quick_kits_kernels_compile_for_the_gpu_without_spills():
+    """What the kit ships, compiled offline for sm_90a: tensor cores wherever a `tl.dot` is,
+    nothing in local memory, shared memory within the H200's 227 KiB."""
+    from bbrules.codegen import triton_gen
+    pack, target = load_packs([]), get_target(TARGET)
+    for case in cases(quick=True):
+        for blocks in variants(case):
+            fused = fuse(lower(parse_program(case.source(blocks))), pack, target).program
+            module = triton_gen.generate(fused, target, F32_PRECISION)
+            compiled = triton_gen.compile_offline(module)
+            for k in module.kernels:
+                c = compiled[k.name]
+                assert c.local_bytes == 0 and c.shared_bytes <= 227 * 1024, k.name
+                assert (c.tensor_core > 0) == (k.dots > 0), k.name
 
 
 def test_a_kit_is_never_written_over_a_folder_in_use(tmp_path, capsys):
