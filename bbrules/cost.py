@@ -22,10 +22,11 @@ tile x the operator's flops (`bbrules.ops`), of which its special functions (exp
 input, vector work; dot: 2 x elements of the result x the contracted block, matrix work at the
 rate for its operands: 16-bit when an operand is a load of a 16-bit tensor (the other,
 if computed, rounded to that format, as FlashAttention rounds P and as the Triton backend
-does), f32 when both are computed or the two formats differ.  A loop pays each reduction's monoid `combine` once per iteration and its `finalize`
-once per completion, both evaluated on the state tiles (distinct subexpressions once), split
-by operator like any elementwise work.  Recomputation inside fused kernels is therefore
-counted as it happens.  `flops` is the total of all units (a special function counts one).
+does), f32 when both are computed or the two formats differ.  A loop pays each reduction's
+monoid `combine` once per iteration and its `finalize` once per completion, both evaluated on
+the state tiles (distinct subexpressions once), split by operator like any elementwise work.
+Recomputation inside fused kernels is therefore counted as it happens.  `flops` is the total
+of all units (a special function counts one).
 
 Footprint and legality are the kernel's plan's (`bbrules.plan`): the local memory its buffers
 take at their offsets, exactly what a generated kernel allocates.  A kernel whose footprint

@@ -64,7 +64,7 @@ class Case:
     def source(self, blocks: tuple[int, int]) -> str:
         """The case as a .bbp program, rows and columns (queries and keys) in `blocks`."""
         bm, bn = blocks
-        t = {"f32": "f32", "f16": "f16", "bf16": "bf16"}[self.dtype]
+        t = self.dtype
         scale = self.head_dim ** -0.5
         if self.kind == "attention":
             mask = ("where(k <= q, sum[d] Q[h, q, d] * K[h, k, d] * {s}, -inf)" if self.causal

@@ -145,25 +145,21 @@ def _bb_pow(x, y):
     return tl.where(y == 0.0, 1.0, tl.where(x < 0.0, negative, magnitude))
 '''
 
-# The Triton expression of one node's operation: a value computed inline, or a monoid's
-# identity, combine or finalize over its state variables.
+# The Triton expression of one node's operation on its operands' code: a value computed
+# inline, or one step of a monoid's identity, combine or finalize.
 EXPR = KindTable("triton expression", exempt={
-    k: "a value of the plan, emitted by _KernelGen.value; never inside a monoid expression"
-    for k in (Load, Pos, Get, Reduce, BlockReduce, Dot, Tuple)})
+    **{k: "a value of the plan, emitted by _KernelGen.value; never inside a monoid expression"
+       for k in (Load, Pos, Get, Reduce, BlockReduce, Dot, Tuple)},
+    Var: "a monoid's state or contribution, read from its tile by _KernelGen.monoid_expr"})
 
 
 @EXPR.on(Const)
-def _(n: Const, kids: list[str], var: Callable[[str], str]) -> str:
+def _(n: Const, kids: list[str]) -> str:
     return _literal(n.value)
 
 
-@EXPR.on(Var)
-def _(n: Var, kids: list[str], var: Callable[[str], str]) -> str:
-    return var(n.name)
-
-
 @EXPR.on(*ELEMENTWISE_KINDS)
-def _(n: Node, kids: list[str], var: Callable[[str], str]) -> str:
+def _(n: Node, kids: list[str]) -> str:
     return TRITON_OPS[operator(n).name].format(**dict(zip("xyz", kids)))
 
 
@@ -443,7 +439,7 @@ class _KernelGen:
                 self.tiles[x] = self.bind(w, "i", code, order)
             case "elementwise":
                 kids = [self.operand(a, order) for a in x.args]
-                self.tiles[x] = self.bind(w, "v", EXPR(x.node, kids, None), order)
+                self.tiles[x] = self.bind(w, "v", EXPR(x.node, kids), order)
             case "breduce":
                 self.tiles[x] = self.tile_reduce(w, x, order)
             case "dot":
@@ -667,7 +663,7 @@ class _KernelGen:
                 raise IRError(f"monoid expressions must be elementwise, found {n!r}")
             kids = [tiles[c] for c in children(n)]
             inner = self.order({a for t in kids for a in t.order})
-            code = EXPR(n, [self.expand(t, inner) for t in kids], None)
+            code = EXPR(n, [self.expand(t, inner) for t in kids])
             if w is None or isinstance(n, Const):
                 tiles[n] = _Tile(code, inner)
             else:
