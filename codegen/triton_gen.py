@@ -27,6 +27,11 @@ Why it looks the way it does:
   predicates mask what the last block holds past it, as in every backend.
 - *Block skipping* is the plan's: a loop whose skip predicate cannot hold on the current block
   (`masking.may_hold`, evaluated on the block's position range) does nothing that iteration.
+  Where the visited blocks form one run, the loop runs over its bounds, split into the blocks
+  the predicate holds on everywhere (emitted with the predicate known true: no mask) and the
+  blocks it cuts, as FlashAttention splits causal attention's key loop at the diagonal.
+- *Warps and pipeline stages* are the module's `KERNELS` table; its `tune` picks them per
+  kernel by timing on the GPU at hand.
 - *Monoids are data.*  Identity, combine and finalize are emitted from the monoid's
   expressions, so online softmax and Welford need no code of their own.
 - *Values are f32*; 16-bit tensors are loaded as they are stored, converted where an
@@ -58,9 +63,9 @@ import numpy as np
 
 from bbrules.codegen.cuda_gen import TensorInfo
 from bbrules.errors import UsageError
-from bbrules.ir import (ELEMENTWISE_KINDS, BlockProgram, BlockReduce, Const, Dot, Get, IRError,
-                        KindTable, Load, Node, Pos, Reduce, Tuple, Var, children, is_elementwise,
-                        operator, postorder, validate)
+from bbrules.ir import (ELEMENTWISE_KINDS, Binary, BlockProgram, BlockReduce, Const, Dot, Get,
+                        IRError, KindTable, Load, Node, Pos, Reduce, Tuple, Unary, Var, Where,
+                        children, is_elementwise, operator, postorder, validate)
 from bbrules.masking import Algebra, NumpyAlgebra, may_hold
 from bbrules.plan import Accumulation, BlockIndex, KernelPlan, LoopPlan, Op, Value, WritePlan, \
     plan_for
@@ -71,6 +76,7 @@ __all__ = ["CompiledKernel", "Precision", "TritonKernel", "TritonModule", "compi
 
 Precision = Literal["tf32", "tf32x3", "ieee"]
 PRECISIONS: tuple[Precision, ...] = ("tf32", "tf32x3", "ieee")
+LOG2E = math.log2(math.e)
 DOT_MIN = 16  # tl.dot needs at least 16 rows, columns and reduced elements
 _TL_DTYPE = {"f32": "tl.float32", "f16": "tl.float16", "bf16": "tl.bfloat16"}
 _POINTER = {"f32": "*fp32", "f16": "*fp16", "bf16": "*bf16"}
@@ -291,6 +297,8 @@ class _KernelGen:
     tiles: dict[Value, _Tile] = field(default_factory=dict)
     states: dict[int, list[_Tile]] = field(default_factory=dict)  # by id(Accumulation)
     counter: itertools.count = field(default_factory=itertools.count)
+    # predicates that hold on every element of the blocks being emitted (whole blocks)
+    known: dict[Node, float] = field(default_factory=dict)
     dots: int = 0
 
     def __post_init__(self) -> None:
@@ -437,6 +445,16 @@ class _KernelGen:
                 # a scalar position may be a Python int (an axis of one block)
                 code = f"({pos}).to(tl.float32)" if order else f"({pos} + 0.0)"
                 self.tiles[x] = self.bind(w, "i", code, order)
+            case "elementwise" if x.node in self.known:
+                self.tiles[x] = _Tile(_literal(self.known[x.node]), ())
+            case "elementwise" if isinstance(x.node, Where) and x.node.c in self.known:
+                branch = x.args[1] if self.known[x.node.c] else x.args[2]
+                code = self.operand(branch, order)
+                if branch.kind == "const" or self.order(branch.shape) != order:
+                    code = f"tl.broadcast_to({code}, {self.shape(order)})" if order else code
+                self.tiles[x] = self.bind(w, "v", code, order)
+            case "elementwise" if self.shifted_exp(x):
+                self.tiles[x] = self.bind(w, "v", self.exp_of_difference(w, x, order), order)
             case "elementwise":
                 kids = [self.operand(a, order) for a in x.args]
                 self.tiles[x] = self.bind(w, "v", EXPR(x.node, kids), order)
@@ -449,6 +467,23 @@ class _KernelGen:
                 self.tiles[x] = self.bind(w, "r", self.finalize(w, x.acc, i, order), order)
             case _:
                 raise IRError(f"the Triton backend cannot emit a value of kind {x.kind}")
+
+    def shifted_exp(self, x: Value) -> bool:
+        """Is `x` `exp(a - b)` with `b` over fewer axes than `a` (softmax's `exp(s - max)`)?"""
+        if not (isinstance(x.node, Unary) and x.node.op == "exp"):
+            return False
+        d = x.args[0]
+        return d.kind == "elementwise" and isinstance(d.node, Binary) and d.node.op == "sub" \
+            and set(self.order(d.args[1].shape)) < set(self.order(d.args[0].shape))
+
+    def exp_of_difference(self, w: _Writer, x: Value, order: tuple[str, ...]) -> str:
+        """`exp(a - b)` as `exp2(a * log2(e) - b * log2(e))`, the second product once per
+        row: one fused multiply-add per element where the subtraction and exp's own scaling
+        by log2(e) take two (FlashAttention's form)."""
+        a, b = x.args[0].args
+        rows = self.order(b.shape)
+        scaled = self.bind(w, "v", f"{self.operand(b, rows)} * {LOG2E!r}", rows)
+        return f"tl.exp2({self.operand(a, order)} * {LOG2E!r} - {self.expand(scaled, order)})"
 
     def operand(self, x: Value, order: tuple[str, ...]) -> str:
         """`x` as an f32 operand of a tile over `order`."""
@@ -553,33 +588,47 @@ class _KernelGen:
                 value = self.monoid_expr(ident, {}, order, broadcast=False)
                 self.states[id(red)].append(self.bind(
                     w, "s", f"tl.full({self.shape(order)}, {value}, tl.float32)", order))
-        if op.skip is not None and self.visits_one_run(op):
+        if op.skip is not None and self.one_run(op, self.block_holds(op, op.skip)):
             lo, hi = self.visited_bounds(w, op)
-            with w.block(f"for b{op.id} in range({lo}, {hi})"):
-                self.loop_body(w, op)
+            if not self.one_run(op, ~self.block_holds(op, Unary("not", op.skip))):
+                with w.block(f"for b{op.id} in range({lo}, {hi})"):
+                    self.loop_body(w, op)
+                return
+            # Blocks on which the predicate holds everywhere need no mask: FlashAttention's
+            # split of the key loop into whole blocks and the blocks the diagonal cuts.
+            flo, fhi = self.whole_bounds(w, op, lo, hi)
+            for start, stop, whole in ((lo, flo, False), (flo, fhi, True), (fhi, hi, False)):
+                self.known = {op.skip: 1.0} if whole else {}
+                with w.block(f"for b{op.id} in range({start}, {stop})"):
+                    self.loop_body(w, op)
+            self.known = {}
             return
         with w.block(f"for b{op.id} in range(0, {op.trips})"):
             if op.skip is None:
                 self.loop_body(w, op)
                 return
-            with w.block(f"if {self.may_hold(op, f'b{op.id}')}"):
+            with w.block(f"if {self.may_hold(op, op.skip, f'b{op.id}')}"):
                 self.loop_body(w, op)
 
-    def visits_one_run(self, op: LoopPlan) -> bool:
-        """Do the blocks a skipping loop visits form one run of consecutive blocks, wherever
-        the loop runs (every block of every other axis its predicate reads)?  Then the loop
-        runs over that run's bounds: a plain loop whose loads Triton can pipeline, where an
-        `if` around the body would stop it."""
-        axes = list(op.skip_blocks)
+    def block_holds(self, op: LoopPlan, p: Node) -> np.ndarray:
+        """May `p` hold anywhere on a block, for every combination of blocks of the axes the
+        loop's skip predicate reads (a boolean array, one dimension per axis)."""
         index = np.meshgrid(*(np.arange(self.p.blocks(a) if b is not None else 1,
                                         dtype=np.float64) for a, b in op.skip_blocks.items()),
                             indexing="ij")
         bounds = {a: (i * self.p.block(a), i * self.p.block(a) + (self.p.block(a) - 1))
-                  for a, i in zip(axes, index)}
-        hold = np.broadcast_to(may_hold(op.skip, bounds, NumpyAlgebra()), index[0].shape)
+                  for a, i in zip(op.skip_blocks, index)}
+        return np.broadcast_to(may_hold(p, bounds, NumpyAlgebra()), index[0].shape)
+
+    def one_run(self, op: LoopPlan, chosen: np.ndarray) -> bool:
+        """Do the blocks `chosen` (see `block_holds`) form at most one run of consecutive
+        blocks along the loop's axis, wherever the loop runs (every block of every other axis
+        the predicate reads)?  Then a plain loop over that run's bounds visits them: a loop
+        whose loads Triton can pipeline, where an `if` around the body would stop it."""
+        axes = list(op.skip_blocks)
         if op.axis not in axes:
             return False
-        along = np.moveaxis(hold, axes.index(op.axis), -1)
+        along = np.moveaxis(chosen, axes.index(op.axis), -1)
         starts = along[..., :1].astype(int) + np.sum(along[..., 1:] & ~along[..., :-1], axis=-1,
                                                       keepdims=True)
         return bool(np.all(starts <= 1))
@@ -588,12 +637,25 @@ class _KernelGen:
         """The first and one past the last block the loop visits, found by scalar scans."""
         lo, hi, trips = f"lo{op.id}", f"hi{op.id}", op.trips
         w(f"{lo} = tl.full([], 0, tl.int32)")
-        with w.block(f"while ({lo} < {trips}) & ({self.may_hold(op, lo)} == 0)"):
+        with w.block(f"while ({lo} < {trips}) & ({self.may_hold(op, op.skip, lo)} == 0)"):
             w(f"{lo} += 1")
         w(f"{hi} = tl.full([], {trips}, tl.int32)")
-        with w.block(f"while ({hi} > {lo}) & ({self.may_hold(op, f'({hi} - 1)')} == 0)"):
+        with w.block(f"while ({hi} > {lo}) & "
+                     f"({self.may_hold(op, op.skip, f'({hi} - 1)')} == 0)"):
             w(f"{hi} -= 1")
         return lo, hi
+
+    def whole_bounds(self, w: _Writer, op: LoopPlan, lo: str, hi: str) -> tuple[str, str]:
+        """The run of visited blocks on which the skip predicate holds everywhere."""
+        flo, fhi = f"wlo{op.id}", f"whi{op.id}"
+        cut = Unary("not", op.skip)
+        w(f"{flo} = {lo}")
+        with w.block(f"while ({flo} < {hi}) & ({self.may_hold(op, cut, flo)} != 0)"):
+            w(f"{flo} += 1")
+        w(f"{fhi} = {flo}")
+        with w.block(f"while ({fhi} < {hi}) & ({self.may_hold(op, cut, fhi)} == 0)"):
+            w(f"{fhi} += 1")
+        return flo, fhi
 
     def single_trip(self, w: _Writer, op: LoopPlan) -> None:
         """A loop of one block: its body once, and each state is the contribution itself
@@ -617,14 +679,15 @@ class _KernelGen:
         if len(w.lines) == before:  # a body whose values are all constants
             w("pass")
 
-    def may_hold(self, op: LoopPlan, block: str) -> str:
-        """May the loop's skip predicate hold anywhere on its block number `block`?"""
+    def may_hold(self, op: LoopPlan, p: Node, block: str) -> str:
+        """May `p` (over the positions the skip predicate reads) hold anywhere on the loop's
+        block number `block`?"""
         bounds = {}
         for a, b in op.skip_blocks.items():
             var = block if b == op.id else self.block_var(b, a)
             start = f"({var} * {self.p.block(a)} + 0.0)"
             bounds[a] = (start, f"({start} + {float(self.p.block(a) - 1)!r})")
-        return may_hold(op.skip, bounds, TritonAlgebra())
+        return may_hold(p, bounds, TritonAlgebra())
 
     def combine(self, w: _Writer, red: Accumulation) -> None:
         """Fold one iteration's contributions into the state.  Every new component is computed
@@ -707,6 +770,7 @@ KERNELS = {kernels!r}
 PRECISION = {precision!r}
 FP_FUSION = True  # multiply-adds contracted to FMA, stated rather than left to Triton's default
 DEVICE = "cuda"  # where `run` allocates: "cpu" only under Triton's interpreter
+CONFIGS = [(4, 2), (4, 3), (8, 2), (8, 3)]  # the (num_warps, num_stages) `tune` tries
 
 
 def run(**inputs):
@@ -737,6 +801,47 @@ def run(**inputs):
                                  num_stages=num_stages, enable_fp_fusion=FP_FUSION)
     stored = dict.fromkeys(t for k in KERNELS for t in k[3])
     return {{t: memory[t][tuple(slice(0, n) for n in TENSORS[t][3])] for t in stored}}
+
+
+def tune(progress=None, **inputs):
+    """Choose each kernel's warps and pipeline stages for this GPU and these inputs: kernel
+    by kernel, time the whole program under every configuration of CONFIGS (one that does not
+    compile or fit is passed over) and keep the fastest.  `run` launches with the choices
+    from then on.  Returns {{kernel: {{(num_warps, num_stages): milliseconds}}}}."""
+    timings = {{}}
+    for i, (name, *rest) in enumerate(KERNELS):
+        timings[name] = {{}}
+        for warps, stages in CONFIGS:
+            KERNELS[i] = (name, *rest[:3], warps, stages)
+            try:
+                timings[name][(warps, stages)] = _milliseconds(lambda: run(**inputs))
+            except Exception as e:  # triton.runtime.errors': too big for this configuration
+                if type(e).__name__ not in ("OutOfResources", "PTXASError"):
+                    raise
+            if progress:
+                ms = timings[name].get((warps, stages))
+                progress(f"{{name}}: {{warps}} warps, {{stages}} stages: "
+                         + (f"{{ms:.3f}} ms" if ms is not None else "does not fit"))
+        if not timings[name]:
+            raise RuntimeError(f"{{name}}: no configuration of {{CONFIGS}} fits this GPU")
+        KERNELS[i] = (name, *rest[:3], *min(timings[name], key=timings[name].get))
+    return timings
+
+
+def _milliseconds(fn):
+    """Median time of `fn()`: `triton.testing.do_bench` on the GPU, the wall clock of a few
+    calls under the interpreter (where only the choosing, not the times, means anything)."""
+    if DEVICE == "cuda":
+        import triton.testing
+        return triton.testing.do_bench(fn, warmup=5, rep=25)  # ms: enough to rank configs
+    import statistics
+    import time
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
 '''
 
 

@@ -15,6 +15,7 @@ Triton ships for Linux on x86-64 only; there the test extra installs it and thes
 from __future__ import annotations
 
 import platform
+import re
 import sys
 from dataclasses import replace
 from functools import lru_cache
@@ -106,11 +107,34 @@ def test_skipped_blocks_in_one_run_become_loop_bounds():
     assert "while (lo" in text and "range(lo" in text and " if " not in text
 
 
+@pytest.mark.parametrize("mask", ["k <= q", "k <= q and q - k < 64", "k <= q or k < 64"],
+                         ids=["causal", "window", "prefix-lm"])
+def test_only_blocks_the_predicate_cuts_are_masked(mask):
+    """The visited run splits into the blocks the predicate holds on everywhere, emitted with
+    no mask, and the cut blocks before and after them, masked; the numerics are unchanged."""
+    text = kernel_text(check_interpreted(fused(masked_attention(mask))))
+    loops = text.split("    for b")[1:]
+    assert [loop.split(":")[0].split(" in ")[1] for loop in loops] == [
+        "range(lo0, wlo0)", "range(wlo0, whi0)", "range(whi0, hi0)"]
+    masked = [bool(re.search(r"tl\.where\(\(v\d+\) != 0\.0, r\d+, \(-float", loop))
+              for loop in loops]
+    assert masked == [True, False, True]
+
+
 def test_skipped_blocks_in_two_runs_are_tested_block_by_block():
     """Keys far from the query on either side: a middle query block visits two runs of key
     blocks, so the loop tests each block."""
     text = kernel_text(check_interpreted(fused(masked_attention("abs(q - k) >= 96", n=384))))
     assert "range(lo" not in text and " if " in text
+
+
+def test_softmax_exponent_is_one_multiply_add_per_element():
+    """`exp(s - m)` with `m` per row: `exp2(s * log2(e) - m * log2(e))`, the row's product
+    computed once, so each score costs one fused multiply-add before the exponential."""
+    text = kernel_text(check_interpreted(fused(masked_attention("k <= q"))))
+    scaled = re.findall(r"(v\d+) = v\d+ \* 1\.4426950408889634\n", text)
+    assert scaled and all(re.search(rf"tl\.exp2\(\w+ \* 1\.4426950408889634 - {v}\[:, None\]\)",
+                                    text) for v in scaled)
 
 
 def test_contractions_use_tl_dot_and_match():
@@ -235,3 +259,49 @@ def test_bf16_programs_are_refused_by_the_interpreter_with_a_reason():
     with pytest.raises(UsageError, match="bf16"):
         triton_gen.run_interpreted(triton_gen.generate(p), random_inputs(p, seed=0))
 
+
+
+# --------------------------------------------------------------------------------------------
+# Tuning warps and stages (the module's `tune`; its timings need a GPU, so they are replaced)
+
+
+class OutOfResources(Exception):
+    """Named as Triton's: a configuration too big for the GPU."""
+
+
+def test_tune_keeps_each_kernels_fastest_configuration_that_fits():
+    module = triton_gen.generate(fused(small_example(
+        next(e for e in EXAMPLES if e.stem == "decoder_layer"))))
+    ns = module.namespace()
+    names = [k[0] for k in ns["KERNELS"]]
+    assert len(names) > 1
+    calls = []
+
+    def fake_run(**inputs):  # launches with KERNELS as they are; too big at 8 warps, 2 stages
+        configs = [tuple(k[4:]) for k in ns["KERNELS"]]
+        if (8, 2) in configs:
+            raise OutOfResources("shared memory")
+        calls.append(configs)
+
+    def fake_milliseconds(fn):  # every kernel faster with more warps and stages but kernel 1
+        fn()
+        return sum(10.0 / (w * s) if j != 1 else w * s for j, (w, s) in enumerate(calls[-1]))
+
+    ns["run"], ns["_milliseconds"] = fake_run, fake_milliseconds
+    timings = ns["tune"]()
+    assert list(timings) == names
+    for j, name in enumerate(names):
+        assert (8, 2) not in timings[name] and len(timings[name]) == 3
+        assert tuple(ns["KERNELS"][j][4:]) == ((4, 2) if j == 1 else (8, 3))
+
+
+def test_tune_says_when_no_configuration_fits():
+    module = triton_gen.generate(fused(masked_attention("k <= q")))
+    ns = module.namespace()
+
+    def too_big(**inputs):
+        raise OutOfResources("registers")
+
+    ns["run"], ns["DEVICE"] = too_big, "cpu"  # the wall-clock timer: no GPU to time with
+    with pytest.raises(RuntimeError, match="no configuration"):
+        ns["tune"]()
