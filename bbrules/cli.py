@@ -313,7 +313,8 @@ def _run_cuda(program: BlockProgram, inputs: dict[str, np.ndarray]) -> dict[str,
 
 
 def _run_triton(program: BlockProgram, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """On a GPU where torch finds one; otherwise in Triton's interpreter, on the CPU."""
+    """On a GPU where torch finds one, each kernel's warps and stages tuned there first;
+    otherwise in Triton's interpreter, on the CPU."""
     module = triton_gen.generate(program)
     try:
         import torch
@@ -322,7 +323,10 @@ def _run_triton(program: BlockProgram, inputs: dict[str, np.ndarray]) -> dict[st
         gpu = False
     if not gpu:
         return triton_gen.run_interpreted(module, inputs)
-    outputs = module.runner()(**inputs)
+    namespace = module.namespace()
+    namespace["tune"](progress=lambda line: print(f"tuning {line}", file=sys.stderr),
+                      **inputs)
+    outputs = namespace["run"](**inputs)
     return {name: x.float().cpu().numpy() for name, x in outputs.items()}
 
 

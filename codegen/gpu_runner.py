@@ -8,9 +8,10 @@ The interpreter checks the runner and f32 numerics only: it multiplies bf16 `tl.
 wrongly, so bf16 errors under `--interpret` mean nothing.
 
 `bbrules gpukit DIR` wrote this file beside `cases.json` and `kernels/`.  For each case and
-each of its key-block variants, the fused program's Triton kernels are launched with 4 and 8
-warps (3 pipeline stages); every configuration's output is compared with a float32
-torch reference, and the fastest correct one is the case's figure.  The baseline is
+each of its key-block variants, the module's own `tune` picks each kernel's warps and
+pipeline stages (`KIT_CONFIGS`: 4 or 8 warps, 3 stages) by timing; the tuned program's output
+is compared with a float32 torch reference, and the fastest correct variant is the case's
+figure.  The baseline is
 `torch.nn.functional.scaled_dot_product_attention` in the case's dtype for attention (flash or
 memory-efficient kernels) and cuBLAS through `torch.matmul` for the matmul-shaped cases.  The
 CUDA C kernels (CuPy), where the kit has them, are checked and timed too.  Times are medians
@@ -34,8 +35,8 @@ import traceback
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-TOLERANCE = {"f32": 1e-4, "f16": 5e-3, "bf16": 3e-2}  # max |error| / max |reference|
-CONFIGS = [(4, 3), (8, 3)]  # (warps, pipeline stages): two compilations per variant
+KIT_CONFIGS = [(4, 3), (8, 3)]  # (num_warps, num_stages) the kernels' `tune` tries here
+TOLERANCE = {"f32": 1e-4, "tf32": 5e-3, "f16": 5e-3, "bf16": 3e-2}  # max |error| / max |ref|
 
 
 class Log:
@@ -140,27 +141,31 @@ def run_case(case: dict, torch, device: str, log: Log, deadline: float) -> dict:
     result: dict = {"name": case["name"], "variants": []}
     result["torch_s"] = bench(lambda: torch_op(case, torch, x, f32=False), torch, device)
     output = {"attention": "O", "decode": "O", "matmul": "C", "rmsnorm_matmul": "Y"}[case["kind"]]
-    tol = TOLERANCE[case["dtype"]]
+    tol = TOLERANCE["tf32" if case.get("precision") == "tf32" and case["dtype"] == "f32"
+                    else case["dtype"]]
     for v in case["variants"]:
         if time.time() > deadline:
             break
         module = load(HERE / v["triton"], f"kit_{case['name']}_{v['label']}".replace("-", "_"))
         module.DEVICE = device
-        base = list(module.KERNELS)
-        for warps, stages in CONFIGS if device == "cuda" else CONFIGS[:1]:
-            module.KERNELS[:] = [(k[0], k[1], k[2], k[3], warps, stages) for k in base]
-            entry = {"variant": v["label"], "warps": warps, "stages": stages,
-                     "kernels": v["kernels"], "modeled_s": v["modeled_time_s"]}
-            try:
-                err = relative_error(module.run(**x)[output], ref)
-                entry.update(error=err, ok=err <= tol,
-                             seconds=bench(lambda: module.run(**x), torch, device))
-            except Exception as e:  # a configuration that does not compile or fit
-                entry.update(ok=False, failure=f"{type(e).__name__}: {str(e)[:300]}")
-            result["variants"].append(entry)
-            log(f"  {case['name']} {v['label']} w{warps} s{stages}: "
-                + (f"{entry['seconds'] * 1e6:.1f} us, error {entry['error']:.2e}"
-                   if "seconds" in entry else entry["failure"]))
+        # Compiling dominates the kit's minutes: two configurations a kernel here, the first
+        # alone under the interpreter (which checks the tuner, not the times).
+        module.CONFIGS[:] = KIT_CONFIGS if device == "cuda" else KIT_CONFIGS[:1]
+        entry = {"variant": v["label"], "kernels": v["kernels"], "modeled_s": v["modeled_time_s"]}
+        try:
+            timings = module.tune(**x)
+            entry["configs"] = [f"w{k[4]}s{k[5]}" for k in module.KERNELS]
+            entry["tuning_ms"] = {k: {f"w{w}s{s}": t for (w, s), t in c.items()}
+                                  for k, c in timings.items()}
+            err = relative_error(module.run(**x)[output], ref)
+            entry.update(error=err, ok=err <= tol,
+                         seconds=bench(lambda: module.run(**x), torch, device))
+        except Exception as e:  # a variant that does not compile or fit
+            entry.update(ok=False, failure=f"{type(e).__name__}: {str(e)[:300]}")
+        result["variants"].append(entry)
+        log(f"  {case['name']} {v['label']} " + (
+            f"{'+'.join(entry['configs'])}: {entry['seconds'] * 1e6:.1f} us, error "
+            f"{entry['error']:.2e}" if "seconds" in entry else entry["failure"]))
         if v.get("cuda") and device == "cuda":
             result["cuda_c"] = run_cuda(HERE / v["cuda"], case, x, ref, output, torch, tol)
     measured = [e for e in result["variants"] if "error" in e]
@@ -189,6 +194,35 @@ def run_cuda(path: Path, case: dict, x: dict, ref, output: str, torch, tol: floa
         return {"ok": False, "failure": f"{type(e).__name__}: {str(e)[:300]}"}
 
 
+def machine_rates(torch, log: Log) -> dict:
+    """What the cost model's target figures can be set from: copy bandwidth (bytes read and
+    written by a 1 GiB device-to-device copy) and special-function throughput (a Triton
+    kernel of chained `exp2`s, each element's chain independent of every other's)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def exp_chain(x, out, steps: tl.constexpr):
+        i = tl.program_id(0) * 1024 + tl.arange(0, 1024)
+        v = tl.load(x + i)
+        for _ in tl.static_range(steps):
+            v = tl.exp2(v) - 1.0  # stays in [-0.5, 0]: exp2 never saturates
+        tl.store(out + i, v)
+
+    source = torch.empty(1 << 28, device="cuda")
+    target = torch.empty_like(source)
+    copy_s = bench(lambda: target.copy_(source), torch, "cuda")
+    source = target = None  # 2 GiB back before the cases run
+    n, steps = 1 << 22, 256
+    x = -torch.rand(n, device="cuda")
+    y = torch.empty_like(x)
+    exp_s = bench(lambda: exp_chain[(n // 1024,)](x, y, steps, num_warps=4), torch, "cuda")
+    rates = {"copy_bytes_per_s": 2 * 4 * (1 << 28) / copy_s, "exp2_per_s": n * steps / exp_s}
+    log(f"rates: copy {rates['copy_bytes_per_s'] / 1e12:.2f} TB/s (read + write), exp2 "
+        f"{rates['exp2_per_s'] / 1e12:.2f} T/s")
+    return rates
+
+
 def environment(torch, device: str) -> dict:
     import numpy
     import triton
@@ -206,26 +240,32 @@ def environment(torch, device: str) -> dict:
 
 def table(env: dict, results: list[dict]) -> str:
     lines = [f"GPU kit results: {env.get('gpu', env['device'])}, torch {env['torch']}, "
-             f"triton {env['triton']}, {time.strftime('%Y-%m-%d')}", "",
-             "| case | kernels | best (blocks, warps, stages) | bbrules Triton | torch | "
-             "speed-up vs torch | TFLOP/s | GB/s | CUDA C | max rel. error | ok |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"triton {env['triton']}, {time.strftime('%Y-%m-%d')}", ""]
+    if "rates" in env:
+        lines += [f"Measured in the same run: copy {env['rates']['copy_bytes_per_s'] / 1e12:.2f} "
+                  f"TB/s (bytes read + written), exp2 {env['rates']['exp2_per_s'] / 1e12:.2f} "
+                  "T/s. Modeled: the fused program's time on the kit's target.", ""]
+    lines += [
+             "| case | kernels | best (blocks, warps+stages per kernel) | bbrules Triton | "
+             "modeled | torch | speed-up vs torch | TFLOP/s | GB/s | CUDA C | max rel. error | "
+             "ok |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         if "skipped" in r or "failure" in r:
             why = r.get("skipped") or r["failure"]
-            lines.append(f"| {r['name']} | | {why[:80]} | | | | | | | | no |")
+            lines.append(f"| {r['name']} | | {why[:80]} | | | | | | | | | no |")
             continue
         cuda = r.get("cuda_c", {})
         cuda_text = f"{cuda['seconds'] * 1e6:.0f} us" if "seconds" in cuda else \
             ("failed" if cuda else "")
         b = r.get("best")
         if b is None:
-            lines.append(f"| {r['name']} | | no correct configuration | | "
+            lines.append(f"| {r['name']} | | no correct configuration | | | "
                          f"{r['torch_s'] * 1e6:.1f} us | | | | {cuda_text} | | no |")
             continue
         lines.append(
-            f"| {r['name']} | {b['kernels']} | {b['variant']}, {b['warps']}, {b['stages']} | "
-            f"{b['seconds'] * 1e6:.1f} us | {r['torch_s'] * 1e6:.1f} us | {r['speedup']:.2f}x | "
+            f"| {r['name']} | {b['kernels']} | {b['variant']}, {'+'.join(b['configs'])} | "
+            f"{b['seconds'] * 1e6:.1f} us | {b['modeled_s'] * 1e6:.1f} us | "
+            f"{r['torch_s'] * 1e6:.1f} us | {r['speedup']:.2f}x | "
             f"{r['tflops']:.1f} | {r['gbps']:.0f} | {cuda_text} | {b['error']:.1e} | "
             f"{'yes' if r['ok'] else 'no'} |")
     return "\n".join(lines) + "\n"
@@ -251,6 +291,8 @@ def main() -> int:
         return 2
     env = environment(torch, device)
     log(f"environment: {env}")
+    if device == "cuda":
+        env["rates"] = machine_rates(torch, log)
     manifest = json.loads((HERE / "cases.json").read_text())
     deadline = time.time() + 60 * args.minutes
     results = []

@@ -19,7 +19,7 @@ import pytest
 from bbrules.cli import main
 from bbrules.frontend import parse_program
 from bbrules.fuse import fuse
-from bbrules.gpukit import F32_PRECISION, TARGET, Case, cases, variants
+from bbrules.gpukit import TARGET, Case, cases, variants
 from bbrules.lower import lower
 from bbrules.packs import load_packs
 from bbrules.targets import get_target
@@ -94,7 +94,7 @@ def test_the_quick_kits_kernels_compile_for_the_gpu_without_spills():
     for case in cases(quick=True):
         for blocks in variants(case):
             fused = fuse(lower(parse_program(case.source(blocks))), pack, target).program
-            module = triton_gen.generate(fused, target, F32_PRECISION)
+            module = triton_gen.generate(fused, target, case.precision)
             compiled = triton_gen.compile_offline(module)
             for k in module.kernels:
                 c = compiled[k.name]
