@@ -54,7 +54,7 @@ import re
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -222,10 +222,6 @@ class TritonModule:
     def namespace(self) -> dict:
         """The module executed (needs triton)."""
         return _exec_module(self.source)
-
-    def runner(self) -> Callable[..., dict]:
-        """The module's `run(**inputs)` (needs torch, triton and a GPU)."""
-        return self.namespace()["run"]
 
 
 def generate(p: BlockProgram, target: Target | str | None = None,
