@@ -29,7 +29,7 @@ from .frontend import parse_program
 from .fuse import fuse
 from .lower import lower
 from .packs import load_packs
-from .targets import get_target
+from .targets import Target, get_target
 
 TARGET = "h200"  # the GPU machine
 RUNNER = Path(__file__).parent / "codegen" / "gpu_runner.py"
@@ -124,6 +124,18 @@ def variants(case: Case) -> list[tuple[int, int]]:
     return [(128, 128), (64, 128)]
 
 
+def target_fields(t: Target) -> dict[str, float]:
+    """`t` in a target file's units: what the runner writes a measured target from, keeping
+    the figures it does not measure."""
+    return {"global_bandwidth": t.global_bandwidth / 1e9,
+            "local_capacity": t.local_capacity // 1024, "processors": t.processors,
+            "peak_flops": t.peak_flops / 1e12,
+            "peak_flops_f16": t.peak_flops_f16 / 1e12,
+            "peak_flops_dot_f32": t.peak_flops_dot_f32 / 1e12,
+            "special_rate": t.special_rate / 1e12, "launch_cost": t.launch_cost * 1e6,
+            "resolution": t.resolution, "block_granularity": t.block_granularity}
+
+
 def prepare(folder: str | Path, quick: bool = False,
             progress: Callable[[str], None] | None = None) -> dict:
     """Write the kit into `folder` (which must not exist or be empty); its manifest."""
@@ -132,7 +144,7 @@ def prepare(folder: str | Path, quick: bool = False,
         raise UsageError(f"{root}: not an empty folder; the kit is written into a new one")
     (root / "kernels").mkdir(parents=True, exist_ok=True)
     pack, target = load_packs([]), get_target(TARGET)
-    manifest: dict = {"target": TARGET, "cases": []}
+    manifest: dict = {"target": TARGET, "target_file": target_fields(target), "cases": []}
     for case in cases(quick):
         entry = {"name": case.name, **asdict(case), "variants": []}
         for blocks in variants(case):

@@ -17,8 +17,8 @@ memory-efficient kernels) and cuBLAS through `torch.matmul` for the matmul-shape
 CUDA C kernels (CuPy), where the kit has them, are checked and timed too.  Times are medians
 of CUDA-event timings of whole calls, after a warm-up.
 
-Three files are written to RESULTS: results.json (every figure), results.md (the table) and
-run.log.  Cases left when `--minutes` run out are recorded as skipped.
+Four files are written to RESULTS: results.json (every figure), results.md (the table),
+target.toml (a bbrules target with the rates measured here) and run.log.  Cases left when `--minutes` run out are recorded as skipped.
 """
 
 from __future__ import annotations
@@ -223,6 +223,34 @@ def machine_rates(torch, log: Log) -> dict:
     return rates
 
 
+def measured_target(manifest: dict, env: dict, results: list[dict]) -> str:
+    """A bbrules target file (TOML) with the figures this run measured: the copy bandwidth,
+    the `exp2` rate, and the matrix rates the kit's own Triton matmuls reached (bf16, and f32
+    at `tf32`); the rest as the kit's target has them.  `bbrules cost --target FILE` prices
+    programs with it."""
+    figures = dict(manifest["target_file"])
+    measured = []
+    if "rates" in env:
+        figures["global_bandwidth"] = env["rates"]["copy_bytes_per_s"] / 1e9
+        figures["special_rate"] = env["rates"]["exp2_per_s"] / 1e12
+        measured += ["copy bandwidth", "exp2 rate"]
+    for name, field in (("matmul-bf16-4096", "peak_flops_f16"),
+                        ("matmul-f32-tf32-4096", "peak_flops_dot_f32")):
+        r = next((r for r in results if r["name"] == name and "tflops" in r), None)
+        if r is not None:
+            figures[field] = r["tflops"]
+            measured.append(f"{field} from {name}")
+    gpu = env.get("gpu", env["device"])
+    doc = (f"{gpu} as measured by the bbrules GPU kit on {time.strftime('%Y-%m-%d')} "
+           f"(triton {env['triton']}): {', '.join(measured) or 'nothing'}; the rest as the "
+           f"'{manifest['target']}' target")
+    counts = ("local_capacity", "processors", "block_granularity")
+    lines = ["# Written by the GPU kit's runner.py: `bbrules cost PROG --target FILE`.",
+             f'name = "{manifest["target"]}-measured"', f"doc = {json.dumps(doc)}"]
+    lines += [f"{k} = {int(v) if k in counts else float(v)!r}" for k, v in figures.items()]
+    return "\n".join(lines) + "\n"
+
+
 def environment(torch, device: str) -> dict:
     import numpy
     import triton
@@ -313,7 +341,8 @@ def main() -> int:
     (out / "results.json").write_text(json.dumps({"environment": env, "results": results},
                                                  indent=1))
     (out / "results.md").write_text(table(env, results))
-    log(f"wrote {out / 'results.json'} and {out / 'results.md'}")
+    (out / "target.toml").write_text(measured_target(manifest, env, results))
+    log(f"wrote {out / 'results.json'}, {out / 'results.md'} and {out / 'target.toml'}")
     return 0 if all(r.get("ok") for r in results) else 1
 
 

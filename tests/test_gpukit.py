@@ -109,3 +109,39 @@ def test_a_kit_is_never_written_over_a_folder_in_use(tmp_path, capsys):
     assert (tmp_path / "mine.txt").read_text() == "keep"
     assert main(["gpukit", str(tmp_path / "mine.txt"), "--quick"]) == 2
     assert "not an empty folder" in capsys.readouterr().err
+
+
+def load_runner():
+    import importlib.util
+    path = Path(__file__).parent.parent / "codegen" / "gpu_runner.py"
+    spec = importlib.util.spec_from_file_location("kit_runner", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_runner_writes_a_target_with_what_it_measured(tmp_path):
+    """Copy bandwidth, exp2 rate and the matmul cases' TFLOP/s replace the kit target's
+    figures; what the run did not measure (a case out of time) stays as the target has it."""
+    from bbrules.gpukit import target_fields
+    h200 = get_target(TARGET)
+    manifest = {"target": TARGET, "target_file": target_fields(h200)}
+    env = {"device": "cuda", "gpu": "NVIDIA H200", "triton": "3.6.0",
+           "rates": {"copy_bytes_per_s": 4.2e12, "exp2_per_s": 3.7e12}}
+    results = [{"name": "matmul-bf16-4096", "tflops": 640.0},
+               {"name": "matmul-f32-tf32-4096", "skipped": "out of time"}]
+    path = tmp_path / "target.toml"
+    path.write_text(load_runner().measured_target(manifest, env, results))
+    t = get_target(str(path))
+    assert t.name == "h200-measured" and "NVIDIA H200" in t.doc
+    assert (t.global_bandwidth, t.special_rate, t.peak_flops_f16) == (4.2e12, 3.7e12, 640e12)
+    assert t.peak_flops_dot_f32 == h200.peak_flops_dot_f32
+    assert (t.local_capacity, t.processors, t.peak_flops, t.launch_cost, t.resolution,
+            t.block_granularity) == (h200.local_capacity, h200.processors, h200.peak_flops,
+                                     h200.launch_cost, h200.resolution, h200.block_granularity)
+
+
+def test_the_measured_h200_target_is_a_target():
+    t = get_target(str(Path(__file__).parent.parent / "targets" / "h200-measured.toml"))
+    assert "2026-12-04" in t.doc
+    assert t.global_bandwidth < get_target(TARGET).global_bandwidth
