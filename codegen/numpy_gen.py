@@ -195,11 +195,13 @@ def _expressions(roots: Sequence[Node], env: Mapping[str, str], fns: _Functions,
 @dataclass(frozen=True)
 class _Part:
     """A part of a kernel split along grid axis `axis`: `blocks` consecutive blocks of it, from
-    the element offset the generated function takes as its parameter `start`."""
+    the element offset the generated function takes as its parameter `start`, one of
+    `offsets` (the parts of this length)."""
 
     axis: Axis
     blocks: int
     start: str
+    offsets: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -373,14 +375,14 @@ def _(n: Dot, w: _KernelWriter) -> _Stmt:
 class _KernelWriter:
     """Writes the function for one kernel, or for one part of its grid, by walking its schedule.
 
-    A part (`split`: the axis and how many of its blocks) takes the arrays of the kernel's
-    stores as parameters after its inputs, then the element offset of its first block, and
-    writes its blocks of every store into them.
+    A part (`split`: the axis, how many of its blocks, and the element offsets of the parts
+    this function runs) takes the arrays of the kernel's stores as parameters after its inputs,
+    then the element offset of its first block, and writes its blocks of every store into them.
     """
 
     def __init__(self, p: BlockProgram, kernel: Kernel, fn_name: str, params: Mapping[str, str],
                  outputs: Mapping[str, str], fns: _Functions, capacity: int,
-                 split: tuple[Axis, int] | None = None):
+                 split: tuple[Axis, int, tuple[int, ...]] | None = None):
         self.p = p
         self.kernel = kernel
         self.fn_name = fn_name
@@ -393,8 +395,8 @@ class _KernelWriter:
         self.taken = {*params.values(), *outputs.values()}
         self.part = None
         if split is not None:
-            axis, blocks = split
-            self.part = _Part(axis, blocks, _identifier(f"{axis}_start", self.taken))
+            axis, blocks, offsets = split
+            self.part = _Part(axis, blocks, _identifier(f"{axis}_start", self.taken), offsets)
             self.taken.add(self.part.start)
         self.layout = _Layout(kernel.grid, tuple(a for a in p.dims if a in used
                                                  and a not in kernel.grid), p.dims, self.part)
@@ -619,20 +621,39 @@ class _KernelWriter:
     def visited(self, loop: Loop) -> str:
         """The starts of the loop's blocks, as code: all of them, or (where its reductions
         contribute their identity outside a predicate over positions, `loop_predicate`) those
-        on which the predicate may hold for some block of the vectorised grid axes."""
+        on which the predicate may hold for some block of the vectorised grid axes.  A part
+        whose predicate reads its split axis visits those of its own blocks of that axis: a
+        table by the part's offset (causal attention's early query blocks stop early)."""
         d = self.p.dims[loop.axis]
         every = f"range(0, {d.padded}, {d.block})"
         p = loop_predicate(loop)
         axes = {n.axis for n in postorder(p) if isinstance(n, Pos)} if p is not None else ()
         if p is None or any(a != loop.axis and a in self.loop_vars for a in axes):
             return every  # it reads an enclosing loop's position: decided per iteration
+        part = self.part
+        if part is None or part.axis not in axes or part.axis == loop.axis:
+            return self.blocks_where(loop, p, axes, {})
+        span = part.blocks * self.p.block(part.axis)
+        codes = {o: self.blocks_where(loop, p, axes, {part.axis: (o, o + span - 1)})
+                 for o in part.offsets}
+        if len(set(codes.values())) == 1:
+            return codes[part.offsets[0]]
+        table = ", ".join(f"{o}: {c}" for o, c in codes.items())
+        return f"{{{table}}}[{part.start}]"
+
+    def blocks_where(self, loop: Loop, p: Node, axes: AbstractSet[Axis],
+                     ranges: Mapping[Axis, tuple[int, int]]) -> str:
+        """The starts of the loop's blocks on which `p` may hold, as code, for positions of
+        the other axes anywhere in `ranges` (default: the whole axis)."""
+        d = self.p.dims[loop.axis]
         starts = np.arange(d.blocks, dtype=np.float64) * d.block
-        bounds = {a: (np.float64(0), np.float64(self.p.padded(a) - 1)) for a in axes}
+        bounds = {a: tuple(np.float64(x) for x in ranges.get(a, (0, self.p.padded(a) - 1)))
+                  for a in axes}
         bounds[loop.axis] = (starts, starts + (d.block - 1))
         hold = np.broadcast_to(may_hold(p, bounds, NumpyAlgebra()), starts.shape)
         visited = [int(s) for s, h in zip(starts, hold) if h]
         if len(visited) == d.blocks:
-            return every
+            return f"range(0, {d.padded}, {d.block})"
         if visited and visited == list(range(visited[0], visited[-1] + 1, d.block)):
             return f"range({visited[0]}, {visited[-1] + d.block}, {d.block})"
         return repr(tuple(visited))
@@ -914,8 +935,10 @@ def generate(p: BlockProgram, target: Target | str | None = None, threads: int =
             if blocks not in by_length:
                 by_length[blocks] = fn_name = _identifier(f"kernel_{k.name}_{axis}{blocks}", taken)
                 taken.add(fn_name)
+                offsets = tuple(f * kp.block(axis) for f, b in runs if b == blocks)
                 code.lines += _KernelWriter(kp, k, fn_name, params, outputs, fns,
-                                            target.local_capacity, (axis, blocks)).write()
+                                            target.local_capacity,
+                                            (axis, blocks, offsets)).write()
                 code.lines.append("")
             code.parts.append((by_length[blocks], first * kp.block(axis)))
         code.lines.pop()

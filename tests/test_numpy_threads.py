@@ -88,6 +88,11 @@ def test_fused_causal_attention_on_threads(monkeypatch):
     p = fuse(lower(ast), load_packs([]), H100).program
     monkeypatch.setattr(numpy_gen, "MIN_CALL_FLOPS", 1500)
     assert numpy_gen.split_kernel(p, p.kernels[0], 2, H100) == ("q", [(0, 2), (2, 1), (3, 1)])
+    # each part visits the key blocks its own query blocks reach: 2, then 3 or 4 of 4
+    loops = [line.strip() for line in numpy_gen.generate(p, threads=2).splitlines()
+             if line.strip().startswith("for k0 in")]
+    assert loops == ["for k0 in range(0, 32, 16):",
+                     "for k0 in {32: range(0, 48, 16), 48: range(0, 64, 16)}[q_start]:"]
     inputs = random_inputs(ast, seed=4)
     whole = assert_threads_agree(p, inputs)
     want = dense.evaluate(ast, inputs, dtype=np.float64)
