@@ -191,6 +191,16 @@ class LoopPlan:
     def axis(self) -> str:
         return self.loop.axis
 
+    @property
+    def masks_cut_blocks_only(self) -> bool:
+        """Should a backend emit this skipping loop's body twice: without the mask for the
+        blocks its predicate holds on everywhere, with it for the blocks the predicate cuts?
+        Only where no loop inside it does the same, so that the copies never multiply."""
+        def skips_inside(ops: list[Op]) -> bool:
+            return any(isinstance(o, LoopPlan) and (o.skip is not None or skips_inside(o.body))
+                       for o in ops)
+        return self.skip is not None and not skips_inside(self.body)
+
 
 @dataclass(eq=False)
 class WritePlan:

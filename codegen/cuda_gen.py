@@ -66,8 +66,8 @@ import numpy as np
 
 from bbrules.errors import UsageError
 from bbrules.ir import (ELEMENTWISE_KINDS, BlockProgram, BlockReduce, Const, Dot, Get, IRError,
-                        KindTable, Load, Node, Pos, Reduce, Tuple, Var, children, is_elementwise,
-                        operator, postorder, validate)
+                        KindTable, Load, Node, Pos, Reduce, Tuple, Unary, Var, Where, children,
+                        is_elementwise, operator, postorder, validate)
 from bbrules.masking import CAlgebra, may_hold
 from bbrules.ops import BINARY, TILE_REDUCE
 from bbrules.plan import (MAX_THREADS, Accumulation, BlockIndex, Buffer, KernelPlan, LoopPlan,
@@ -316,6 +316,7 @@ class _KernelGen:
         self.state_regs: dict[Buffer, str] = {}  # accumulators kept in registers: their arrays
         self.dirty = False  # while emitting: has a register step or a write read shared
         # memory since the last barrier?
+        self.known: dict[Node, float] = {}  # predicates true on every element of the block
         self.grid_vars = {a: f"bb_g_{_c_name(a)}" for a in plan.grid}
 
     def _block_var(self, b: BlockIndex, axis: str) -> str:
@@ -397,7 +398,7 @@ class _KernelGen:
                 self.dirty = True
             elif op.kind in ("breduce", "dot"):
                 self._contract(w, op)
-            elif op.mode == "local":
+            elif op.mode == "local" and op.node not in self.known:
                 self._before_write(w)
                 if op.kind == "load" and (n := self._vector_width(op)) > 1:
                     self._copy_vectors(w, op, n)
@@ -566,6 +567,8 @@ class _KernelGen:
         """
         if x.kind == "const":
             return _literal(x.node.value)
+        if x.node in self.known:
+            return _literal(self.known[x.node])
         if x.mode in ("local", "resident"):
             return self._local(x, e.coords)
         if x.mode == "register":
@@ -582,7 +585,11 @@ class _KernelGen:
                 continue
             stack.append((v, True))
             if v.kind not in ("result", "get", "load"):
-                stack.extend((a, False) for a in reversed(v.args) if a.kind != "const"
+                args = v.args
+                if isinstance(v.node, Where) and v.node.c in self.known:  # one branch read
+                    args = (args[1] if self.known[v.node.c] else args[2],)
+                stack.extend((a, False) for a in reversed(args) if a.kind != "const"
+                             and a.node not in self.known
                              and a.mode not in ("local", "resident", "register"))
         return e.memo[x]
 
@@ -591,6 +598,8 @@ class _KernelGen:
         if x.kind in ("result", "get"):
             i = x.node.index if x.kind == "get" else 0
             return self._finalize(x.acc, i, e)
+        if isinstance(x.node, Where) and x.node.c in self.known:  # the mask of a whole block
+            return self._val(x.args[1] if self.known[x.node.c] else x.args[2], e)
         return EXPR(x.node, _Reader(child=lambda i: self._val(x.args[i], e),
                                     element=lambda: self._load_element(x, e)))
 
@@ -759,17 +768,33 @@ class _KernelGen:
         with w.block(f"for (int bb_b{op.id} = 0; bb_b{op.id} < {op.trips}; "
                      f"++bb_b{op.id})"):
             if op.skip is not None:
-                w(f"if (!{self._may_hold(op)}) continue;  // every element masked")
-            self._ops(w, op.body)
-            for red in op.accs:
-                self._combine(w, red)
-            if self.dirty:
-                self._barrier(w)
+                w(f"if (!{self._may_hold(op, op.skip)}) continue;  // every element masked")
+            if not op.masks_cut_blocks_only:
+                self._loop_body(w, op)
+            else:
+                # A block the predicate holds on everywhere runs the body without the mask.
+                # The test is the same for every thread, so each branch's barriers are uniform.
+                before, outer = self.dirty, self.known
+                with w.block(f"if (!{self._may_hold(op, Unary('not', op.skip))})"):
+                    self.known = {**outer, op.skip: 1.0}
+                    self._loop_body(w, op)
+                    self.known, whole = outer, self.dirty
+                self.dirty = before
+                with w.block("else"):
+                    self._loop_body(w, op)
+                self.dirty = self.dirty or whole
         if in_regs:  # what reads the reduction's results reads shared memory
             self._before_write(w)
             for buf in in_regs:
                 self._each(w, buf.order, lambda e, b=buf: e.w(
                     f"{self._at(b, e.coords)} = {self._state(b, e.coords)};"), unroll=True)
+            self._barrier(w)
+
+    def _loop_body(self, w: _Writer, op: LoopPlan) -> None:
+        self._ops(w, op.body)
+        for red in op.accs:
+            self._combine(w, red)
+        if self.dirty:
             self._barrier(w)
 
     def _register_states(self, op: LoopPlan) -> list[Buffer]:
@@ -814,14 +839,15 @@ class _KernelGen:
             return f"{self.state_regs[buf]}[bb_r]"
         return self._at(buf, coords)
 
-    def _may_hold(self, op: LoopPlan) -> str:
-        """C for: may the loop's skip predicate hold anywhere on the current block?  The
-        same test for every thread of the block, so skipping keeps barriers uniform."""
+    def _may_hold(self, op: LoopPlan, p: Node) -> str:
+        """C for: may `p` (over the positions the loop's skip predicate reads) hold anywhere on
+        the current block?  The same test for every thread of the block, so skipping keeps
+        barriers uniform."""
         bounds = {}
         for a, b in op.skip_blocks.items():
             start = f"(float)({self._block_var(b, a)} * {self.p.block(a)})"
             bounds[a] = (start, f"({start} + {float(self.p.block(a) - 1)!r}f)")
-        return may_hold(op.skip, bounds, CAlgebra())
+        return may_hold(p, bounds, CAlgebra())
 
     def _has_work(self, op: LoopPlan) -> bool:
         """Does the loop's body do anything (a one-trip loop over aliased tiles does not)?"""

@@ -586,18 +586,20 @@ class _KernelGen:
                     w, "s", f"tl.full({self.shape(order)}, {value}, tl.float32)", order))
         if op.skip is not None and self.one_run(op, self.block_holds(op, op.skip)):
             lo, hi = self.visited_bounds(w, op)
-            if not self.one_run(op, ~self.block_holds(op, Unary("not", op.skip))):
+            if not (op.masks_cut_blocks_only
+                    and self.one_run(op, ~self.block_holds(op, Unary("not", op.skip)))):
                 with w.block(f"for b{op.id} in range({lo}, {hi})"):
                     self.loop_body(w, op)
                 return
             # Blocks on which the predicate holds everywhere need no mask: FlashAttention's
             # split of the key loop into whole blocks and the blocks the diagonal cuts.
             flo, fhi = self.whole_bounds(w, op, lo, hi)
+            outer = self.known
             for start, stop, whole in ((lo, flo, False), (flo, fhi, True), (fhi, hi, False)):
-                self.known = {op.skip: 1.0} if whole else {}
+                self.known = {**outer, op.skip: 1.0} if whole else outer
                 with w.block(f"for b{op.id} in range({start}, {stop})"):
                     self.loop_body(w, op)
-            self.known = {}
+            self.known = outer
             return
         with w.block(f"for b{op.id} in range(0, {op.trips})"):
             if op.skip is None:
