@@ -88,12 +88,22 @@ class _OutputDecl:
 
 
 @dataclass(frozen=True)
+class _Shifted:
+    """`i + 32` in a reference: the dimension read at positions offset from axis i's."""
+
+    axis: _Name
+    offset: float
+    offset_span: Span
+
+
+@dataclass(frozen=True)
 class _ViewRef:
-    """A reference that reads some dimensions of its tensor as several (`X[t, (h, d)]`),
-    until the checker resolves it into a `Ref` of a view tensor."""
+    """A reference that reads some dimensions of its tensor as several (`X[t, (h, d)]`) or
+    as a slice (`X[t, i + 32]`), until the checker resolves it into a `Ref` of a view tensor
+    (and, for a slice, a one-hot sum choosing the slice's chunk of it)."""
 
     name: _Name
-    axes: tuple[_Name | tuple[_Name, ...], ...]
+    axes: tuple[_Name | tuple[_Name, ...] | _Shifted, ...]
 
 
 @dataclass(frozen=True)
@@ -200,10 +210,14 @@ class _ToAst(Transformer_NonRecursive):
     def group(self, meta: Meta, names: list[Token]) -> tuple[_Name, ...]:
         return tuple(self._name(n) for n in names)
 
+    def shifted(self, meta: Meta, children: list[Token]) -> _Shifted:
+        name, offset = children
+        return _Shifted(self._name(name), float(offset), self._span(offset))
+
     def ref(self, meta: Meta, children: list) -> Ref | _ViewRef:
         name, axes = children
         axes = axes or ()
-        if any(isinstance(a, tuple) for a in axes):
+        if any(isinstance(a, (tuple, _Shifted)) for a in axes):
             return _ViewRef(self._name(name), axes)
         return Ref(str(name), tuple(a.name for a in axes), self._span(name),
                    tuple(a.span for a in axes))
@@ -395,9 +409,12 @@ class _Checker:
         self.constants[name.name] = fold(value, number)
         self.defined[name.name] = name.span
 
-    def view(self, r: _ViewRef) -> Ref:
+    def view(self, r: _ViewRef) -> Expr:
         """`X[t, (h, d)]` as a reference to the view of X whose dimensions are (t, h, d): a
-        grouped dimension's extent must be the product of its group's."""
+        grouped dimension's extent must be the product of its group's.  A slice `X[t, i + c]`
+        reads X's dimension d as chunks of i's extent, `(d__i, i)`, and picks chunk c / n(i)
+        with a one-hot sum over them, `sum[d__i] where(d__i == c / n(i), X[t, (d__i, i)], 0)`:
+        the chunk axis has blocks of one chunk, so block skipping reads only the slice."""
         declared = self.axes_of.get(r.name.name)
         if declared is None:
             raise self.unknown_tensor(r.name.name, r.name.span)
@@ -406,7 +423,12 @@ class _Checker:
                              f"({r.name.name}[{', '.join(declared)}]), this reference gives "
                              f"{len(r.axes)}")
         flat: list[_Name] = []
+        picks: list[tuple[_Name, int]] = []  # chunk axes and the chunk each slice reads
         for dim, used in zip(declared, r.axes):
+            if isinstance(used, _Shifted):
+                chunks, chunk = self.slice_chunks(r.name.name, dim, used)
+                picks.append((chunks, chunk))
+                used = (chunks, used.axis)
             group = used if isinstance(used, tuple) else (used,)
             self.axes(group)
             extents = [self.dims[a.name].extent for a in group]
@@ -423,7 +445,37 @@ class _Checker:
         name = f"{r.name.name}__{'_'.join(axes)}"
         self.views[name] = r.name.name
         self.axes_of[name] = axes
-        return Ref(name, axes, r.name.span, tuple(a.span for a in flat))
+        out: Expr = Ref(name, axes, r.name.span, tuple(a.span for a in flat))
+        for chunks, chunk in picks:
+            span = chunks.span
+            hit = Apply("eq", (Position(chunks.name, span), Number(chunk, span)), span)
+            out = Reduction("sum", chunks.name, Apply("where", (hit, out, Number(0.0, span)),
+                                                      span), span, span)
+        return out
+
+    def slice_chunks(self, tensor: str, dim: str, s: _Shifted) -> tuple[_Name, int]:
+        """The chunk axis of slice `s` of `tensor`'s dimension `dim` (declared on first use:
+        extent(dim) / extent(axis) chunks, one per block) and the chunk the slice reads."""
+        self.axes((s.axis,))
+        n, total = self.dims[s.axis.name].extent, self.dims[dim].extent
+        offset = s.offset
+        if self.dims[dim].ragged or self.dims[s.axis.name].ragged:
+            raise self.error(s.offset_span, f"a slice of the ragged axis "
+                             f"'{dim if self.dims[dim].ragged else s.axis.name}'")
+        if not offset.is_integer() or offset % n or total % n:
+            raise self.error(s.offset_span, f"the slice {s.axis.name} + {offset:g} of '{dim}' "
+                             f"of '{tensor}' ({total}) must start at a multiple of "
+                             f"{s.axis.name}'s extent {n}, which must divide {total}: a slice "
+                             f"reads whole chunks of the dimension")
+        if offset + n > total:
+            raise self.error(s.offset_span, f"the slice {s.axis.name} + {offset:g} of '{dim}' "
+                             f"of '{tensor}' runs past its extent {total}")
+        name = f"{dim}__{s.axis.name}"
+        chunks = checked_dim(name, total // n, 1)
+        if self.dims.setdefault(name, chunks) != chunks:
+            raise self.error(s.offset_span, f"'{name}' is a dimension of the program, and the "
+                             f"name of this slice's chunks")
+        return _Name(name, s.axis.span), int(offset) // n
 
     def desugared(self, e: Expr) -> Expr:
         """`e` with named constants replaced by their values, each `mean[a] x` by
@@ -520,9 +572,10 @@ class _Checker:
         for declared, used, span in zip(declared_axes, r.axes, r.axis_spans):
             a, b = self.dims[declared], self.dims[used]
             if (a.extent, a.block) != (b.extent, b.block):
+                hint = f" (a slice of it is `{used} + OFFSET`)" if b.extent < a.extent else ""
                 raise self.error(span, f"cannot rename axis '{declared}' of '{r.tensor}' "
                                  f"({a.extent}/{a.block}) to '{used}' ({b.extent}/{b.block}): "
-                                 f"extent and block must match")
+                                 f"extent and block must match{hint}")
 
 
 def _free_occurrences(e: Expr) -> list[tuple[str, Span]]:

@@ -138,3 +138,55 @@ def test_views_whose_sizes_do_not_multiply_out_are_reported_where_they_are(body,
         parse_program(text, "v.bbp")
     assert message in str(err.value)
     assert (err.value.span.line, err.value.span.column) == (8, column)
+
+
+# --------------------------------------------------------------------------------------------
+# Slices: `X[t, i + c]` reads X's dimension from element c on, over i's extent.
+
+
+ROPE_BY_SLICES = """
+dim t = 256 / 64
+dim d = 64
+dim i = 32
+input X[t, d], COS[t, i], SIN[t, i] : f32
+LO[t, i] = X[t, i + 0] * COS[t, i] - X[t, i + 32] * SIN[t, i]
+HI[t, i] = X[t, i + 32] * COS[t, i] + X[t, i + 0] * SIN[t, i]
+output LO, HI
+"""
+
+
+def test_rotate_half_rope_written_with_slices_is_one_kernel_reading_x_once(pack):
+    """The two halves of rotate-half RoPE, each a slice of the head dimension: one kernel
+    storing both, X, COS and SIN read once each (the compulsory traffic), and the numbers
+    of a float64 reference."""
+    ast = parse_program(ROPE_BY_SLICES, "rope.bbp")
+    r = fuse(lower(ast), pack, H100)
+    assert len(r.program.kernels) == 1
+    assert r.after.traffic == (256 * 64 + 2 * 256 * 32 + 2 * 256 * 32) * 4
+    inputs = random_inputs(ast, seed=3)
+    x, c, s = (inputs[n].astype(np.float64) for n in ("X", "COS", "SIN"))
+    cos, sin = np.concatenate([c, c], axis=1), np.concatenate([s, s], axis=1)
+    want = x * cos + rotate_half(x) * sin
+    for got in (interp.run(r.program, inputs), numpy_gen.run(r.program, inputs),
+                dense.evaluate(ast, inputs, np.float64)):
+        np.testing.assert_allclose(np.concatenate([got["LO"], got["HI"]], axis=1), want,
+                                   rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("ref, column, message", [
+    ("X[t, i + 16]", 20, "must start at a multiple of i's extent 32"),
+    ("X[t, i + 64]", 20, "runs past its extent 64"),
+    ("X[t, i + 2.5]", 20, "must start at a multiple"),
+    ("X[t, i + 1e400]", 20, "must start at a multiple"),
+    ("X[t, i + 1e300]", 20, "runs past its extent 64"),
+    ("X[t, j + 0]", 16, "unknown axis 'j'"),
+    ("R[t, i + 0]", 20, "a slice of the ragged axis 'r'"),
+    ("X[t, i]", 16, "a slice of it is `i + OFFSET`"),
+])
+def test_slices_that_are_not_whole_chunks_are_reported_where_they_are(ref, column, message):
+    text = ("dim t = 8 / 4\ndim d = 64\ndim i = 32\ndim r = 40 / 32\n"
+            f"input X[t, d], R[t, r] : f32\nY[t, i] = {ref} * 2\noutput Y\n")
+    with pytest.raises(SourceError) as err:
+        parse_program(text, "s.bbp")
+    assert message in str(err.value)
+    assert (err.value.span.line, err.value.span.column) == (6, column)
