@@ -18,7 +18,8 @@ CUDA C kernels (CuPy), where the kit has them, are checked and timed too.  Times
 of CUDA-event timings of whole calls, after a warm-up.
 
 Four files are written to RESULTS: results.json (every figure), results.md (the table),
-target.toml (a bbrules target with the rates measured here) and run.log.  Cases left when `--minutes` run out are recorded as skipped.
+target.toml (a bbrules target with the rates measured here) and run.log.  Cases left when
+`--minutes` run out are recorded as skipped.
 """
 
 from __future__ import annotations
@@ -273,10 +274,9 @@ def table(env: dict, results: list[dict]) -> str:
         lines += [f"Measured in the same run: copy {env['rates']['copy_bytes_per_s'] / 1e12:.2f} "
                   f"TB/s (bytes read + written), exp2 {env['rates']['exp2_per_s'] / 1e12:.2f} "
                   "T/s. Modeled: the fused program's time on the kit's target.", ""]
-    lines += [
-             "| case | kernels | best (blocks, warps+stages per kernel) | bbrules Triton | "
-             "modeled | torch | speed-up vs torch | TFLOP/s | GB/s | CUDA C | max rel. error | "
-             "ok |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += ["| case | kernels | best (blocks, warps+stages per kernel) | bbrules Triton | "
+              "modeled | torch | speed-up vs torch | TFLOP/s | GB/s | CUDA C | max rel. error "
+              "| ok |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         if "skipped" in r or "failure" in r:
             why = r.get("skipped") or r["failure"]

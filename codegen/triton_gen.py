@@ -813,7 +813,7 @@ def tune(progress=None, **inputs):
             KERNELS[i] = (name, *rest[:3], warps, stages)
             try:
                 timings[name][(warps, stages)] = _milliseconds(lambda: run(**inputs))
-            except Exception as e:  # triton.runtime.errors': too big for this configuration
+            except Exception as e:  # Triton's own errors for a kernel too big for the GPU
                 if type(e).__name__ not in ("OutOfResources", "PTXASError"):
                     raise
             if progress:
