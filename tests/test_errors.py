@@ -22,7 +22,7 @@ CASES = [
     ("dangling operator", "Y[m, n] = B[n] +\noutput Y", 5, 17,
      "unexpected end of line; expected one of '(', '-', 'inf', 'max', 'mean', 'min', 'sum', "
      "a name, a number"),
-    ("missing comma", "Y[m, n] = A[m e]\noutput Y", 5, 15, "unexpected 'e'; expected one of ',', ']'"),
+    ("missing comma", "Y[m, n] = A[m e]\noutput Y", 5, 15, "unexpected 'e'; expected one of '+', ',', ']'"),
     ("bad character", "Y[m, n] = B[n] @ B[n]\noutput Y", 5, 16, "unexpected character '@'"),
     ("missing equals", "Y[m, n] B[n]\noutput Y", 5, 9, "unexpected 'B'; expected '='"),
     ("unknown tensor", "Y[m, n] = sum[e] A[m, e] * V[e, n]\noutput Y", 5, 28,
