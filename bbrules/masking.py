@@ -143,6 +143,10 @@ class _Masked:
             case Unary(op, x) | Binary(op, x, _) if _all_known(args := _args(n, v)):
                 with np.errstate(all="ignore"):
                     return float(_apply(n, args))
+            case Binary("add", x, y) if _shifts_infinity(v(x), v(y)):
+                return v(x) if _finite(v(y)) else v(y)  # -inf + s = -inf for a finite s
+            case Binary("sub", x, y) if _shifts_infinity(v(x), v(y)):
+                return v(x) if _finite(v(y)) else -v(y)
             case Binary("mul", x, y) if 0.0 in (v(x), v(y)) and _finite(v(x)) and _finite(v(y)):
                 return 0.0
             case Unary(op) | Binary(op) if op in _FINITE_OPS and all(map(_finite, _args(n, v))):
@@ -156,12 +160,21 @@ class _Masked:
                 if 0.0 in (v(x), v(y)) and _finite(v(x)) and _finite(v(y)):
                     return 0.0
                 return FINITE if _finite(v(x)) and _finite(v(y)) else UNKNOWN
+            case Reduce(_, monoid, x) if monoid.name in ("sum", "max", "min") and _finite(v(x)):
+                return FINITE  # a nested fold of finite values (a score's sum over d)
             case Tuple(items):
                 return tuple(v(i) for i in items)
             case Get(i, x):
                 parts = v(x)
                 return parts[i] if isinstance(parts, tuple) else UNKNOWN
         return UNKNOWN  # a nested fold, or an operator not tracked
+
+
+def _shifts_infinity(x: object, y: object) -> bool:
+    """Is one of `x`, `y` an infinity and the other finite (their sum is that infinity)?"""
+    def infinite(a: object) -> bool:
+        return isinstance(a, float) and math.isinf(a)
+    return (infinite(x) and _finite(y)) or (_finite(x) and infinite(y))
 
 
 def _args(n: Node, v: Callable[[Node], object]) -> list[object]:

@@ -131,6 +131,33 @@ def test_imported_block_matches_onnx_reference_fused(tmp_path, batch):
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
 
+def test_imported_causal_attention_is_one_online_pass_over_the_keys(tmp_path):
+    """ONNX's `Attention` function guards its softmax with a `Where` whose condition folds to
+    a constant false; with that select folded away (rules/constants.bbr `where_false`), the
+    online-softmax rules see the softmax, so the fused kernel walks the keys once."""
+    from bbrules.frontend import parse_program
+    from bbrules.ir import Reduce, postorder
+    from bbrules.lower import lower
+    shape, kv = [1, 4, 256, 16], [1, 2, 256, 16]  # grouped-query heads, as LLaMA's
+    node = helper.make_node("Attention", ["Q", "K", "V"], ["Y"], is_causal=1)
+    graph = helper.make_graph([node], "attention", [
+        helper.make_tensor_value_info(n, TensorProto.FLOAT, shape if n == "Q" else kv)
+        for n in "QKV"], [helper.make_tensor_value_info("Y", TensorProto.FLOAT, shape)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)])
+    onnx.save(model, str(tmp_path / "attention.onnx"))
+    imported = import_onnx(tmp_path / "attention.onnx")
+    fused = fuse(lower(parse_program(imported.text)), load_packs([]), get_target("h100")).program
+    monoids = {n.monoid.name for k in fused.stores for n in postorder(k.value)
+               if isinstance(n, Reduce)}
+    # one fold carries the maximum, the sum and the output (not a pass for the maximum first)
+    assert "softmax" in monoids and "max" not in monoids, monoids
+    rng = np.random.default_rng(2)
+    feed = {n: rng.standard_normal(shape if n == "Q" else kv, dtype=np.float32) for n in "QKV"}
+    want = ReferenceEvaluator(model).run(None, feed)[0]
+    got = imported.onnx_outputs(numpy_gen.run(fused, imported.bbp_inputs(feed)))["Y"]
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
 def test_a_wide_convolution_fits_local_memory_and_fuses_with_its_activation(tmp_path):
     # magika's layer at a quarter of its width: 128 channels, 256 positions, 5 taps.  A tile
     # over output positions, taps, channels and input positions at once would not fit h100's

@@ -266,3 +266,21 @@ def test_numpy_iterates_only_the_blocks_a_predicate_of_the_loop_axis_may_hold_on
     got = numpy_gen.run(lower(ast), inputs)
     for o in ("Y", "Z"):
         np.testing.assert_allclose(got[o], want[o], rtol=1e-5, atol=1e-5)
+
+
+def test_an_additive_mask_from_positions_skips_blocks_as_a_select_does(pack):
+    """A mask added to the scores (as ONNX writes masks), `S + where(k <= q, 0, -inf)`: where
+    the predicate is false the score is a finite sum plus -inf, which is -inf, so the fold skips
+    the same blocks as with `where(k <= q, S, -inf)`, and the numbers are the reference's."""
+    select = fused_attention(pack, "k <= q")[1]
+    ast = parse_program(attention("k <= q").replace(
+        "where(k <= q, sum[d] Q[h, q, d] * K[h, k, d] * 0.125, -inf)",
+        "sum[d] Q[h, q, d] * K[h, k, d] * 0.125 + where(k <= q, 0.0, -inf)"))
+    r = fuse(lower(ast), pack, H100, options=WHOLE)
+    assert len(r.program.kernels) == 1
+    assert r.after.bytes_read == select.after.bytes_read
+    assert r.after.bytes_read < 0.7 * r.before.bytes_read
+    inputs = random_inputs(ast, seed=3)
+    for got in (interp.run(r.program, inputs), numpy_gen.run(r.program, inputs)):
+        np.testing.assert_allclose(got["O"], reference(inputs, MASKS["causal"][1]),
+                                   rtol=1e-4, atol=1e-5)
