@@ -146,7 +146,7 @@ class Extractor:
         self.objective = objective
         self.max_kernels = max_kernels
         self.stored = tuple(k.tensor for k in source.stores)
-        self.options = {c: _prune(ns) for c, ns in graph.classes.items()}
+        self.options = {c: _prune(ns, c) for c, ns in graph.classes.items()}
         self.load_option = {c: {self.read(n): i for i, n in enumerate(ns) if self.is_stored_load(n)}
                             for c, ns in self.options.items()}
         self.definitions = {t: [i for i, n in enumerate(self.options[graph.named[t]])
@@ -712,11 +712,16 @@ def extract(graph: ClassGraph, source: BlockProgram, target: Target, objective: 
 # --------------------------------------------------------------------------------------------
 
 
-def _prune(nodes: tuple[ENode, ...]) -> tuple[ENode, ...]:
-    """Drop e-nodes that cost exactly what a kept one costs: commuted twins."""
+def _prune(nodes: tuple[ENode, ...], c: int) -> tuple[ENode, ...]:
+    """Drop e-nodes that cost exactly what a kept one costs (commuted twins) and those that
+    are never part of a finite term: an operation on its own class (`x + 0.0` in the class of
+    `x`, `where(0.0, 0.0, x)` in the class of `x`, as identity rules leave them).  A load keeps
+    its class as its child only to say which value it reads; stored, it is a leaf."""
     kept: list[ENode] = []
     keys: set[tuple] = set()
     for n in nodes:
+        if n.kind != "Load" and c in n.children:
+            continue
         key = _commuted_key(n)
         if key not in keys:
             keys.add(key)
