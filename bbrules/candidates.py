@@ -86,27 +86,35 @@ def select_candidates(p: BlockProgram, max_kernels_per_candidate: int) -> list[C
     n = len(p.kernels)
     loads = [_loads(k) for k in p.kernels]
     cuts = [_cut_cost(p, loads, c) for c in range(n + 1)]
+    weights = [1 if names else 0 for names in loads]
     period, repeats = _repetition(p, max_kernels_per_candidate)
     bounds, tail = [], 0
     if repeats > 1:
-        inner = _partition(cuts, 0, period, max_kernels_per_candidate)
+        inner = _partition(cuts, weights, 0, period, max_kernels_per_candidate)
         bounds = [(start + k * period, stop + k * period) for k in range(repeats)
                   for start, stop in inner]
         tail = repeats * period
-    bounds += _partition(cuts, tail, n, max_kernels_per_candidate)
+    bounds += _partition(cuts, weights, tail, n, max_kernels_per_candidate)
     return [Candidate(i, start, stop, _standalone(p, start, stop))
             for i, (start, stop) in enumerate(bounds)]
 
 
-def _partition(cuts: list[tuple[int, int]], lo: int, hi: int,
+def _partition(cuts: list[tuple[int, int]], weights: list[int], lo: int, hi: int,
                most: int) -> list[tuple[int, int]]:
     """The cheapest cut of kernels [lo, hi) into runs of at most `most`, by dynamic
-    programming over cut positions; `cuts[c]` is the cost of cutting before kernel c."""
+    programming over cut positions; `cuts[c]` is the cost of cutting before kernel c.
+
+    A kernel that loads nothing (a mask computed from positions) weighs nothing: it is a
+    leaf its readers inline, and counting it would cut them from what they read."""
     # best[j]: the cheapest partition of [lo, lo + j) as (views cut, bytes cut, candidates)
     best: list[tuple[float, float, float]] = [(0, 0, 0)] + [(math.inf,) * 3] * (hi - lo)
     back = [0] * (hi - lo + 1)
     for j in range(1, hi - lo + 1):
-        for i in range(max(0, j - most), j):
+        first, held = j, 0
+        while first > 0 and held + weights[lo + first - 1] <= most:
+            first -= 1
+            held += weights[lo + first]
+        for i in range(first, j):
             views, size, count = best[i]
             cost = cuts[lo + i] if i else (0, 0)
             key = (views + cost[0], size + cost[1], count + 1)

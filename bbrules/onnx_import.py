@@ -173,6 +173,45 @@ Operand = tuple[Value, Sequence[int | None]]  # a value, and the statement dim o
 ExprFn = Callable[[list[str], _Index], str]
 
 
+@dataclass(frozen=True)
+class Band:
+    """A matrix that is `inside` where lo <= j - i <= hi (a bound of None: no bound) and
+    `outside` elsewhere: a causal, sliding-window or banded attention mask, as exporters fold
+    it into a constant."""
+
+    inside: float
+    outside: float
+    lo: int | None
+    hi: int | None
+
+
+def band_of(arr: np.ndarray) -> Band | None:
+    """The band `arr` is, when it is two-valued over two axes of extent > 1 and one of its
+    values fills exactly the cells between two diagonals (bounded on at least one side), or
+    None.  Where both values qualify (a triangle), `outside` is preferably an additive mask's
+    -inf, else a multiplicative mask's 0: the identities that let reductions skip blocks."""
+    arr = np.asarray(arr, dtype=np.float64)
+    squeezed = arr.reshape(_squeezed(arr.shape))
+    if squeezed.ndim != 2 or np.isnan(squeezed).any():
+        return None
+    values = np.unique(squeezed)
+    if len(values) != 2:
+        return None
+    n, m = squeezed.shape
+    offset = np.arange(m)[None, :] - np.arange(n)[:, None]
+    for inside, outside in sorted([(values[0], values[1]), (values[1], values[0])],
+                                  key=lambda io: (np.isfinite(io[1]), io[1] != 0)):
+        held = offset[squeezed == inside]
+        lo, hi = int(held.min()), int(held.max())
+        if not np.array_equal(squeezed == inside, (offset >= lo) & (offset <= hi)):
+            continue
+        lo_bound, hi_bound = (None if lo <= 1 - n else lo), (None if hi >= m - 1 else hi)
+        if lo_bound is None and hi_bound is None:
+            continue
+        return Band(float(inside), float(outside), lo_bound, hi_bound)
+    return None
+
+
 class OnnxError(UsageError):
     """A model bbrules cannot import, said with the node's position, name and operator."""
 
@@ -270,13 +309,29 @@ class Importer:
             except (TypeError, ValueError):
                 raise self.error(f"constant '{name}' of type {self.consts[name].dtype} is not "
                                  f"a number") from None
+            band = band_of(arr)
             if arr.size > 0 and np.all(arr == arr.flat[0]) and np.isfinite(arr.flat[0]):
                 v = Value(tuple(arr.shape), number=float(arr.flat[0]))
+            elif band is not None:
+                v = self.band(name, tuple(arr.shape), band)
             else:
                 v = self.declare(name, tuple(arr.shape), "f32", arr)
             self.values[name] = v
             return v
         raise self.error(f"value '{name}' is not defined before its use")
+
+    def band(self, name: str, shape: tuple[int, ...], band: Band) -> Value:
+        """A constant mask over two positions written as the predicate it is, so that fused
+        reductions skip the blocks where it holds the consumer's identity everywhere."""
+        rows, cols = [d for d, n in enumerate(shape) if n > 1]
+
+        def expr(_refs: list[str], ix: _Index) -> str:
+            i, j = ix.position(rows), ix.position(cols)
+            tests = ([f"{j} >= {i} + {band.lo}"] if band.lo is not None else []) + \
+                    ([f"{j} <= {i} + {band.hi}"] if band.hi is not None else [])
+            return f"where({' and '.join(tests)}, {_number(band.inside)}, " \
+                   f"{_number(band.outside)})"
+        return self.statement(name, shape, range(len(shape)), [], expr)
 
     def const(self, name: str, what: str) -> np.ndarray:
         """An operand that must be known when importing (a shape, axes, a starting index)."""

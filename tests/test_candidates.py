@@ -169,3 +169,15 @@ def test_a_candidate_that_fits_nowhere_is_named_with_the_program_s_tensors(pack)
                            {"r": (64, 16), "c": (1 << 20, 1 << 20)}))
     with pytest.raises(NoCandidate, match=r"candidate 0 \(kernels 0-1\): .*kernel (M|E)\b"):
         fuse_candidates(p, select_candidates(p, 2), pack, TARGET)
+
+
+def test_a_mask_from_positions_does_not_count_against_a_candidate():
+    """A kernel that loads nothing is a leaf its readers inline: a causal block's mask makes
+    it seven kernels, and candidates of six still keep the scores with their softmax."""
+    block = attention_chain(1).replace(
+        "S1[q, k] = sum[d] Q0[q, d] * K[k, d] * 0.125",
+        "B[q, k] = where(k <= q, 0, -inf)\nS1[q, k] = (sum[d] Q0[q, d] * K[k, d] * 0.125) + B[q, k]")
+    program = lower(parse_program(block))
+    assert len(program.kernels) == 7
+    assert [(c.start, c.stop) for c in select_candidates(program, 6)] == [(0, 7)]
+    assert [(c.start, c.stop) for c in select_candidates(program, 5)] != [(0, 7)]

@@ -158,6 +158,69 @@ def test_imported_causal_attention_is_one_online_pass_over_the_keys(tmp_path):
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 
 
+def _attention_model(causal: bool) -> onnx.ModelProto:
+    shape = [1, 2, 512, 32]
+    node = helper.make_node("Attention", ["Q", "K", "V"], ["Y"], is_causal=int(causal))
+    graph = helper.make_graph([node], "attention", [
+        helper.make_tensor_value_info(n, TensorProto.FLOAT, shape) for n in "QKV"],
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, shape)])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)])
+
+
+def test_a_folded_causal_mask_becomes_positions_and_fused_attention_skips_blocks(tmp_path):
+    """ONNX's `Attention` builds its causal mask from constants; folded, it is a matrix of 0
+    and -inf.  Imported as the predicate it is (not a weight), fusion sees positions, and the
+    fused kernel visits only the key blocks at or below the diagonal."""
+    from bbrules.cost import cost_program
+    from bbrules.frontend import parse_program
+    from bbrules.lower import lower
+    flops = {}
+    for causal in (False, True):
+        model = _attention_model(causal)
+        onnx.save(model, str(tmp_path / "attention.onnx"))
+        imported = import_onnx(tmp_path / "attention.onnx")
+        assert set(imported.weights) == set(), imported.weights.keys()
+        assert ("<=" in imported.text) == causal
+        fused = fuse(lower(parse_program(imported.text)), load_packs([]),
+                     get_target("h100")).program
+        flops[causal] = cost_program(fused, get_target("h100")).flops
+        rng = np.random.default_rng(5)
+        feed = {n: rng.standard_normal([1, 2, 512, 32], dtype=np.float32) for n in "QKV"}
+        want = ReferenceEvaluator(model).run(None, feed)[0]
+        got = imported.onnx_outputs(numpy_gen.run(fused, imported.bbp_inputs(feed)))["Y"]
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    # 8 query blocks of 64 visit 36 of 64 key blocks
+    assert flops[True] <= 0.6 * flops[False], flops
+
+
+@pytest.mark.parametrize("matrix, band", [
+    (np.where(np.tril(np.ones((4, 6))) > 0, 0.0, -np.inf), (0.0, -np.inf, None, 0)),
+    (np.tril(np.ones((1, 1, 5, 5)), -1), (1.0, 0.0, None, -1)),
+    (np.triu(np.ones((5, 5))), (1.0, 0.0, 0, None)),
+    (np.where(np.abs(np.subtract.outer(np.arange(6), np.arange(6))) <= 2, 0.0, -1e9),
+     (0.0, -1e9, -2, 2)),
+])
+def test_band_of_reads_diagonal_bands(matrix, band):
+    from bbrules.onnx_import import Band, band_of
+    assert band_of(matrix) == Band(*band)
+    lo, hi = band[2], band[3]
+    n, m = matrix.shape[-2:]
+    offset = np.arange(m)[None, :] - np.arange(n)[:, None]
+    inside = (offset >= (lo if lo is not None else -n)) & (offset <= (hi if hi is not None else m))
+    np.testing.assert_array_equal(matrix.reshape(n, m), np.where(inside, band[0], band[1]))
+
+
+@pytest.mark.parametrize("matrix", [
+    np.random.default_rng(0).integers(0, 2, (5, 5)).astype(float),  # two values, no band
+    np.add.outer(np.arange(5), np.arange(5)) % 2.0,  # a checkerboard
+    np.arange(9.0).reshape(3, 3),  # many values
+    np.tril(np.ones((2, 3, 3))),  # three axes
+])
+def test_band_of_refuses_what_is_not_a_band(matrix):
+    from bbrules.onnx_import import band_of
+    assert band_of(matrix) is None
+
+
 def test_a_wide_convolution_fits_local_memory_and_fuses_with_its_activation(tmp_path):
     # magika's layer at a quarter of its width: 128 channels, 256 positions, 5 taps.  A tile
     # over output positions, taps, channels and input positions at once would not fit h100's
