@@ -3,8 +3,12 @@
 Why it looks the way it does:
 
 - *Loops come from the kernel's plan* (`bbrules.plan`), the plan the cost model prices, so the
-  code runs exactly the loops that were costed: merged sibling reductions share one Python loop
+  code runs the loops that were costed: merged sibling reductions share one Python loop
   carrying several accumulators, and every node is computed in the loop body the plan puts it in.
+  One liberty: a reduction loop that skips no blocks walks its axis in blocks as large as the
+  tiles allow (`coarsened`).  Its blocks are sized for a GPU's local memory, which a numpy call
+  does not have; larger ones make each call do more (one matmul over the whole contraction,
+  not 64-wide slices, and no partial sums added in passes of their own).
 - *The grid is vectorised.*  Running one Python call per grid point would make the interpreter
   overhead, not data movement, the cost.  Instead every tile of a kernel is one array holding the
   tile of *all* grid points at once, in a fixed layout: a (blocks, block) pair of dimensions per
@@ -67,8 +71,8 @@ from bbrules.cost import cost_kernel
 from bbrules.errors import UsageError
 from bbrules.ir import (ELEMENTWISE_KINDS, Axis, Binary, BlockProgram, BlockReduce, Const, Dim,
                         Dot, Get, IRError, Kernel, KindTable, Load, Node, Pos, Reduce, Store,
-                        TileType, Tuple, Var, children, is_elementwise, operator, postorder,
-                        rebuild, show_kernel, tile_type, transform, type_of, validate)
+                        TileType, Tuple, Unary, Var, Where, children, is_elementwise, operator,
+                        postorder, rebuild, show_kernel, tile_type, transform, type_of, validate)
 from bbrules.ops import ELEMENTWISE, TILE_REDUCE, OpInfo
 from bbrules.masking import NumpyAlgebra, may_hold
 from bbrules.plan import loop_predicate, plan_for
@@ -358,12 +362,21 @@ def _(n: Pos, w: _KernelWriter) -> _Stmt:
 
 
 @STEP.on(BlockReduce)
-def _(n: BlockReduce, w: _KernelWriter) -> _Stmt:
+def _(n: BlockReduce, w: _KernelWriter) -> _Stmt | None:
+    if w.dims(n.x)[w.layout.element_dim(n.axis)] == 1:  # a block of one: the element itself
+        w.scopes[-1][n] = w.lookup(n.x)
+        return None
     return w.array(n, w.fresh(f"b{n.op}"), w.block_reduce(n))
 
 
 @STEP.on(*ELEMENTWISE_KINDS)
-def _(n: Node, w: _KernelWriter) -> _Stmt:
+def _(n: Node, w: _KernelWriter) -> _Stmt | None:
+    if n in w.known:
+        w.scopes[-1][n] = _literal(w.known[n])
+        return None
+    if isinstance(n, Where) and n.c in w.known:
+        w.scopes[-1][n] = w.lookup(n.x if w.known[n.c] else n.y)
+        return None
     return w.elementwise(n, w.fresh(operator(n).name))
 
 
@@ -406,6 +419,8 @@ class _KernelWriter:
         self.reads: set[str] = set()
         self.owned: set[str] = set()
         self.returned: set[str] = set()  # arrays a store returns as they are
+        # predicates that hold on every element of the blocks being written (whole blocks)
+        self.known: dict[Node, bool] = {}
 
     # ---------------------------------------------------------------- names and lookup
 
@@ -595,28 +610,87 @@ class _KernelWriter:
         if looping:
             self.loop_vars[loop.axis] = var = _identifier(f"{loop.axis}0", self.taken)
             self.taken.add(var)
-        self.scopes.append({})
-        body = self.steps(loop.body)
-        for r, acc in states:
-            self.reads = set()
-            body.append(self.combine(r, acc) if looping else self.fold_once(r, acc))
-        self.scopes.pop()
+        segments = self.segments(loop) if looping else [("", None)]
+        bodies = []
+        outer = self.known
+        for blocks, whole in segments:
+            self.known = {**outer, whole: True} if whole is not None else outer
+            self.scopes.append({})
+            body = self.steps(loop.body)
+            for r, acc in states:
+                self.reads = set()
+                body.append(self.combine(r, acc) if looping else self.fold_once(r, acc))
+            self.scopes.pop()
+            bodies.append((blocks, _live(body) if whole is not None else body))
+        self.known = outer
         if saved is not None:
             self.loop_vars[loop.axis] = saved
         elif looping:
             del self.loop_vars[loop.axis]
         self.reads = set()
         if not looping:
-            return [_Stmt(init), *body, self.finalize(states)]
+            return [_Stmt(init), *bodies[0][1], self.finalize(states)]
         accs = tuple(a for _, acc in states for a in acc)
         owned = frozenset(a for r, acc in states for a, fresh in zip(acc, _fresh_state(r)) if fresh)
         self.owned |= owned
-        lines = init + [f"for {var} in {self.visited(loop)}:"]
-        lines += _assemble(body, "    ", final_is_return=False)
-        uses = frozenset().union(*(s.uses for s in body))
-        escapes = frozenset().union(*(s.escapes for s in body))
+        lines = init
+        for blocks, body in bodies:
+            lines += [f"for {var} in {blocks}:"] + _assemble(body, "    ", final_is_return=False)
+        every = [s for _, body in bodies for s in body]
+        uses = frozenset().union(*(s.uses for s in every))
+        escapes = frozenset().union(*(s.escapes for s in every))
         stmt = _Stmt(lines, accs, uses, owned, escapes=escapes)
         return [stmt, self.finalize(states)] if states else [stmt]
+
+    def segments(self, loop: Loop) -> list[tuple[str, Node | None]]:
+        """The loop's visited blocks as code, each run with the predicate it may take as true
+        there (None: none).  Where the loop skips blocks by a predicate and no loop inside it
+        does, the blocks the predicate holds on everywhere are a run of their own whose body
+        applies no mask: the blocks before it, those blocks, the blocks after it (each a
+        table by the part's offset where parts differ, and left out where no part has any)."""
+        p = loop_predicate(loop)
+        if p is None or any(isinstance(step, Loop) and loop_predicate(step) is not None
+                            for step, _ in walk_steps(loop.body)):
+            return [(self.visited(loop), None)]
+        runs = self.visited_runs(loop, p)
+        if runs is None or not any(whole for before, whole, after in runs.values()):
+            return [(self.visited(loop), None)]
+        d = self.p.dims[loop.axis]
+        return [(self.by_offset({o: _blocks_code(r[i], d) for o, r in runs.items()}), known)
+                for i, known in ((0, None), (1, p), (2, None))
+                if any(r[i] for r in runs.values())]
+
+    def visited_runs(self, loop: Loop, p: Node
+                     ) -> dict[int | None, tuple[list[int], list[int], list[int]]] | None:
+        """Per part offset (None: the whole grid at once), the visited block starts as three
+        runs: cut by `p`, `p` true everywhere, cut again; None where they do not fall so."""
+        axes = {n.axis for n in postorder(p) if isinstance(n, Pos)}
+        if any(a != loop.axis and a in self.loop_vars for a in axes):
+            return None
+        part = self.part
+        if part is None or part.axis not in axes or part.axis == loop.axis:
+            ranges = {None: {}}
+        else:
+            span = part.blocks * self.p.block(part.axis)
+            ranges = {o: {part.axis: (o, o + span - 1)} for o in part.offsets}
+        out = {}
+        for o, r in ranges.items():
+            held = self.starts_where(loop, p, axes, r)
+            cut = set(self.starts_where(loop, Unary("not", p), axes, r))
+            whole = [s for s in held if s not in cut]
+            first = held.index(whole[0]) if whole else len(held)
+            last = first + len(whole)
+            if held[first:last] != whole:
+                return None
+            out[o] = (held[:first], whole, held[last:])
+        return out
+
+    def by_offset(self, codes: Mapping[int | None, str]) -> str:
+        """One code for every part, or a table by the part's offset."""
+        if len(set(codes.values())) == 1:
+            return next(iter(codes.values()))
+        table = ", ".join(f"{o}: {c}" for o, c in codes.items())
+        return f"{{{table}}}[{self.part.start}]"
 
     def visited(self, loop: Loop) -> str:
         """The starts of the loop's blocks, as code: all of them, or (where its reductions
@@ -632,31 +706,22 @@ class _KernelWriter:
             return every  # it reads an enclosing loop's position: decided per iteration
         part = self.part
         if part is None or part.axis not in axes or part.axis == loop.axis:
-            return self.blocks_where(loop, p, axes, {})
+            return _blocks_code(self.starts_where(loop, p, axes, {}), d)
         span = part.blocks * self.p.block(part.axis)
-        codes = {o: self.blocks_where(loop, p, axes, {part.axis: (o, o + span - 1)})
-                 for o in part.offsets}
-        if len(set(codes.values())) == 1:
-            return codes[part.offsets[0]]
-        table = ", ".join(f"{o}: {c}" for o, c in codes.items())
-        return f"{{{table}}}[{part.start}]"
+        return self.by_offset({o: _blocks_code(self.starts_where(
+            loop, p, axes, {part.axis: (o, o + span - 1)}), d) for o in part.offsets})
 
-    def blocks_where(self, loop: Loop, p: Node, axes: AbstractSet[Axis],
-                     ranges: Mapping[Axis, tuple[int, int]]) -> str:
-        """The starts of the loop's blocks on which `p` may hold, as code, for positions of
-        the other axes anywhere in `ranges` (default: the whole axis)."""
+    def starts_where(self, loop: Loop, p: Node, axes: AbstractSet[Axis],
+                     ranges: Mapping[Axis, tuple[int, int]]) -> list[int]:
+        """The starts of the loop's blocks on which `p` may hold, for positions of the other
+        axes anywhere in `ranges` (default: the whole axis)."""
         d = self.p.dims[loop.axis]
         starts = np.arange(d.blocks, dtype=np.float64) * d.block
         bounds = {a: tuple(np.float64(x) for x in ranges.get(a, (0, self.p.padded(a) - 1)))
                   for a in axes}
         bounds[loop.axis] = (starts, starts + (d.block - 1))
         hold = np.broadcast_to(may_hold(p, bounds, NumpyAlgebra()), starts.shape)
-        visited = [int(s) for s, h in zip(starts, hold) if h]
-        if len(visited) == d.blocks:
-            return f"range(0, {d.padded}, {d.block})"
-        if visited and visited == list(range(visited[0], visited[-1] + 1, d.block)):
-            return f"range({visited[0]}, {visited[-1] + d.block}, {d.block})"
-        return repr(tuple(visited))
+        return [int(s) for s, h in zip(starts, hold) if h]
 
     def combine(self, r: Reduce, acc: list[str]) -> _Stmt:
         """Fold this iteration's contribution into the accumulators (simultaneously).
@@ -815,6 +880,28 @@ def _axes_of(n: Node) -> tuple[Axis, ...]:
     return ()
 
 
+def _blocks_code(starts: Sequence[int], d: Dim) -> str:
+    """Block starts as code: a range where they are consecutive, else a tuple."""
+    if len(starts) == d.blocks:
+        return f"range(0, {d.padded}, {d.block})"
+    if starts and list(starts) == list(range(starts[0], starts[-1] + 1, d.block)):
+        return f"range({starts[0]}, {starts[-1] + d.block}, {d.block})"
+    return repr(tuple(starts))
+
+
+def _live(stmts: list[_Stmt]) -> list[_Stmt]:
+    """The statements whose results are used: a body in which a predicate is known drops the
+    mask it no longer applies.  A statement that defines nothing (a fold, a store) stays."""
+    needed: set[str] = set()
+    kept = []
+    for s in reversed(stmts):
+        if s.defs and not needed.intersection(s.defs):
+            continue
+        needed |= s.uses
+        kept.append(s)
+    return kept[::-1]
+
+
 def _assemble(stmts: list[_Stmt], indent: str, final_is_return: bool) -> list[str]:
     """Lines of one body: temporaries it defines are deleted after their last use, and a step
     that is the last use of a fresh temporary of its own shape overwrites it instead of
@@ -889,6 +976,60 @@ def split_kernel(p: BlockProgram, k: Kernel, threads: int, target: Target
     return axis, runs
 
 
+# The most elements a tile of a coarsened kernel may hold, all grid blocks at once (16 MiB of
+# f32; a part holds its share of the grid).
+COARSE_TILE = 1 << 22
+
+
+# Folds over an axis that mean the same at any block size, provided the reductions inside a
+# block are the fold's own (`reduce(k, sum, bsum(k, x))`; not the chunk combine of a split,
+# `reduce(c, sum, bmax(c, x))` over blocks of one).  An online softmax is left alone: its
+# score tile would grow with the block.
+_SAME_IN_BLOCKS = {"sum", "max", "min"}
+
+
+def coarsened(p: BlockProgram, k: Kernel, capacity: int) -> Kernel:
+    """`k` with each axis that its plan walks only in reduction loops of `_SAME_IN_BLOCKS`
+    folds skipping nothing given the largest block (its own times a divisor of its block count) at which no tile of the
+    kernel holds more than `COARSE_TILE` elements.  Block sizes are a kernel's own (global
+    tensors are the same whatever a kernel's tiles), so this changes its loops only: sums
+    are added in another order, which changes results to float rounding."""
+    kp = p.in_kernel(k)
+    loops = [loop for _, enclosing in walk_steps(plan_for(kp, k, capacity).schedule.body)
+             for loop in enclosing]
+    fixed = {loop.axis for loop in loops if not loop.reduces or loop_predicate(loop) is not None
+             or any(isinstance(step, Write) for step, _ in walk_steps(loop.body))}
+    nodes = [n for s in k.stores for n in postorder(s.value)]
+    for n in nodes:  # a fold whose in-block reduction is not its own monoid's depends on blocks
+        if isinstance(n, Reduce) and n.monoid.name not in _SAME_IN_BLOCKS:
+            fixed.add(n.axis)
+        elif isinstance(n, Reduce):
+            inner = {m.op if isinstance(m, BlockReduce) else "sum" for m in postorder(n.x)
+                     if isinstance(m, (BlockReduce, Dot)) and m.axis == n.axis}
+            if inner - {n.monoid.name}:
+                fixed.add(n.axis)
+    free = [a for a in dict.fromkeys(loop.axis for loop in loops) if a not in fixed]
+    types = [t for n in nodes if isinstance(t := type_of(n), TileType)]
+    blocks = {a: kp.block(a) for a in free}
+
+    def largest_tile() -> int:
+        def extent(a: Axis, t: TileType) -> int:
+            if a in k.grid:
+                return (kp.blocks(a) if a in t.deps else 1) * (kp.block(a) if a in t.shape else 1)
+            return blocks.get(a, kp.block(a)) if a in t.shape else 1
+        return max((prod(extent(a, t) for a in t.deps | t.shape) for t in types), default=0)
+
+    for axis in free:
+        own, n = blocks[axis], kp.blocks(axis)
+        for f in (f for f in range(n, 1, -1) if n % f == 0):
+            blocks[axis] = own * f
+            if largest_tile() <= COARSE_TILE:
+                break
+            blocks[axis] = own
+    changed = {a: b for a, b in blocks.items() if b != kp.block(a)}
+    return Kernel(k.grid, k.stores, tuple((dict(k.blocks) | changed).items())) if changed else k
+
+
 @dataclass
 class _Code:
     """One kernel's generated functions: `whole`, or a function per length of its parts and
@@ -916,7 +1057,7 @@ def generate(p: BlockProgram, target: Target | str | None = None, threads: int =
     fns = _Functions()
     taken = set(names.values())
     kernels: list[_Code] = []
-    for k in p.kernels:
+    for k in map(lambda k: coarsened(p, k, target.local_capacity), p.kernels):
         params = _kernel_params(p, k, names)
         outputs = {t: names[t] for t in k.tensors}
         kp = p.in_kernel(k)

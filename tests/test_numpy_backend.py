@@ -75,8 +75,10 @@ def python_loops(source: str) -> int:
 
 def scheduled_loops(p: BlockProgram) -> int:
     """Loops the kernels' plans run with more than one iteration (one-block loops need no
-    `for`)."""
-    return sum(1 for k in p.kernels for loop in plan_for(p, k, H100.local_capacity).loops
+    `for`), at the block sizes numpy runs them (`coarsened`)."""
+    cap = H100.local_capacity
+    return sum(1 for k in p.kernels
+               for loop in plan_for(p, numpy_gen.coarsened(p, k, cap), cap).loops
                if loop.trips > 1)
 
 
@@ -409,3 +411,23 @@ def test_a_row_softmax_stored_block_by_block_allocates_only_tiles():
     assert_close(got, want / want.sum(1, keepdims=True), "vs numpy")
     tile = r * bc * 4
     assert peak <= r * c * 4 + 2 * tile + 2**16
+
+
+def test_a_contraction_loop_runs_in_blocks_as_large_as_the_tiles_allow(monkeypatch):
+    """Blocks sized for a GPU's local memory make numpy add 64-wide partial products in
+    passes of their own; numpy contracts as much of the axis at once as `COARSE_TILE` allows,
+    and the result is the matmul's."""
+    source = ("dim m = 256 / 64\ndim n = 128 / 64\ndim k = 1024 / 64\n"
+              "input A[m, k], B[k, n] : f32\nC[m, n] = sum[k] A[m, k] * B[k, n]\noutput C\n")
+    p = lower(parse_program(source))
+    inputs = random_inputs(parse_program(source), seed=3)
+    want = inputs["A"].astype(np.float64) @ inputs["B"].astype(np.float64)
+    # the A tile holds all 256 rows at once: 256 x 1024 elements fit, one matmul
+    assert numpy_gen.coarsened(p, p.kernels[0], H100.local_capacity).blocks == (("k", 1024),)
+    assert python_loops(numpy_gen.generate(p)) == 0
+    assert_close(numpy_gen.run(p, inputs)["C"], want, "one block")
+    # a quarter of that fits: four blocks of 256, a loop of four
+    monkeypatch.setattr(numpy_gen, "COARSE_TILE", 256 * 256)
+    assert numpy_gen.coarsened(p, p.kernels[0], H100.local_capacity).blocks == (("k", 256),)
+    assert "for k0 in range(0, 1024, 256):" in numpy_gen.generate(p)
+    assert_close(numpy_gen.run(p, inputs)["C"], want, "four blocks")

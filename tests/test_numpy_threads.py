@@ -88,11 +88,15 @@ def test_fused_causal_attention_on_threads(monkeypatch):
     p = fuse(lower(ast), load_packs([]), H100).program
     monkeypatch.setattr(numpy_gen, "MIN_CALL_FLOPS", 1500)
     assert numpy_gen.split_kernel(p, p.kernels[0], 2, H100) == ("q", [(0, 2), (2, 1), (3, 1)])
-    # each part visits the key blocks its own query blocks reach: 2, then 3 or 4 of 4
-    loops = [line.strip() for line in numpy_gen.generate(p, threads=2).splitlines()
-             if line.strip().startswith("for k0 in")]
+    # each part visits the key blocks its own query blocks reach: 2, then 3 or 4 of 4; those
+    # below its first query are a loop of their own, without the mask
+    code = numpy_gen.generate(p, threads=2)
+    loops = [line.strip() for line in code.splitlines() if line.strip().startswith("for k0 in")]
     assert loops == ["for k0 in range(0, 32, 16):",
-                     "for k0 in {32: range(0, 48, 16), 48: range(0, 64, 16)}[q_start]:"]
+                     "for k0 in {32: range(0, 32, 16), 48: range(0, 48, 16)}[q_start]:",
+                     "for k0 in {32: range(32, 48, 16), 48: range(48, 64, 16)}[q_start]:"]
+    second = code[code.index(loops[1]):code.index(loops[2])]
+    assert "elementwise_le" not in second and "elementwise_le" in code[code.index(loops[2]):]
     inputs = random_inputs(ast, seed=4)
     whole = assert_threads_agree(p, inputs)
     want = dense.evaluate(ast, inputs, dtype=np.float64)
