@@ -83,7 +83,8 @@ _INFIX = {"add": "+", "sub": "-", "mul": "*", "div": "/"}
 # Names generated code uses besides its own locals: the module's globals, the operator aliases
 # (`_Functions.ref`) and Python's builtins (loops call `range`).  A tensor named like one of
 # them is renamed.
-_RESERVED = {"np", "f32", "run", "inputs", "_input", "run_parts", "ELEMENTWISE", "TILE_REDUCE",
+_RESERVED = {"np", "f32", "run", "inputs", "_input", "run_parts", "gather_one_hot", "ELEMENTWISE",
+             "TILE_REDUCE",
              *(f"elementwise_{op}" for op in ELEMENTWISE),
              *(f"tile_reduce_{op}" for op in TILE_REDUCE),
              *dir(builtins)}
@@ -121,6 +122,7 @@ class _Functions:
     """
 
     aliases: dict[str, str] = field(default_factory=dict)
+    runtime: set[str] = field(default_factory=set)  # helpers of this module the code calls
 
     def ref(self, info: OpInfo, table: str = "ELEMENTWISE") -> str:
         """The name generated code calls `info`'s numpy function by (`table` in bbrules.ops)."""
@@ -472,7 +474,7 @@ class _KernelWriter:
             if s.tensor in looped and part is None:
                 extents = tuple(self.p.padded(a) for a in s.axes)
                 head.append(f"    {self.outputs[s.tensor]} = np.empty({_shape_text(extents)}, f32)")
-        stmts = self.steps(self.schedule.body)
+        stmts = _live(self.steps(self.schedule.body))
         if part is None:
             stmts.append(_Stmt([f"return {', '.join(self.outputs[t] for t in k.tensors)}"]))
         else:
@@ -570,7 +572,10 @@ class _KernelWriter:
         return _to_layout(code, parts, self.dims(n))
 
     def dot(self, n: Dot) -> str:
-        """A contraction as one (batched) matmul: x-only axes become rows, y-only columns."""
+        """A contraction as one (batched) matmul: x-only axes become rows, y-only columns;
+        over a one-hot operand, a gather (`gather`)."""
+        if (hot := one_hot(n)) is not None and (code := self.gather(n, *hot)) is not None:
+            return code
         xs, ys = self.dims(n.x), self.dims(n.y)
         c = self.layout.element_dim(n.axis)
         batch = [i for i in range(len(xs)) if i != c and xs[i] > 1 and ys[i] > 1]
@@ -581,6 +586,30 @@ class _KernelWriter:
         parts = [[(i, xs[i])] for i in batch]
         parts += [[(i, xs[i]) for i in xfree], [(i, ys[i]) for i in yfree]]
         return _to_layout(f"np.matmul({x}, {y})", parts, self.dims(n))
+
+    def gather(self, n: Dot, values: Node, picks: tuple[Pick, ...]) -> str | None:
+        """`gather_one_hot` of `values` at the picks' positions within the current block of
+        the contracted axis, or None where the result would not have the contraction's tile
+        shape (then it is a matmul)."""
+        c, want = self.layout.element_dim(n.axis), self.dims(n)
+        have = self.dims(values)
+        if have[c] != self.p.block(n.axis):
+            return None
+        shapes = [have[:c] + (1,) + have[c + 1:]]
+        shapes += [self.dims(x) for pick in picks for x in (pick.at, *pick.guards)]
+        if np.broadcast_shapes(*shapes) != want:
+            return None
+        start = self.loop_vars.get(n.axis)
+        codes = []
+        for pick in picks:
+            at = self.lookup(pick.at)  # minus the block's start and the pick's offset
+            if start is not None or pick.offset:
+                at = f"({at})" + (f" - {start}" if start is not None else "") + (
+                    f" {'-+'[pick.offset < 0]} {abs(pick.offset) + 0.0!r}" if pick.offset else "")
+            guards = ", ".join(self.lookup(g) for g in pick.guards)
+            codes.append(f"({at}, ({guards}{',' * (len(pick.guards) == 1)}))")
+        self.fns.runtime.add("gather_one_hot")
+        return f"gather_one_hot({self.tile(values)}, {c}, ({', '.join(codes)},))"
 
     def loop(self, loop: Loop) -> list[_Stmt]:
         """Accumulators, the loop over the axis' blocks, the finalizers.
@@ -621,7 +650,7 @@ class _KernelWriter:
                 self.reads = set()
                 body.append(self.combine(r, acc) if looping else self.fold_once(r, acc))
             self.scopes.pop()
-            bodies.append((blocks, _live(body) if whole is not None else body))
+            bodies.append((blocks, _live(body) if looping else body))
         self.known = outer
         if saved is not None:
             self.loop_vars[loop.axis] = saved
@@ -890,8 +919,9 @@ def _blocks_code(starts: Sequence[int], d: Dim) -> str:
 
 
 def _live(stmts: list[_Stmt]) -> list[_Stmt]:
-    """The statements whose results are used: a body in which a predicate is known drops the
-    mask it no longer applies.  A statement that defines nothing (a fold, a store) stays."""
+    """The statements whose results are used, of a whole body: a body in which a predicate is
+    known drops the mask it no longer applies, and a gather the one-hot it reads instead.  A
+    statement that defines nothing (a fold, a store) stays."""
     needed: set[str] = set()
     kept = []
     for s in reversed(stmts):
@@ -981,10 +1011,102 @@ def split_kernel(p: BlockProgram, k: Kernel, threads: int, target: Target
 COARSE_TILE = 1 << 22
 
 
+@dataclass(frozen=True)
+class Pick:
+    """Where a one-hot operand is 1: at position `at - offset` of the contracted axis
+    (`at` an expression of other positions or of loaded values), where every guard holds."""
+
+    at: Node
+    offset: float
+    guards: tuple[Node, ...] = ()
+
+
+def one_hot(n: Dot) -> tuple[Node, tuple[Pick, ...]] | None:
+    """(the other operand, the picks) when one operand of the contraction `n` is
+    `where(c, 1, 0)` and `c` pins the contracted position: an equality `pos(k) + b == e`, with
+    `and` of conditions free of k, and `or` of such.  Then `sum_k [k = e] Y[k]` is `Y[e]`: an
+    embedding lookup (Gather) or a convolution's shift, which a matmul by a matrix of zeros
+    computes at the cost of a contraction."""
+    for hot, values in ((n.x, n.y), (n.y, n.x)):
+        if isinstance(hot, Where) and hot.x == Const(1.0) and hot.y == Const(0.0):
+            picks = _picks(hot.c, n.axis)
+            if picks:
+                return values, picks
+    return None
+
+
+def _picks(c: Node, axis: Axis) -> tuple[Pick, ...] | None:
+    if not isinstance(c, Binary):
+        return None
+    if c.op == "or":
+        left, right = _picks(c.x, axis), _picks(c.y, axis)
+        return left + right if left and right else None
+    if c.op == "and":
+        for pinned, guard in ((c.x, c.y), (c.y, c.x)):
+            picks = _picks(pinned, axis)
+            if picks and not _mentions(guard, axis):
+                return tuple(Pick(p.at, p.offset, (*p.guards, guard)) for p in picks)
+        return None
+    if c.op == "eq":
+        for side, other in ((c.x, c.y), (c.y, c.x)):
+            offset = _shifted_position(side, axis)
+            if offset is not None and not _mentions(other, axis):
+                return (Pick(other, offset),)
+    return None
+
+
+def _shifted_position(n: Node, axis: Axis) -> float | None:
+    """b where `n` is `pos(axis) + b` (or `- b`, or `b + pos(axis)`)."""
+    if isinstance(n, Pos):
+        return 0.0 if n.axis == axis else None
+    if isinstance(n, Binary) and n.op in ("add", "sub"):
+        if isinstance(n.x, Pos) and n.x.axis == axis and isinstance(n.y, Const):
+            return n.y.value if n.op == "add" else -n.y.value
+        if n.op == "add" and isinstance(n.y, Pos) and n.y.axis == axis and isinstance(n.x, Const):
+            return n.x.value
+    return None
+
+
+def _gathers(r: Reduce) -> bool:
+    """Is `r` a sum of a one-hot contraction over its own axis (a gather per block)?  Its
+    loop need not skip blocks: a larger block gathers as much in fewer calls."""
+    return (r.monoid.name == "sum" and isinstance(r.x, Dot) and r.x.axis == r.axis
+            and one_hot(r.x) is not None)
+
+
+def _mentions(n: Node, axis: Axis) -> bool:
+    t = type_of(n)
+    return isinstance(t, TileType) and axis in t.shape | t.deps
+
+
+def gather_one_hot(values: np.ndarray, axis: int,
+                   picks: Sequence[tuple[np.ndarray, Sequence[np.ndarray]]]) -> np.ndarray:
+    """The sum along `axis` of `values` times a one-hot that is 1 at each pick's position
+    (relative to the block `values` holds: a position outside it, or not a whole number,
+    picks nothing) where the pick's guards hold; two picks of one position count once, as the
+    one-hot's `or` does."""
+    total = None
+    taken: list[tuple[np.ndarray, np.ndarray]] = []
+    for at, guards in picks:
+        at = np.asarray(at)
+        index = at.astype(np.intp)
+        held = (index == at) & (index >= 0) & (index < values.shape[axis])
+        for guard in guards:
+            held = held & (np.asarray(guard) != 0)
+        for other, other_held in taken:
+            held = held & ~(other_held & (other == index))
+        picked = np.take_along_axis(values, np.where(held, index, 0), axis=axis)
+        part = np.where(held, picked, np.float32(0.0))
+        total = part if total is None else total + part
+        taken.append((index, held))
+    return total
+
+
 # Folds over an axis that mean the same at any block size, provided the reductions inside a
 # block are the fold's own (`reduce(k, sum, bsum(k, x))`; not the chunk combine of a split,
 # `reduce(c, sum, bmax(c, x))` over blocks of one).  An online softmax is left alone: its
-# score tile would grow with the block.
+# score tile would grow with the block.  A loop that skips blocks keeps them, unless it only
+# gathers (`one_hot`).
 _SAME_IN_BLOCKS = {"sum", "max", "min"}
 
 
@@ -997,7 +1119,8 @@ def coarsened(p: BlockProgram, k: Kernel, capacity: int) -> Kernel:
     kp = p.in_kernel(k)
     loops = [loop for _, enclosing in walk_steps(plan_for(kp, k, capacity).schedule.body)
              for loop in enclosing]
-    fixed = {loop.axis for loop in loops if not loop.reduces or loop_predicate(loop) is not None
+    fixed = {loop.axis for loop in loops if not loop.reduces
+             or loop_predicate(loop) is not None and not all(map(_gathers, loop.reduces))
              or any(isinstance(step, Write) for step, _ in walk_steps(loop.body))}
     nodes = [n for s in k.stores for n in postorder(s.value)]
     for n in nodes:  # a fold whose in-block reduction is not its own monoid's depends on blocks
@@ -1009,7 +1132,9 @@ def coarsened(p: BlockProgram, k: Kernel, capacity: int) -> Kernel:
             if inner - {n.monoid.name}:
                 fixed.add(n.axis)
     free = [a for a in dict.fromkeys(loop.axis for loop in loops) if a not in fixed]
-    types = [t for n in nodes if isinstance(t := type_of(n), TileType)]
+    unmade = {id(m) for n in nodes if isinstance(n, Dot) and (hot := one_hot(n)) is not None
+              for m in postorder(n.y if hot[0] is n.x else n.x) if _mentions(m, n.axis)}
+    types = [t for n in nodes if isinstance(t := type_of(n), TileType) and id(n) not in unmade]
     blocks = {a: kp.block(a) for a in free}
 
     def largest_tile() -> int:
@@ -1098,8 +1223,9 @@ def generate(p: BlockProgram, target: Target | str | None = None, threads: int =
     tables = sorted({alias.split("[")[0] for alias in fns.aliases.values()})
     if tables:
         out[-1:] = [f"from bbrules.ops import {', '.join(tables)}", ""]
-    if any(c.parts for c in kernels):
-        out[-1:] = ["from bbrules.codegen.numpy_gen import run_parts", ""]
+    runtime = sorted(fns.runtime | ({"run_parts"} if any(c.parts for c in kernels) else set()))
+    if runtime:
+        out[-1:] = [f"from bbrules.codegen.numpy_gen import {', '.join(runtime)}", ""]
     out.append("f32 = np.float32")
     out += [f"{name} = {ref}" for name, ref in sorted(fns.aliases.items())]
     for code in kernels:

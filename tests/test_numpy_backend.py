@@ -431,3 +431,45 @@ def test_a_contraction_loop_runs_in_blocks_as_large_as_the_tiles_allow(monkeypat
     assert numpy_gen.coarsened(p, p.kernels[0], H100.local_capacity).blocks == (("k", 256),)
     assert "for k0 in range(0, 1024, 256):" in numpy_gen.generate(p)
     assert_close(numpy_gen.run(p, inputs)["C"], want, "four blocks")
+
+
+@pytest.mark.parametrize("pick", ["IDS[t] == v", "IDS[t] == v or IDS[t] == v - 256"])
+def test_a_one_hot_contraction_is_a_gather(pick):
+    """An embedding lookup as models import it, a sum over the vocabulary of a one-hot times
+    the table, is a gather in numpy: no matmul by a matrix of zeros, no loop over the
+    vocabulary's blocks.  Ids out of range or not whole pick nothing, as the one-hot does;
+    negative ids wrap with the second equality (ONNX's Gather)."""
+    source = ("dim t = 64 / 16\ndim v = 256 / 64\ndim e = 32\ninput IDS[t], E[v, e] : f32\n"
+              f"X[t, e] = sum[v] where({pick}, 1, 0) * E[v, e]\noutput X\n")
+    ast = parse_program(source)
+    p = lower(ast)
+    code = numpy_gen.generate(p)
+    assert "gather_one_hot(" in code and "np.matmul" not in code and python_loops(code) == 0
+    inputs = random_inputs(ast, seed=2)
+    ids = np.random.default_rng(3).integers(-256, 256, 64).astype(np.float32)
+    ids[:4] = [300, -300, 2.5, 255]
+    inputs["IDS"] = ids
+    got = numpy_gen.run(p, inputs)["X"]
+    assert_close(got, interp.run(p, inputs)["X"], "vs interpreter")
+    assert_close(got, dense.evaluate(ast, inputs, np.float64)["X"], "vs dense")
+    wraps = "or" in pick
+    rows = [inputs["E"][int(i) % 256] if (0 <= i < 256 or wraps and -256 <= i < 0)
+            and i == int(i) else np.zeros(32) for i in ids]
+    np.testing.assert_allclose(got, np.array(rows), rtol=1e-6)
+
+
+def test_a_shift_by_a_one_hot_is_a_gather_and_a_guard_still_applies():
+    """A convolution's taps as imported: output position i and tap s read input position
+    i + s.  A guard free of the contracted axis (here: even taps only) masks the picks."""
+    source = ("dim i = 60 / 4\ndim s = 5\ndim j = 64 / 16\ndim c = 8\ninput X[j, c] : f32\n"
+              "Y[i, s, c] = sum[j] where(j == i + s and s != 1, 1, 0) * X[j, c]\noutput Y\n")
+    ast = parse_program(source)
+    p = lower(ast)
+    assert "gather_one_hot(" in numpy_gen.generate(p)
+    inputs = random_inputs(ast, seed=4)
+    got = numpy_gen.run(p, inputs)["Y"]
+    x = inputs["X"]
+    want = np.stack([x[i:i + 5] for i in range(60)])
+    want[:, 1] = 0
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    assert_close(got, interp.run(p, inputs)["Y"], "vs interpreter")
