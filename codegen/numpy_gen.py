@@ -365,9 +365,19 @@ def _(n: Pos, w: _KernelWriter) -> _Stmt:
 
 @STEP.on(BlockReduce)
 def _(n: BlockReduce, w: _KernelWriter) -> _Stmt | None:
-    if w.dims(n.x)[w.layout.element_dim(n.axis)] == 1:  # a block of one: the element itself
+    c = w.layout.element_dim(n.axis)
+    if w.dims(n.x)[c] == 1:  # a block of one: the element itself
         w.scopes[-1][n] = w.lookup(n.x)
         return None
+    x = n.x
+    if isinstance(x, Reduce) and x.monoid.name == "sum" and isinstance(x.x, Dot) and \
+            x.x.axis == x.axis and w.p.blocks(x.axis) == 1:
+        x = x.x  # a contraction over one block is the block's contraction
+    if n.op == "sum" and isinstance(x, Dot) and one_hot(x) is None and \
+            w.dims(x.x)[c] == w.dims(x.y)[c]:
+        # a contraction summed over an axis both operands span: one matmul over both (the
+        # contraction's own step is then read by no one, and dropped)
+        return w.array(n, w.fresh("dot"), w.dot(x, also=n.axis))
     return w.array(n, w.fresh(f"b{n.op}"), w.block_reduce(n))
 
 
@@ -571,21 +581,26 @@ class _KernelWriter:
             code, parts = f"np.arange({d.block}, dtype=f32)", [[element]]
         return _to_layout(code, parts, self.dims(n))
 
-    def dot(self, n: Dot) -> str:
+    def dot(self, n: Dot, also: Axis | None = None) -> str:
         """A contraction as one (batched) matmul: x-only axes become rows, y-only columns;
-        over a one-hot operand, a gather (`gather`)."""
-        if (hot := one_hot(n)) is not None and (code := self.gather(n, *hot)) is not None:
+        over a one-hot operand, a gather (`gather`).  `also`: an axis both operands span that
+        the matmul contracts too (the contraction summed over it within the block at once)."""
+        if also is None and (hot := one_hot(n)) is not None and \
+                (code := self.gather(n, *hot)) is not None:
             return code
         xs, ys = self.dims(n.x), self.dims(n.y)
-        c = self.layout.element_dim(n.axis)
-        batch = [i for i in range(len(xs)) if i != c and xs[i] > 1 and ys[i] > 1]
-        xfree = [i for i in range(len(xs)) if i != c and xs[i] > 1 and ys[i] == 1]
-        yfree = [i for i in range(len(ys)) if i != c and ys[i] > 1 and xs[i] == 1]
-        x = _from_layout(self.tile(n.x), xs, [[i] for i in batch] + [xfree, [c]])
-        y = _from_layout(self.tile(n.y), ys, [[i] for i in batch] + [[c], yfree])
+        cs = [self.layout.element_dim(a) for a in (also, n.axis) if a is not None]
+        batch = [i for i in range(len(xs)) if i not in cs and xs[i] > 1 and ys[i] > 1]
+        xfree = [i for i in range(len(xs)) if i not in cs and xs[i] > 1 and ys[i] == 1]
+        yfree = [i for i in range(len(ys)) if i not in cs and ys[i] > 1 and xs[i] == 1]
+        x = _from_layout(self.tile(n.x), xs, [[i] for i in batch] + [xfree, cs])
+        y = _from_layout(self.tile(n.y), ys, [[i] for i in batch] + [cs, yfree])
         parts = [[(i, xs[i])] for i in batch]
         parts += [[(i, xs[i]) for i in xfree], [(i, ys[i]) for i in yfree]]
-        return _to_layout(f"np.matmul({x}, {y})", parts, self.dims(n))
+        dims = self.dims(n)
+        if also is not None:
+            dims = tuple(1 if i == cs[0] else d for i, d in enumerate(dims))
+        return _to_layout(f"np.matmul({x}, {y})", parts, dims)
 
     def gather(self, n: Dot, values: Node, picks: tuple[Pick, ...]) -> str | None:
         """`gather_one_hot` of `values` at the picks' positions within the current block of
@@ -927,7 +942,9 @@ def _live(stmts: list[_Stmt]) -> list[_Stmt]:
     for s in reversed(stmts):
         if s.defs and not needed.intersection(s.defs):
             continue
-        needed |= s.uses
+        if any(not line.lstrip().startswith("#") for line in [*s.lines, *(
+                line for lines in s.in_place.values() for line in lines)]):
+            needed |= s.uses  # a comment, or a fold that names its operand, computes nothing
         kept.append(s)
     return kept[::-1]
 

@@ -473,3 +473,20 @@ def test_a_shift_by_a_one_hot_is_a_gather_and_a_guard_still_applies():
     want[:, 1] = 0
     np.testing.assert_allclose(got, want, rtol=1e-6)
     assert_close(got, interp.run(p, inputs)["Y"], "vs interpreter")
+
+
+def test_a_contraction_over_two_axes_is_one_matmul():
+    """Rotate-half RoPE leaves a head split in halves, `sum[p, d] Q[q, p, d] * K[k, p, d]`:
+    the sum over the halves of the contraction over d is one matmul over (p, d), not a
+    matmul per half and a pass adding them."""
+    source = ("dim q = 128 / 64\ndim k = 128 / 64\ndim p = 2\ndim d = 32\n"
+              "input Q[q, p, d], K[k, p, d] : f32\n"
+              "S[q, k] = sum[p, d] Q[q, p, d] * K[k, p, d]\noutput S\n")
+    ast = parse_program(source)
+    p = lower(ast)
+    code = numpy_gen.generate(p)
+    body = code[code.index("def kernel_S"):code.index("def _input")]
+    assert body.count("np.matmul") == 1 and "np.sum" not in body, body
+    inputs = random_inputs(ast, seed=6)
+    assert_close(numpy_gen.run(p, inputs)["S"], dense.evaluate(ast, inputs, np.float64)["S"],
+                 "vs dense")
