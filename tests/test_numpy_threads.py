@@ -293,3 +293,18 @@ def test_parts_do_not_raise_peak_memory():
 
     assert parts_in(numpy_gen.generate(p, threads=2)) == 4
     assert peak(2) <= peak(1)
+
+
+def test_a_kernel_skipping_blocks_by_its_split_axis_runs_in_more_parts():
+    """Causal attention's parts each visit the key blocks their own queries reach: twice the
+    parts visit fewer blocks in all (56% of them with 8 parts, 62% with 4).  Attention
+    without a mask has nothing to gain and keeps two parts per thread."""
+    parts = {}
+    for name in ("causal_attention", "attention"):  # 8 heads and 1, N = 4096
+        ast = load_program(EXAMPLES / f"{name}.bbp")
+        p = fuse(lower(ast), load_packs([]), H100).program
+        kernel = max(p.kernels, key=lambda k: len(k.grid))
+        parts[name] = numpy_gen.split_kernel(p, kernel, 2, H100)
+    assert parts["causal_attention"][0] == "q" and len(parts["causal_attention"][1]) == \
+        2 * numpy_gen.PARTS_PER_THREAD * numpy_gen.SKIPPING_PARTS
+    assert len(parts["attention"][1]) == 2 * numpy_gen.PARTS_PER_THREAD
