@@ -30,7 +30,12 @@ class OpInfo:
 
 
 def _sigmoid(x: np.ndarray) -> np.ndarray:
-    return 0.5 * (1.0 + np.tanh(0.5 * x))
+    t = np.tanh(np.multiply(x, 0.5))
+    if not isinstance(t, np.ndarray):  # a scalar
+        return 0.5 * (1.0 + t)
+    t += 1.0  # in place: one temporary, not four (the same roundings in the same order)
+    t *= 0.5
+    return t
 
 
 # numpy has no erf: Abramowitz and Stegun's 7.1.26, absolute error below 1.5e-7 (about one
