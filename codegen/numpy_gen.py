@@ -1110,21 +1110,48 @@ def gather_one_hot(values: np.ndarray, axis: int,
     (relative to the block `values` holds: a position outside it, or not a whole number,
     picks nothing) where the pick's guards hold; two picks of one position count once, as the
     one-hot's `or` does."""
-    total = None
+    size = values.shape[axis]
+    total, zeroed = None, None
     taken: list[tuple[np.ndarray, np.ndarray]] = []
     for at, guards in picks:
         at = np.asarray(at)
         index = at.astype(np.intp)
-        held = (index == at) & (index >= 0) & (index < values.shape[axis])
+        held = (index == at) & (index >= 0) & (index < size)
         for guard in guards:
             held = held & (np.asarray(guard) != 0)
         for other, other_held in taken:
             held = held & ~(other_held & (other == index))
-        picked = np.take_along_axis(values, np.where(held, index, 0), axis=axis)
-        part = np.where(held, picked, np.float32(0.0))
-        total = part if total is None else total + part
         taken.append((index, held))
+        if held.all():
+            part = _take(values, axis, index)
+        elif values.size <= prod(np.broadcast_shapes(
+                values.shape[:axis] + (1,) + values.shape[axis + 1:], held.shape)):
+            # what picks nothing picks a row of zeros appended to the values: a copy of the
+            # values, smaller than a pass masking the result
+            if zeroed is None:
+                zero = np.zeros_like(np.take(values, [0], axis=axis))
+                zeroed = np.concatenate([values, zero], axis=axis)
+            part = _take(zeroed, axis, np.where(held, index, size))
+        else:
+            part = np.where(held, _take(values, axis, np.where(held, index, 0)), np.float32(0))
+        total = part if total is None else total + part
     return total
+
+
+def _take(values: np.ndarray, axis: int, index: np.ndarray) -> np.ndarray:
+    """`np.take_along_axis(values, index, axis)` for an index of extent 1 along `axis`.  Where
+    the index and the values span different dimensions (a lookup of table rows by ids, a
+    window of positions over channels), whole rows are taken with one flat index and laid out
+    with one copy: several times faster than the general function's index arrays."""
+    others = [d for d in range(values.ndim) if d != axis]
+    if any(index.shape[d] > 1 and values.shape[d] > 1 for d in others):
+        return np.take_along_axis(values, index, axis=axis)
+    rows = np.moveaxis(values, axis, 0)[index.reshape(-1)]
+    rows = rows.reshape(tuple(index.shape[d] for d in others) + rows.shape[1:])
+    n = len(others)  # pair each dimension of the index with the same one of the values
+    paired = rows.transpose([k for i in range(n) for k in (i, n + i)])
+    return paired.reshape([1 if d == axis else max(index.shape[d], values.shape[d])
+                           for d in range(values.ndim)])
 
 
 # Folds over an axis that mean the same at any block size, provided the reductions inside a

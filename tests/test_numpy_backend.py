@@ -490,3 +490,15 @@ def test_a_contraction_over_two_axes_is_one_matmul():
     inputs = random_inputs(ast, seed=6)
     assert_close(numpy_gen.run(p, inputs)["S"], dense.evaluate(ast, inputs, np.float64)["S"],
                  "vs dense")
+
+
+@pytest.mark.parametrize("values, index, axis", [
+    ((1, 2, 1, 64, 40), (3, 1, 5, 1, 1), 4),  # disjoint dimensions: rows taken at once
+    ((3, 2, 1, 40), (3, 1, 7, 1), 3),  # a dimension both span: numpy's own take_along_axis
+    ((40, 6), (1, 6), 0),
+])
+def test_a_gather_takes_what_take_along_axis_takes(values, index, axis):
+    rng = np.random.default_rng(7)
+    v = rng.standard_normal(values).astype(np.float32)
+    i = rng.integers(0, values[axis], index)
+    np.testing.assert_array_equal(numpy_gen._take(v, axis, i), np.take_along_axis(v, i, axis))
