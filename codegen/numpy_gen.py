@@ -791,6 +791,15 @@ class _KernelWriter:
                 if isinstance(e, Var) and e.name.startswith("b."):
                     stmt.in_place[env[e.name]] = shared + [
                         f"{acc[0]} = {self.fns.ufunc(root)}({', '.join(args)}, out={env[e.name]})"]
+        elif (scaled := _rescaled_sum(r)) is not None:
+            c, factor, rest = scaled
+            b = env[f"b.{m.state[c]}"]
+            shared, codes = _expressions([*m.combine, factor, rest], env, self.fns, self.fresh)
+            new = codes[:m.arity]
+            new[c] = b
+            stmt.in_place[b] = shared + [f"np.multiply({b}, {codes[-2]}, out={b})",
+                                         f"np.add({b}, {codes[-1]}, out={b})",
+                                         f"{', '.join(acc)} = {', '.join(new)}"]
         return stmt
 
     def fold_once(self, r: Reduce, acc: list[str]) -> _Stmt:
@@ -900,6 +909,29 @@ def _with_identity(e: Node, identity: Mapping[str, Node]) -> Node:
         return rebuild(n, kids)
 
     return transform(e, simplify)
+
+
+def _rescaled_sum(r: Reduce) -> tuple[int, Node, Node] | None:
+    """(c, f, e) where component c of `r`'s monoid combines as `b.c * f + e` (in either order)
+    with b.c, the contribution, an array read nowhere else: an online softmax's rescaled
+    output.  Its combine can then scale and add into the contribution's dying buffer, where
+    the expression allocates three arrays of the tile's size per iteration."""
+    m = r.monoid
+    fresh = _fresh_state(r)
+    t = type_of(r.x)
+    spans = [len(p.shape) for p in (t if isinstance(t, tuple) else (t,))]
+    for c in sorted(range(m.arity), key=lambda c: -spans[c]):  # the largest tile first
+        e = m.combine[c]
+        if not (fresh[c] and isinstance(e, Binary) and e.op == "add"):
+            continue
+        b = Var(f"b.{m.state[c]}")
+        for scaled, rest in ((e.x, e.y), (e.y, e.x)):
+            if isinstance(scaled, Binary) and scaled.op == "mul" and b in (scaled.x, scaled.y):
+                factor = scaled.y if scaled.x == b else scaled.x
+                others = [*(x for i, x in enumerate(m.combine) if i != c), factor, rest]
+                if not any(b in postorder(x) for x in others):
+                    return c, factor, rest
+    return None
 
 
 def _fresh_state(r: Reduce) -> tuple[bool, ...]:

@@ -502,3 +502,16 @@ def test_a_gather_takes_what_take_along_axis_takes(values, index, axis):
     v = rng.standard_normal(values).astype(np.float32)
     i = rng.integers(0, values[axis], index)
     np.testing.assert_array_equal(numpy_gen._take(v, axis, i), np.take_along_axis(v, i, axis))
+
+
+def test_the_online_softmax_rescales_its_output_in_the_contributions_buffer():
+    """`o' = o * exp(m - m') + P V * exp(m_b - m')` allocates three arrays of the output's
+    size per key block as an expression; scaled and added into the dying P V product it
+    allocates one.  The results are those of the expression."""
+    n, d = 256, 16
+    p = flash(n, d, 64, 64)
+    code = numpy_gen.generate(p)
+    assert re.search(r"np\.multiply\((t\d+_dot), t\d+_c, out=\1\)\n\s+np\.add\(\1, ", code)
+    inputs = {"Q": rand(n, d, seed=1), "K": rand(n, d, seed=2), "V": rand(n, d, seed=3)}
+    assert_close(numpy_gen.run(p, inputs)["O"],
+                 attention_reference(inputs["Q"], inputs["K"], inputs["V"]), "vs numpy")
