@@ -1154,6 +1154,8 @@ def gather_one_hot(values: np.ndarray, axis: int,
         for other, other_held in taken:
             held = held & ~(other_held & (other == index))
         taken.append((index, held))
+        if not held.any():  # ONNX's second pick, of negative ids, where there are none
+            continue
         if held.all():
             part = _take(values, axis, index)
         elif values.size <= prod(np.broadcast_shapes(
@@ -1167,6 +1169,10 @@ def gather_one_hot(values: np.ndarray, axis: int,
         else:
             part = np.where(held, _take(values, axis, np.where(held, index, 0)), np.float32(0))
         total = part if total is None else total + part
+    if total is None:
+        shape = values.shape[:axis] + (1,) + values.shape[axis + 1:]
+        picked = [np.shape(x) for at, guards in picks for x in (at, *guards)]
+        return np.zeros(np.broadcast_shapes(shape, *picked), np.float32)
     return total
 
 

@@ -515,3 +515,11 @@ def test_the_online_softmax_rescales_its_output_in_the_contributions_buffer():
     inputs = {"Q": rand(n, d, seed=1), "K": rand(n, d, seed=2), "V": rand(n, d, seed=3)}
     assert_close(numpy_gen.run(p, inputs)["O"],
                  attention_reference(inputs["Q"], inputs["K"], inputs["V"]), "vs numpy")
+
+
+def test_a_gather_that_picks_nothing_is_zeros_of_the_contractions_shape():
+    values = np.ones((1, 4, 10), np.float32)
+    far = np.full((3, 1, 1), 50.0, np.float32)
+    guard = np.ones((1, 1, 1), np.float32)
+    got = numpy_gen.gather_one_hot(values, 2, ((far, (guard,)), (far - 100, ())))
+    np.testing.assert_array_equal(got, np.zeros((3, 4, 1), np.float32))
