@@ -25,8 +25,14 @@ Why it looks the way it does:
   returned as it is when it is a fresh array, else copied into a new one.
 - *Peak memory follows the program's tiles*: loads are views of the global arrays, temporaries
   are deleted after their last use, and nothing allocates more than the tiles the schedule holds
-  and the tensors the kernels store (a fused attention never allocates N x N; an unfused one
-  materialises what its stores store).
+  (coarsened up to `COARSE_TILE` elements) and the tensors the kernels store (a fused attention
+  never allocates N x N; an unfused one materialises what its stores store).
+- *Steps that numpy does better another way*: a contraction with a one-hot operand (an
+  embedding lookup, a convolution's shift, as ONNX models import them) is a gather
+  (`gather_one_hot`); a contraction summed over a second axis both operands span is one
+  matmul over both; an online softmax rescales its output in the dying contribution's buffer;
+  a skipping loop's blocks where the predicate holds everywhere run without the mask.
+  Statements whose results no one reads (the one-hot a gather replaced) are dropped.
 - *Monoids are data.*  Identity, combine and finalize are emitted from the monoid's expressions,
   never special-cased by name, so online softmax and Welford need no code of their own.
 - Static shapes are known while generating, so reshapes and transposes around `np.matmul` are
