@@ -16,7 +16,7 @@ from bbrules.blockfile import parse_block_program
 from bbrules.codegen import cuda_gen, numpy_gen
 from bbrules.cost import cost_program
 from bbrules.errors import SourceError
-from bbrules.frontend import load_program, parse_program
+from bbrules.frontend import load_program
 from bbrules.fuse import fuse
 from bbrules.ir import IRError, show_program, validate
 from bbrules.lower import lower

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-import bbrules.extract as extract_module
 from bbrules.cost import cost_program
 from bbrules.engine import Budget, ClassGraph, ENode, Saturator, compile_pack
 from bbrules.extract import Extractor, NoCandidate, extract

@@ -8,7 +8,7 @@ import pytest
 from bbrules.interp import run
 from bbrules.ir import SUM, MAX, BlockReduce, Const, Get, Load, Reduce, Store, Unary, Var
 
-from irbuild import (ATTENTION_INPUTS, WELFORD, add, attention_reference, div, matmul, mul,
+from irbuild import (ATTENTION_INPUTS, add, attention_reference, div, matmul, mul,
                      online_softmax, program, rand, softmax_fold, sub, welford_stats)
 
 RTOL, ATOL = 1e-4, 1e-5

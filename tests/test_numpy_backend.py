@@ -31,7 +31,7 @@ from bbrules.packs import load_packs
 from bbrules.plan import plan_for
 from bbrules.targets import get_target
 
-from irbuild import (WELFORD, add, attention_reference, div, flash_attention, mul, online_softmax,
+from irbuild import (add, attention_reference, div, flash_attention, mul, online_softmax,
                      program, rand, reshaped_dims, sub, welford_stats)
 from strategies import programs
 

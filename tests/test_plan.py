@@ -13,9 +13,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 from bbrules import interp
-from bbrules.codegen import cuda_gen, numpy_gen
 from bbrules.codegen.cuda_gen import generate
-from bbrules.cost import FLOPS, cost_kernel, cost_program
+from bbrules.cost import cost_kernel, cost_program
 from bbrules.errors import UsageError
 from bbrules.frontend import load_program, parse_program
 from bbrules.fuse import fuse

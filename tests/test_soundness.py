@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bbrules import ir, soundness
+from bbrules import soundness
 from bbrules.ir import SUM, BlockProgram, BlockReduce, Reduce, postorder
 from bbrules.rule import PAxis, PVar, Rule
 from bbrules.rulefile import load_pack, parse_rules
