@@ -189,26 +189,42 @@ def band_of(arr: np.ndarray) -> Band | None:
     """The band `arr` is, when it is two-valued over two axes of extent > 1 and one of its
     values fills exactly the cells between two diagonals (bounded on at least one side), or
     None.  Where both values qualify (a triangle), `outside` is preferably an additive mask's
-    -inf, else a multiplicative mask's 0: the identities that let reductions skip blocks."""
-    arr = np.asarray(arr, dtype=np.float64)
-    squeezed = arr.reshape(_squeezed(arr.shape))
-    if squeezed.ndim != 2 or np.isnan(squeezed).any():
+    -inf, else a multiplicative mask's 0: the identities that let reductions skip blocks.
+
+    Row by row, so that a mask of a long context costs one boolean matrix, not index
+    matrices; a weight (many values) is refused from its first elements."""
+    squeezed = np.asarray(arr).reshape(_squeezed(np.shape(arr)))
+    if squeezed.ndim != 2 or len(np.unique(squeezed.ravel()[:1024])) > 2:
         return None
-    values = np.unique(squeezed)
-    if len(values) != 2:
+    first = squeezed.flat[0]
+    second = squeezed[squeezed != first][:1]
+    if second.size == 0:
+        return None
+    pair = [float(first), float(second[0])]
+    if any(map(math.isnan, pair)):
         return None
     n, m = squeezed.shape
-    offset = np.arange(m)[None, :] - np.arange(n)[:, None]
-    for inside, outside in sorted([(values[0], values[1]), (values[1], values[0])],
-                                  key=lambda io: (np.isfinite(io[1]), io[1] != 0)):
-        held = offset[squeezed == inside]
-        lo, hi = int(held.min()), int(held.max())
-        if not np.array_equal(squeezed == inside, (offset >= lo) & (offset <= hi)):
+    rows = np.arange(n)
+    for inside, outside in sorted([pair, pair[::-1]],
+                                  key=lambda io: (math.isfinite(io[1]), io[1] != 0)):
+        held = squeezed == inside
+        if not (held | (squeezed == outside)).all():
+            return None  # a third value
+        count = held.sum(axis=1)
+        some = count > 0
+        start = held.argmax(axis=1)
+        last = m - 1 - held[:, ::-1].argmax(axis=1)
+        if not np.array_equal((last - start + 1)[some], count[some]):
+            continue  # a row with a gap
+        lo, hi = int((start - rows)[some].min()), int((start + count - 1 - rows)[some].max())
+        want_start, want_stop = np.clip(rows + lo, 0, m), np.clip(rows + hi + 1, 0, m)
+        want_count = np.maximum(want_stop - want_start, 0)
+        if not (np.array_equal(count, want_count) and np.array_equal(start[some], want_start[some])):
             continue
         lo_bound, hi_bound = (None if lo <= 1 - n else lo), (None if hi >= m - 1 else hi)
         if lo_bound is None and hi_bound is None:
             continue
-        return Band(float(inside), float(outside), lo_bound, hi_bound)
+        return Band(inside, outside, lo_bound, hi_bound)
     return None
 
 

@@ -213,6 +213,7 @@ def test_band_of_reads_diagonal_bands(matrix, band):
 @pytest.mark.parametrize("matrix", [
     np.random.default_rng(0).integers(0, 2, (5, 5)).astype(float),  # two values, no band
     np.add.outer(np.arange(5), np.arange(5)) % 2.0,  # a checkerboard
+    np.tril(np.ones((5, 5))) - np.eye(5, k=-2),  # a triangle with a gap in its rows
     np.arange(9.0).reshape(3, 3),  # many values
     np.tril(np.ones((2, 3, 3))),  # three axes
 ])
