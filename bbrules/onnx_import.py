@@ -219,7 +219,8 @@ def band_of(arr: np.ndarray) -> Band | None:
         lo, hi = int((start - rows)[some].min()), int((start + count - 1 - rows)[some].max())
         want_start, want_stop = np.clip(rows + lo, 0, m), np.clip(rows + hi + 1, 0, m)
         want_count = np.maximum(want_stop - want_start, 0)
-        if not (np.array_equal(count, want_count) and np.array_equal(start[some], want_start[some])):
+        if not (np.array_equal(count, want_count)
+                and np.array_equal(start[some], want_start[some])):
             continue
         lo_bound, hi_bound = (None if lo <= 1 - n else lo), (None if hi >= m - 1 else hi)
         if lo_bound is None and hi_bound is None:
@@ -325,10 +326,9 @@ class Importer:
             except (TypeError, ValueError):
                 raise self.error(f"constant '{name}' of type {self.consts[name].dtype} is not "
                                  f"a number") from None
-            band = band_of(arr)
             if arr.size > 0 and np.all(arr == arr.flat[0]) and np.isfinite(arr.flat[0]):
                 v = Value(tuple(arr.shape), number=float(arr.flat[0]))
-            elif band is not None:
+            elif (band := band_of(arr)) is not None:
                 v = self.band(name, tuple(arr.shape), band)
             else:
                 v = self.declare(name, tuple(arr.shape), "f32", arr)
@@ -343,8 +343,10 @@ class Importer:
 
         def expr(_refs: list[str], ix: _Index) -> str:
             i, j = ix.position(rows), ix.position(cols)
-            tests = ([f"{j} >= {i} + {band.lo}"] if band.lo is not None else []) + \
-                    ([f"{j} <= {i} + {band.hi}"] if band.hi is not None else [])
+            def shifted(k: int) -> str:
+                return f"{i} + {k}" if k >= 0 else f"{i} - {-k}"
+            tests = ([f"{j} >= {shifted(band.lo)}"] if band.lo is not None else []) + \
+                    ([f"{j} <= {shifted(band.hi)}"] if band.hi is not None else [])
             return f"where({' and '.join(tests)}, {_number(band.inside)}, " \
                    f"{_number(band.outside)})"
         return self.statement(name, shape, range(len(shape)), [], expr)

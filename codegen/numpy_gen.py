@@ -1208,10 +1208,11 @@ _SAME_IN_BLOCKS = {"sum", "max", "min"}
 
 def coarsened(p: BlockProgram, k: Kernel, capacity: int) -> Kernel:
     """`k` with each axis that its plan walks only in reduction loops of `_SAME_IN_BLOCKS`
-    folds skipping nothing given the largest block (its own times a divisor of its block count) at which no tile of the
-    kernel holds more than `COARSE_TILE` elements.  Block sizes are a kernel's own (global
-    tensors are the same whatever a kernel's tiles), so this changes its loops only: sums
-    are added in another order, which changes results to float rounding."""
+    folds (skipping nothing, or gathering) given the largest block, its own times a divisor
+    of its block count, at which no tile of the kernel holds more than `COARSE_TILE`
+    elements.  Block sizes are a kernel's own (global tensors are the same whatever a
+    kernel's tiles), so this changes its loops only: sums are added in another order, which
+    changes results to float rounding."""
     kp = p.in_kernel(k)
     loops = [loop for _, enclosing in walk_steps(plan_for(kp, k, capacity).schedule.body)
              for loop in enclosing]

@@ -176,7 +176,8 @@ def test_a_mask_from_positions_does_not_count_against_a_candidate():
     it seven kernels, and candidates of six still keep the scores with their softmax."""
     block = attention_chain(1).replace(
         "S1[q, k] = sum[d] Q0[q, d] * K[k, d] * 0.125",
-        "B[q, k] = where(k <= q, 0, -inf)\nS1[q, k] = (sum[d] Q0[q, d] * K[k, d] * 0.125) + B[q, k]")
+        "B[q, k] = where(k <= q, 0, -inf)\n"
+        "S1[q, k] = (sum[d] Q0[q, d] * K[k, d] * 0.125) + B[q, k]")
     program = lower(parse_program(block))
     assert len(program.kernels) == 7
     assert [(c.start, c.stop) for c in select_candidates(program, 6)] == [(0, 7)]

@@ -193,6 +193,35 @@ def test_a_folded_causal_mask_becomes_positions_and_fused_attention_skips_blocks
     assert flops[True] <= 0.6 * flops[False], flops
 
 
+def test_a_sliding_window_mask_given_to_attention_becomes_positions(tmp_path):
+    """A window of 64 keys before each query as an additive mask initializer: imported as
+    `k >= q - 63 and k <= q + 0`, fused attention visits only the blocks of the band."""
+    from bbrules.cost import cost_program
+    from bbrules.frontend import parse_program
+    from bbrules.lower import lower
+    n = 512
+    offset = np.subtract.outer(np.arange(n), np.arange(n))  # q - k
+    mask = np.where((offset >= 0) & (offset < 64), 0.0, -np.inf).astype(np.float32)
+    nodes = [helper.make_node("Constant", [], ["M"], value=numpy_helper.from_array(mask)),
+             helper.make_node("Attention", ["Q", "K", "V", "M"], ["Y"])]
+    graph = helper.make_graph(nodes, "window", [
+        helper.make_tensor_value_info(x, TensorProto.FLOAT, [1, 2, n, 32]) for x in "QKV"],
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [1, 2, n, 32])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)])
+    onnx.save(model, str(tmp_path / "window.onnx"))
+    imported = import_onnx(tmp_path / "window.onnx")
+    assert not imported.weights and " - 63" in imported.text, imported.text
+    fused = fuse(lower(parse_program(imported.text)), load_packs([]), get_target("h100")).program
+    rng = np.random.default_rng(8)
+    feed = {x: rng.standard_normal([1, 2, n, 32], dtype=np.float32) for x in "QKV"}
+    want = ReferenceEvaluator(model).run(None, feed)[0]
+    got = imported.onnx_outputs(numpy_gen.run(fused, imported.bbp_inputs(feed)))["Y"]
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    # 8 query blocks of 64 visit 2 key blocks each (1 for the first) of 8: 15 of 64
+    full = 2 * 4 * n * n * 32  # two heads' scores and output, 2 flops a product
+    assert cost_program(fused, get_target("h100")).flops < 0.35 * full
+
+
 @pytest.mark.parametrize("matrix, band", [
     (np.where(np.tril(np.ones((4, 6))) > 0, 0.0, -np.inf), (0.0, -np.inf, None, 0)),
     (np.tril(np.ones((1, 1, 5, 5)), -1), (1.0, 0.0, None, -1)),
