@@ -1037,8 +1037,8 @@ SKIPPING_PARTS = 2
 
 def split_kernel(p: BlockProgram, k: Kernel, threads: int, target: Target
                  ) -> tuple[Axis, list[tuple[int, int]]] | None:
-    """The parts a kernel runs in on `threads` threads: its grid axis of the most blocks (the
-    first of equals) and one (first block, blocks) run of it per part, or None to run whole.
+    """The parts a kernel runs in on `threads` threads: a grid axis (`_split_axis`) and one
+    (first block, blocks) run of it per part, or None to run whole.
 
     `PARTS_PER_THREAD` parts per thread (`SKIPPING_PARTS` times as many where a loop skips
     blocks by the split axis' positions), but no more than the axis has blocks or than leave
@@ -1049,7 +1049,7 @@ def split_kernel(p: BlockProgram, k: Kernel, threads: int, target: Target
     if threads < 2 or not k.grid:
         return None
     kp = p.in_kernel(k)
-    axis = max(k.grid, key=kp.blocks)
+    axis = _split_axis(kp, k)
     schedule = plan_for(kp, k, target.local_capacity).schedule
     calls = sum(prod(kp.blocks(loop.axis) for loop in loops)
                 for _, loops in walk_steps(schedule.body))
@@ -1067,6 +1067,27 @@ def split_kernel(p: BlockProgram, k: Kernel, threads: int, target: Target
         runs.append((first, size + (i < extra)))
         first += runs[-1][1]
     return axis, runs
+
+
+def _split_axis(kp: BlockProgram, k: Kernel) -> Axis:
+    """The grid axis to split a kernel along: the one on which the least of its work does not
+    depend (each part repeats that work: attention fused with the projection after it, split
+    by the projection's columns, would compute the attention once per part), then the one of
+    the most blocks (the first of equals).  A node's work is its elements over every axis it
+    spans or depends on, times the contraction for a matmul."""
+    nodes = {id(n): n for s in k.stores for n in postorder(s.value)}.values()
+    work = []
+    for n in nodes:
+        t = type_of(n)
+        if isinstance(n, (Load, Const, Pos)) or not isinstance(t, TileType):
+            continue
+        size = prod(kp.padded(a) for a in t.deps | t.shape)
+        work.append((t.deps | t.shape, size * (kp.padded(n.axis) if isinstance(n, Dot) else 1)))
+
+    def repeated(axis: Axis) -> int:
+        return sum(size for axes, size in work if axis not in axes)
+    splittable = [a for a in k.grid if kp.blocks(a) > 1] or list(k.grid)
+    return min(splittable, key=lambda a: (repeated(a), -kp.blocks(a)))
 
 
 # The most elements a tile of a coarsened kernel may hold, all grid blocks at once (16 MiB of

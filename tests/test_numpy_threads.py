@@ -119,12 +119,13 @@ def test_a_ragged_split_axis():
 
 @pytest.mark.usefixtures("split_small")
 def test_the_split_axis_also_folded_over():
-    """Grid (m, e) with statistics folded over all of e: split along e, each part's loop still
-    walks every block of e, and its stores cover only its own."""
+    """Grid (m, e) with statistics folded over all of e, and m one block: split along e (each
+    part repeats the statistics), each part's loop still walks every block of e, and its
+    stores cover only its own."""
     x = Load("X", ("m", "e"))
     stats = welford_stats(x, "e", 4)
     y = mul(sub(x, Get(0, stats)), Unary("rsqrt", add(Get(1, stats), Const(1e-5))))
-    p = program({"m": (12, 4), "e": (24, 4)}, {"X": ("m", "e")}, [Store("Y", ("m", "e"), y)])
+    p = program({"m": (12, 12), "e": (24, 4)}, {"X": ("m", "e")}, [Store("Y", ("m", "e"), y)])
     assert numpy_gen.split_kernel(p, p.kernels[0], 2, H100)[0] == "e"
     inputs = {"X": rand(12, 24, seed=5, loc=3.0)}
     whole = assert_threads_agree(p, inputs)
@@ -308,3 +309,14 @@ def test_a_kernel_skipping_blocks_by_its_split_axis_runs_in_more_parts():
     assert parts["causal_attention"][0] == "q" and len(parts["causal_attention"][1]) == \
         2 * numpy_gen.PARTS_PER_THREAD * numpy_gen.SKIPPING_PARTS
     assert len(parts["attention"][1]) == 2 * numpy_gen.PARTS_PER_THREAD
+
+
+def test_a_kernel_is_split_along_the_axis_its_work_depends_on():
+    """Row statistics then a normalised row: the statistics do not depend on the columns, so
+    splitting by columns would compute them once per part; the rows are split instead, although
+    the columns have more blocks."""
+    x = Load("X", ("m", "e"))
+    stats = welford_stats(x, "e", 4)
+    y = mul(sub(x, Get(0, stats)), Unary("rsqrt", add(Get(1, stats), Const(1e-5))))
+    p = program({"m": (12, 4), "e": (24, 4)}, {"X": ("m", "e")}, [Store("Y", ("m", "e"), y)])
+    assert numpy_gen._split_axis(p, p.kernels[0]) == "m"
