@@ -925,8 +925,12 @@ def _rescaled_sum(r: Reduce) -> tuple[int, Node, Node] | None:
     m = r.monoid
     fresh = _fresh_state(r)
     t = type_of(r.x)
-    spans = [len(p.shape) for p in (t if isinstance(t, tuple) else (t,))]
-    for c in sorted(range(m.arity), key=lambda c: -spans[c]):  # the largest tile first
+    types = t if isinstance(t, tuple) else (t,)
+
+    def fits(x: TileType, into: TileType) -> bool:
+        return x.shape <= into.shape and x.deps <= into.deps
+    # the largest tile first
+    for c in sorted(range(m.arity), key=lambda c: (-len(types[c].shape), -len(types[c].deps))):
         e = m.combine[c]
         if not (fresh[c] and isinstance(e, Binary) and e.op == "add"):
             continue
@@ -935,7 +939,11 @@ def _rescaled_sum(r: Reduce) -> tuple[int, Node, Node] | None:
             if isinstance(scaled, Binary) and scaled.op == "mul" and b in (scaled.x, scaled.y):
                 factor = scaled.y if scaled.x == b else scaled.x
                 others = [*(x for i, x in enumerate(m.combine) if i != c), factor, rest]
-                if not any(b in postorder(x) for x in others):
+                # what is written into b.c's buffer must fit it: no operand spans more
+                read = {v.name[2:] for x in (factor, rest) for v in postorder(x)
+                        if isinstance(v, Var)}
+                if not any(b in postorder(x) for x in others) and all(
+                        fits(types[m.state.index(s)], types[c]) for s in read):
                     return c, factor, rest
     return None
 
