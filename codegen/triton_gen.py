@@ -774,11 +774,44 @@ CONFIGS = [(4, 2), (4, 3), (8, 2), (8, 3)]  # the (num_warps, num_stages) `tune`
 def run(**inputs):
     """Run the program on a GPU: `inputs` are arrays (numpy or torch) by tensor name; returns
     every stored tensor as a torch tensor on the GPU, cut to its extent."""
+    memory = _memory(inputs)
+    _launch(memory)
+    return _stored(memory)
+
+
+def graphed(**inputs):
+    """The program captured once in a CUDA graph, for calls that repeat on the same buffers:
+    returns `replay`, which reruns every kernel with one launch from the host and returns what
+    `run` returns.  Launching a Triton kernel from Python costs tens of microseconds, more than
+    a small program's GPU time; the graph pays it once.  `replay` reads the input tensors
+    given here where they are already on the GPU, contiguous and in the program's dtype (copy
+    new data into them); other inputs are copied once, at capture."""
+    import torch
+    memory = _memory(inputs)
+    _launch(memory)  # compiles: a kernel's first launch cannot be captured
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        _launch(memory)
+    stored = _stored(memory)
+
+    def replay():
+        graph.replay()
+        return stored
+
+    replay.memory = memory  # the graph writes into these buffers: they live as long as it
+    return replay
+
+
+def _memory(inputs):
+    """Every tensor of the program on DEVICE: the inputs converted and padded to whole blocks
+    (the caller's own tensors where nothing needs changing), the rest allocated."""
     import torch
     dtypes = {{"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}}
     memory = {{}}
     for name, (shape, dtype, role, extent) in TENSORS.items():
         if role != "input":
+            memory[name] = torch.empty(shape, dtype=dtypes[dtype], device=DEVICE)
             continue
         if name not in inputs:
             raise ValueError(f"missing input '{{name}}'")
@@ -790,13 +823,16 @@ def run(**inputs):
             padded[tuple(slice(0, n) for n in extent)] = x
             x = padded
         memory[name] = x.contiguous()
+    return memory
+
+
+def _launch(memory):
     for name, grid, params, _, num_warps, num_stages in KERNELS:
-        for t in params:
-            if t not in memory:
-                memory[t] = torch.empty(TENSORS[t][0], dtype=dtypes[TENSORS[t][1]],
-                                        device=DEVICE)
         globals()[name][(grid,)](*(memory[t] for t in params), num_warps=num_warps,
                                  num_stages=num_stages, enable_fp_fusion=FP_FUSION)
+
+
+def _stored(memory):
     stored = dict.fromkeys(t for k in KERNELS for t in k[3])
     return {{t: memory[t][tuple(slice(0, n) for n in TENSORS[t][3])] for t in stored}}
 
@@ -812,7 +848,7 @@ def tune(progress=None, **inputs):
         for warps, stages in CONFIGS:
             KERNELS[i] = (name, *rest[:3], warps, stages)
             try:
-                timings[name][(warps, stages)] = _milliseconds(lambda: run(**inputs))
+                timings[name][(warps, stages)] = _milliseconds(inputs)
             except Exception as e:  # Triton's own errors for a kernel too big for the GPU
                 if type(e).__name__ not in ("OutOfResources", "PTXASError"):
                     raise
@@ -826,18 +862,25 @@ def tune(progress=None, **inputs):
     return timings
 
 
-def _milliseconds(fn):
-    """Median time of `fn()`: `triton.testing.do_bench` on the GPU, the wall clock of a few
-    calls under the interpreter (where only the choosing, not the times, means anything)."""
+def _milliseconds(inputs):
+    """Median time of the program on `inputs`: on the GPU, `triton.testing.do_bench` of its
+    CUDA graph's replay (the kernels' time, not Python's launches, which would hide the
+    difference between configurations of a small program); under the interpreter the wall
+    clock of a few calls (where only the choosing, not the times, means anything)."""
     if DEVICE == "cuda":
         import triton.testing
-        return triton.testing.do_bench(fn, warmup=5, rep=25)  # ms: enough to rank configs
+        try:
+            program = graphed(**inputs)
+        except RuntimeError:  # no graph capture here: time calls, launches and all
+            def program():
+                return run(**inputs)
+        return triton.testing.do_bench(program, warmup=5, rep=25, return_mode="median")
     import statistics
     import time
     times = []
     for _ in range(3):
         start = time.perf_counter()
-        fn()
+        run(**inputs)
         times.append((time.perf_counter() - start) * 1e3)
     return statistics.median(times)
 '''
