@@ -64,9 +64,10 @@ class Case:
         mask = "-causal" if self.causal else ""
         return f"{self.kind}{mask}-{self.dtype}-bh{self.heads}-n{self.keys}"
 
-    def source(self, blocks: tuple[int, int]) -> str:
-        """The case as a .bbp program, rows and columns (queries and keys) in `blocks`."""
-        bm, bn = blocks
+    def source(self, blocks: tuple[int, ...]) -> str:
+        """The case as a .bbp program in `blocks`: rows and columns (queries and keys), and
+        for the matmul-shaped kinds the contracted axis's block (64 where not given)."""
+        bm, bn, be = (*blocks, 64)[:3]
         t = self.dtype
         scale = self.head_dim ** -0.5
         if self.kind == "attention":
@@ -85,7 +86,7 @@ class Case:
                     "E[h, k] = exp(S[h, k] - M[h])\nL[h] = sum[k] E[h, k]\n"
                     "O[h, d] = sum[k] E[h, k] * V[h, k, d] / L[h]\noutput O\n")
         w = self.width
-        head = f"dim m = {w} / {bm}\ndim e = {w} / 64\ndim n = {w} / {bn}\n"
+        head = f"dim m = {w} / {bm}\ndim e = {w} / {be}\ndim n = {w} / {bn}\n"
         if self.kind == "matmul":
             return head + (f"input A[m, e], B[e, n] : {t}\nC[m, n] = sum[e] A[m, e] * B[e, n]\n"
                            "output C\n")
@@ -115,12 +116,17 @@ def cases(quick: bool = False) -> list[Case]:
     return out
 
 
-def variants(case: Case) -> list[tuple[int, int]]:
-    """Row x column blockings to try: the key block is tuned on the GPU among these."""
+def variants(case: Case) -> list[tuple[int, ...]]:
+    """Blockings to try (rows x columns, and the contracted axis of a matmul-shaped case):
+    the key block is tuned on the GPU among these.  An f32 matmul steps through the
+    contraction 32 wide as well as 64: its tiles take twice a bf16 tile's shared memory per
+    pipeline stage."""
     if case.kind == "decode":
         return [(1, 64), (1, 128)]
-    if case.kind == "attention":
-        return [(64, 64), (128, 64), (128, 128)]
+    if case.kind == "attention":  # f32's 128 x 128 tiles fit no configuration of an H200
+        return [(64, 64), (128, 64)] + ([] if case.dtype == "f32" else [(128, 128)])
+    if case.dtype == "f32":
+        return [(128, 128, 32), (128, 128, 64)]
     return [(128, 128), (64, 128)]
 
 
@@ -148,7 +154,7 @@ def prepare(folder: str | Path, quick: bool = False,
     for case in cases(quick):
         entry = {"name": case.name, **asdict(case), "variants": []}
         for blocks in variants(case):
-            label = f"{blocks[0]}x{blocks[1]}"
+            label = "x".join(map(str, blocks))
             program = lower(parse_program(case.source(blocks), f"<{case.name}>"))
             fused = fuse(program, pack, target).program
             cost = cost_program(fused, target)

@@ -15,7 +15,10 @@ figure.  The baseline is
 `torch.nn.functional.scaled_dot_product_attention` in the case's dtype for attention (flash or
 memory-efficient kernels) and cuBLAS through `torch.matmul` for the matmul-shaped cases.  The
 CUDA C kernels (CuPy), where the kit has them, are checked and timed too.  Times are medians
-of CUDA-event timings of whole calls, after a warm-up.
+of CUDA-event timings after a warm-up, two ways for both sides: whole calls from Python, and
+the replay of a CUDA graph captured from one call (the GPU's time without Python's launch
+cost, which is most of a small case's call; `tune` ranks configurations by it).  The graph's
+output is checked too, and the fastest variant is chosen by it.
 
 Four files are written to RESULTS: results.json (every figure), results.md (the table),
 target.toml (a bbrules target with the rates measured here) and run.log.  Cases left when
@@ -81,6 +84,26 @@ def bench(fn, torch, device: str) -> float:
     return statistics.median(times)
 
 
+def graph_of(fn, torch):
+    """A function replaying `fn()` from a CUDA graph: warmed up on a side stream first (torch's
+    libraries choose kernels and workspaces on first use, which a capture cannot hold)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+
+    def replay():
+        graph.replay()
+        return out
+
+    return replay
+
+
 def inputs_for(case: dict, torch, device: str) -> dict:
     """Seeded inputs in the case's dtype, named as the program names them."""
     dtype = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[case["dtype"]]
@@ -140,7 +163,16 @@ def run_case(case: dict, torch, device: str, log: Log, deadline: float) -> dict:
     x = inputs_for(case, torch, device)
     ref = torch_op(case, torch, x, f32=True)
     result: dict = {"name": case["name"], "variants": []}
-    result["torch_s"] = bench(lambda: torch_op(case, torch, x, f32=False), torch, device)
+
+    def baseline():
+        return torch_op(case, torch, x, f32=False)
+
+    result["torch_s"] = bench(baseline, torch, device)
+    if device == "cuda":
+        try:
+            result["torch_graph_s"] = bench(graph_of(baseline, torch), torch, device)
+        except Exception as e:  # a baseline that cannot be captured keeps its call time
+            result["torch_graph_failure"] = f"{type(e).__name__}: {str(e)[:300]}"
     output = {"attention": "O", "decode": "O", "matmul": "C", "rmsnorm_matmul": "Y"}[case["kind"]]
     tol = TOLERANCE["tf32" if case.get("precision") == "tf32" and case["dtype"] == "f32"
                     else case["dtype"]]
@@ -163,9 +195,19 @@ def run_case(case: dict, torch, device: str, log: Log, deadline: float) -> dict:
                          seconds=bench(lambda: module.run(**x), torch, device))
         except Exception as e:  # a variant that does not compile or fit
             entry.update(ok=False, failure=f"{type(e).__name__}: {str(e)[:300]}")
+        if "seconds" in entry and device == "cuda":
+            try:
+                replay = module.graphed(**x)
+                graph_err = relative_error(replay()[output], ref)
+                entry.update(graph_error=graph_err, ok=entry["ok"] and graph_err <= tol,
+                             graph_seconds=bench(replay, torch, device))
+            except Exception as e:  # the call's figures stand without the graph's
+                entry["graph_failure"] = f"{type(e).__name__}: {str(e)[:300]}"
         result["variants"].append(entry)
+        graph = (f", graph {entry['graph_seconds'] * 1e6:.1f} us" if "graph_seconds" in entry
+                 else f" (no graph: {entry['graph_failure']})" if "graph_failure" in entry else "")
         log(f"  {case['name']} {v['label']} " + (
-            f"{'+'.join(entry['configs'])}: {entry['seconds'] * 1e6:.1f} us, error "
+            f"{'+'.join(entry['configs'])}: {entry['seconds'] * 1e6:.1f} us{graph}, error "
             f"{entry['error']:.2e}" if "seconds" in entry else entry["failure"]))
         if v.get("cuda") and device == "cuda":
             result["cuda_c"] = run_cuda(HERE / v["cuda"], case, x, ref, output, torch, tol)
@@ -173,11 +215,13 @@ def run_case(case: dict, torch, device: str, log: Log, deadline: float) -> dict:
     result["ok"] = bool(measured) and all(e["ok"] for e in measured)
     good = [e for e in measured if e["ok"]]
     if good:
-        best = min(good, key=lambda e: e["seconds"])
+        best = min(good, key=lambda e: e.get("graph_seconds", e["seconds"]))
+        seconds = best.get("graph_seconds", best["seconds"])
         flops, nbytes = work(case)
         result.update(best=best, speedup=result["torch_s"] / best["seconds"],
-                      tflops=flops / best["seconds"] / 1e12,
-                      gbps=nbytes / best["seconds"] / 1e9)
+                      tflops=flops / seconds / 1e12, gbps=nbytes / seconds / 1e9)
+        if "graph_seconds" in best and "torch_graph_s" in result:
+            result["graph_speedup"] = result["torch_graph_s"] / best["graph_seconds"]
     return result
 
 
@@ -274,28 +318,38 @@ def table(env: dict, results: list[dict]) -> str:
         lines += [f"Measured in the same run: copy {env['rates']['copy_bytes_per_s'] / 1e12:.2f} "
                   f"TB/s (bytes read + written), exp2 {env['rates']['exp2_per_s'] / 1e12:.2f} "
                   "T/s. Modeled: the fused program's time on the kit's target.", ""]
-    lines += ["| case | kernels | best (blocks, warps+stages per kernel) | bbrules Triton | "
-              "modeled | torch | speed-up vs torch | TFLOP/s | GB/s | CUDA C | max rel. error "
-              "| ok |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += ["Calls: whole calls from Python. Graphs: replays of a CUDA graph of one call "
+              "(both sides). TFLOP/s and GB/s from the graph time.", "",
+              "| case | kernels | best (blocks, warps+stages per kernel) | bbrules Triton call "
+              "| graph | modeled | torch call | graph | speed-up call | speed-up graph | "
+              "TFLOP/s | GB/s | CUDA C | max rel. error | ok |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    def us(seconds):
+        return "" if seconds is None else f"{seconds * 1e6:.1f} us"
+
     for r in results:
         if "skipped" in r or "failure" in r:
             why = r.get("skipped") or r["failure"]
-            lines.append(f"| {r['name']} | | {why[:80]} | | | | | | | | | no |")
+            lines.append(f"| {r['name']} | | {why[:80]} | | | | | | | | | | | | no |")
             continue
         cuda = r.get("cuda_c", {})
         cuda_text = f"{cuda['seconds'] * 1e6:.0f} us" if "seconds" in cuda else \
             ("failed" if cuda else "")
         b = r.get("best")
         if b is None:
-            lines.append(f"| {r['name']} | | no correct configuration | | | "
-                         f"{r['torch_s'] * 1e6:.1f} us | | | | {cuda_text} | | no |")
+            lines.append(f"| {r['name']} | | no correct configuration | | | | "
+                         f"{us(r['torch_s'])} | {us(r.get('torch_graph_s'))} | | | | | "
+                         f"{cuda_text} | | no |")
             continue
+        graph_speedup = f"{r['graph_speedup']:.2f}x" if "graph_speedup" in r else ""
+        error = max(b["error"], b.get("graph_error", 0.0))
         lines.append(
             f"| {r['name']} | {b['kernels']} | {b['variant']}, {'+'.join(b['configs'])} | "
-            f"{b['seconds'] * 1e6:.1f} us | {b['modeled_s'] * 1e6:.1f} us | "
-            f"{r['torch_s'] * 1e6:.1f} us | {r['speedup']:.2f}x | "
-            f"{r['tflops']:.1f} | {r['gbps']:.0f} | {cuda_text} | {b['error']:.1e} | "
-            f"{'yes' if r['ok'] else 'no'} |")
+            f"{us(b['seconds'])} | {us(b.get('graph_seconds'))} | {us(b['modeled_s'])} | "
+            f"{us(r['torch_s'])} | {us(r.get('torch_graph_s'))} | {r['speedup']:.2f}x | "
+            f"{graph_speedup} | {r['tflops']:.1f} | {r['gbps']:.0f} | {cuda_text} | "
+            f"{error:.1e} | {'yes' if r['ok'] else 'no'} |")
     return "\n".join(lines) + "\n"
 
 

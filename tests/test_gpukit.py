@@ -145,3 +145,33 @@ def test_the_measured_h200_target_is_a_target():
     t = get_target(str(Path(__file__).parent.parent / "targets" / "h200-measured.toml"))
     assert "2026-12-04" in t.doc
     assert t.global_bandwidth < get_target(TARGET).global_bandwidth
+
+
+def test_the_table_gives_call_and_graph_times_of_both_sides():
+    """A case timed both ways shows both speed-ups; one whose graph could not be captured keeps
+    its call figures and leaves the graph columns empty."""
+    runner = load_runner()
+    best = {"variant": "64x64", "configs": ["w4s3"], "kernels": 1, "modeled_s": 20e-6,
+            "seconds": 100e-6, "graph_seconds": 40e-6, "error": 1e-3, "graph_error": 2e-3}
+    graphed = {"name": "attention-bf16-bh1-n4096", "best": best, "torch_s": 80e-6,
+               "torch_graph_s": 50e-6, "speedup": 0.8, "graph_speedup": 1.25, "tflops": 10.0,
+               "gbps": 50.0, "ok": True}
+    called = {k: v for k, v in graphed.items() if k not in ("graph_speedup", "torch_graph_s")}
+    called.update(name="decode-f32-bh32-n4096",
+                  best={k: v for k, v in best.items() if not k.startswith("graph")})
+    lines = runner.table({"device": "cuda", "torch": "2", "triton": "3"},
+                         [graphed, called]).splitlines()
+    row = next(line for line in lines if line.startswith("| attention")).split(" | ")
+    assert row[3:10] == ["100.0 us", "40.0 us", "20.0 us", "80.0 us", "50.0 us", "0.80x",
+                         "1.25x"]
+    assert row[-2] == "2.0e-03"  # the larger of the call's and the graph's errors
+    row = next(line for line in lines if line.startswith("| decode")).split(" | ")
+    assert row[3:10] == ["100.0 us", "", "20.0 us", "80.0 us", "", "0.80x", ""]
+
+
+def test_f32_matmul_cases_also_step_through_the_contraction_32_wide():
+    f32, bf16 = Case("matmul", "f32", width=256), Case("matmul", "bf16", width=256)
+    assert (128, 128, 32) in variants(f32) and all(len(b) == 2 for b in variants(bf16))
+    assert "dim e = 256 / 32" in f32.source((128, 128, 32))
+    assert "dim e = 256 / 64" in bf16.source((128, 128))
+    assert all(b != (128, 128) for b in variants(Case("attention", "f32", 1, 64, 64)))
