@@ -225,16 +225,27 @@ class _ToAst(Transformer_NonRecursive):
     def call(self, meta: Meta, children: list) -> Apply:
         name, *args = children
         fn = str(name)
+        if fn == "concat":
+            return self.concat(name, args)
         if fn not in FUNCTIONS:
             hint = f" (reduce with {fn}[axis] ...)" if fn == "sum" else ""
             raise SourceError(self._span(name), f"unknown function '{fn}'{hint}; known: "
-                              f"{', '.join(sorted(FUNCTIONS))}", self.text)
+                              f"{', '.join(sorted([*FUNCTIONS, 'concat']))}", self.text)
         want = FUNCTIONS[fn]
         if len(args) != want:
             plural = "s" if want > 1 else ""
             raise SourceError(self._span(name), f"function '{fn}' takes {want} argument{plural},"
                               f" got {len(args)}", self.text)
         return self._apply(fn, meta, args)
+
+    def concat(self, name: Token, args: list[Expr]) -> Apply:
+        """`concat(e, X1, X2, ...)` stays an `Apply` until the checker, which knows the
+        extents, writes it as one-hot sums (`_Checker.concat`)."""
+        if len(args) < 3 or not isinstance(args[0], Position):
+            raise SourceError(self._span(name), "concat joins two or more pieces along an axis "
+                              "of the result, each read along an axis of its own: "
+                              "concat(e, A[t, a], B[t, b])", self.text)
+        return Apply("concat", tuple(args), self._span(name))
 
     def reduction(self, meta: Meta, children: list) -> Reduction:
         """`sum[c, p] x` is `sum[c] sum[p] x`."""
@@ -477,15 +488,21 @@ class _Checker:
                              f"name of this slice's chunks")
         return _Name(name, s.axis.span), int(offset) // n
 
-    def desugared(self, e: Expr) -> Expr:
-        """`e` with named constants replaced by their values, each `mean[a] x` by
-        `sum[a] x * (1 / extent of a)`, and each grouped reference by one of a view."""
+    def desugared(self, e: Expr, target: tuple[str, ...] = ()) -> Expr:
+        """`e` (a statement's value, of axes `target`) with named constants replaced by their
+        values, each `mean[a] x` by `sum[a] x * (1 / extent of a)`, each grouped reference by
+        one of a view, and each concatenation by one-hot sums (`concat`)."""
+        context = {*target, *fold(e, lambda x, parts: frozenset().union(
+            *parts, [x.axis] if isinstance(x, Reduction) else []))}
+
         def rewrite(x: Expr, parts: list[Expr]) -> Expr:
             match x:
                 case _ViewRef():
                     return self.view(x)
                 case Position(name, span) if name in self.constants:
                     return Number(self.constants[name], span)
+                case Apply("concat", _, span):
+                    return self.concat(parts, span, context)
                 case Apply(op, _, span):
                     return Apply(op, tuple(parts), span)
                 case Reduction("mean", axis, _, span, axis_span) if axis in self.dims:
@@ -496,8 +513,54 @@ class _Checker:
             return x
         return fold(e, rewrite)
 
+    def concat(self, parts: list[Expr], span: Span, context: set[str]) -> Expr:
+        """`concat(e, X1, X2, ...)` as a sum of one-hot selections: piece i, read along an
+        axis of its own a_i, fills the positions of e after the earlier pieces',
+        `sum[a_i] where(a_i == e - offset_i, X_i, 0)`.  A piece's own axis is its one axis that
+        is neither the statement's target's, nor reduced in the statement, nor e.  Block
+        skipping visits, for each block of e, only the blocks of the pieces that fill it."""
+        axis, *pieces = parts
+        e = _Name(axis.axis, axis.span)
+        self.axes((e,))
+        if self.dims[e.name].ragged:
+            raise self.error(e.span, f"a concatenation along the ragged axis '{e.name}' (its "
+                             f"last block is partial)")
+        terms, extents = [], []
+        for k, piece in enumerate(pieces, 1):
+            own = list(dict.fromkeys((a, sp) for a, sp in _free_occurrences(piece)
+                                     if a not in context and a != e.name))
+            names = list(dict.fromkeys(a for a, _ in own))
+            if len(names) != 1:
+                why = (f"has {len(names)} axes that are neither the target's nor reduced "
+                       f"({', '.join(names)}), so which one lies along '{e.name}' is ambiguous"
+                       if names else f"has no axis of its own to lay along '{e.name}': read it "
+                       f"along one, as in A[t, a] with `dim a = ...`")
+                raise self.error(getattr(piece, "span", span), f"piece {k} of "
+                                 f"concat({e.name}, ...) {why}")
+            a = _Name(*own[0])
+            self.axes((a,))
+            if self.dims[a.name].ragged:
+                raise self.error(a.span, f"a concatenation of the ragged axis '{a.name}' (its "
+                                 f"last block is partial)")
+            at, here = sum(extents), a.span
+            start = Position(e.name, here)
+            if at:
+                start = Apply("sub", (start, Number(float(at), here)), here)
+            hit = Apply("eq", (Position(a.name, here), start), here)
+            terms.append(Reduction("sum", a.name, Apply("where", (hit, piece, Number(0.0, here)),
+                                                        here), here, here))
+            extents.append(self.dims[a.name].extent)
+        if sum(extents) != self.dims[e.name].extent:
+            raise self.error(span, f"the pieces of concat({e.name}, ...) are "
+                             f"{' + '.join(map(str, extents))} = {sum(extents)} elements along "
+                             f"'{e.name}', which has {self.dims[e.name].extent}")
+        out = terms[0]
+        for t in terms[1:]:
+            out = Apply("add", (out, t), span)
+        return out
+
     def statement(self, s: Statement) -> None:
-        s = Statement(s.target, s.axes, self.desugared(s.expr), s.span, s.axis_spans)
+        s = Statement(s.target, s.axes, self.desugared(s.expr, s.axes), s.span, s.axis_spans)
         target = _Name(s.target, s.span)
         if s.target in self.inputs:
             raise self.error(s.span, f"cannot assign to input '{s.target}'")

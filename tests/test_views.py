@@ -190,3 +190,70 @@ def test_slices_that_are_not_whole_chunks_are_reported_where_they_are(ref, colum
         parse_program(text, "s.bbp")
     assert message in str(err.value)
     assert (err.value.span.line, err.value.span.column) == (6, column)
+
+
+# --------------------------------------------------------------------------------------------
+# Concatenation: concat(e, X1, X2, ...), each piece read along an axis of its own
+
+
+CONCAT = """dim t = 128 / 32
+dim a = 64 / 32
+dim b = 32 / 32
+dim c = 32 / 16
+dim e = 128 / 32
+dim n = 64 / 32
+input A[t, a], B[t, b], C[t, c], W[e, n] : f32
+J[t, e] = concat(e, A[t, a], 2 * B[t, b], exp(C[t, c]))
+Y[t, n] = sum[e] J[t, e] * W[e, n]
+output J, Y
+"""
+
+
+def test_concat_joins_pieces_of_different_extents_and_fuses_into_its_consumer(pack):
+    """Three pieces (64, 32 and 32 elements, one computed, one with blocks of 16) against
+    numpy's concatenate; fused into the matmul that reads it, whose kernel reads each piece's
+    blocks only where they fill the concatenation."""
+    ast = parse_program(CONCAT, "concat.bbp")
+    inputs = random_inputs(ast, seed=4)
+    a, b, c, w = (inputs[x].astype(np.float64) for x in "ABCW")
+    joined = np.concatenate([a, 2 * b, np.exp(c)], axis=1)
+    r = fuse(lower(ast), pack, H100)
+    for got in (interp.run(r.program, inputs), numpy_gen.run(r.program, inputs),
+                dense.evaluate(ast, inputs, np.float64)):
+        np.testing.assert_allclose(got["J"], joined, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(got["Y"], joined @ w, rtol=1e-5, atol=1e-5)
+
+
+def test_rotate_half_rope_written_with_concat_is_one_kernel(pack):
+    text = ("dim t = 256 / 64\ndim d = 64 / 32\ndim i = 32 / 32\n"
+            "input X[t, d], COS[t, d], SIN[t, d] : f32\n"
+            "R[t, d] = X[t, d] * COS[t, d] + concat(d, -X[t, i + 32], X[t, i + 0]) * SIN[t, d]\n"
+            "output R\n")
+    ast = parse_program(text, "rope.bbp")
+    r = fuse(lower(ast), pack, H100)
+    assert len(r.program.kernels) == 1
+    inputs = random_inputs(ast, seed=5)
+    x, c, s = (inputs[n].astype(np.float64) for n in ("X", "COS", "SIN"))
+    want = x * c + rotate_half(x) * s
+    for got in (numpy_gen.run(r.program, inputs), dense.evaluate(ast, inputs, np.float64)):
+        np.testing.assert_allclose(got["R"], want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("value, column, message", [
+    ("concat(e, A[t, a], B[t, a])", 11, "are 64 + 64 = 128 elements along 'e', which has 96"),
+    ("concat(e, A[t, e], B[t, b])", 21, "piece 1 of concat(e, ...) has no axis of its own"),
+    ("concat(e, A[t, a] * B[t, b], B[t, b])", 21, "(a, b), so which one lies along 'e'"),
+    ("concat(A[t, a], B[t, b])", 11, "concat joins two or more pieces along an axis"),
+    ("concat(e, A[t, a])", 11, "concat joins two or more pieces"),
+    ("concat(z, A[t, a], B[t, b])", 18, "unknown axis 'z'"),
+    ("concat(e, A[t, a], R[t, r])", 35, "a concatenation of the ragged axis 'r'"),
+    ("sum[b] concat(e, A[t, a], B[t, b])", 37, "piece 2 of concat(e, ...) has no axis"),
+])
+def test_malformed_concatenations_are_reported_where_they_are(value, column, message):
+    text = ("dim t = 8 / 4\ndim a = 64 / 32\ndim b = 32 / 32\ndim e = 96 / 32\n"
+            f"dim r = 40 / 32\ninput A[t, a], B[t, b], R[t, r] : f32\nY[t, e] = {value}\n"
+            "output Y\n")
+    with pytest.raises(SourceError) as err:
+        parse_program(text, "c.bbp")
+    assert message in str(err.value)
+    assert (err.value.span.line, err.value.span.column) == (7, column)
