@@ -59,8 +59,8 @@ class Case:
     @property
     def name(self) -> str:
         if self.kind in ("matmul", "rmsnorm_matmul"):
-            tf32 = "-tf32" if self.dtype == "f32" and self.precision == "tf32" else ""
-            return f"{self.kind}-{self.dtype}{tf32}-{self.width}"
+            own = self.dtype == "f32" and self.precision != F32_PRECISION
+            return f"{self.kind}-{self.dtype}{f'-{self.precision}' if own else ''}-{self.width}"
         mask = "-causal" if self.causal else ""
         return f"{self.kind}{mask}-{self.dtype}-bh{self.heads}-n{self.keys}"
 

@@ -175,3 +175,12 @@ def test_f32_matmul_cases_also_step_through_the_contraction_32_wide():
     assert "dim e = 256 / 32" in f32.source((128, 128, 32))
     assert "dim e = 256 / 64" in bf16.source((128, 128))
     assert all(b != (128, 128) for b in variants(Case("attention", "f32", 1, 64, 64)))
+
+
+def test_kit_cases_have_names_of_their_own():
+    """A name is a case's files' stem: two cases of one name would overwrite each other."""
+    more = [Case("matmul", "f32", width=4096, precision=p) for p in ("ieee", "tf32", "tf32x3")]
+    names = [c.name for c in cases() + more[:1]]
+    assert len(set(names)) == len(names)
+    assert [c.name for c in more] == ["matmul-f32-ieee-4096", "matmul-f32-tf32-4096",
+                                      "matmul-f32-4096"]
