@@ -375,16 +375,60 @@ def _(n: BlockReduce, w: _KernelWriter) -> _Stmt | None:
     if w.dims(n.x)[c] == 1:  # a block of one: the element itself
         w.scopes[-1][n] = w.lookup(n.x)
         return None
-    x = n.x
-    if isinstance(x, Reduce) and x.monoid.name == "sum" and isinstance(x.x, Dot) and \
-            x.x.axis == x.axis and w.p.blocks(x.axis) == 1:
-        x = x.x  # a contraction over one block is the block's contraction
-    if n.op == "sum" and isinstance(x, Dot) and one_hot(x) is None and \
-            w.dims(x.x)[c] == w.dims(x.y)[c]:
-        # a contraction summed over an axis both operands span: one matmul over both (the
-        # contraction's own step is then read by no one, and dropped)
-        return w.array(n, w.fresh("dot"), w.dot(x, also=n.axis))
+    if (summed := _summed_contraction(n, w)) is not None:
+        # a contraction summed over axes both operands span: one matmul over all of them (the
+        # steps in between are then read by no one, and dropped)
+        return w.array(n, w.fresh("dot"), w.dot(*summed))
     return w.array(n, w.fresh(f"b{n.op}"), w.block_reduce(n))
+
+
+def _contraction_below(x: Node, p: BlockProgram) -> bool:
+    """Is `x` a contraction under in-block sums and sums over one block (the chain
+    `_summed_contraction` makes one matmul)?"""
+    while isinstance(x, BlockReduce) and x.op == "sum" or \
+            isinstance(x, Reduce) and x.monoid.name == "sum" and p.blocks(x.axis) == 1:
+        x = x.x
+    return isinstance(x, Dot) and one_hot(x) is None
+
+
+def summed_inward(p: BlockProgram, k: Kernel) -> Kernel:
+    """`k` with each in-block sum of a summing loop over a contraction moved into the loop:
+    `bsum(a, reduce(b, sum, x))` is `reduce(b, sum, bsum(a, x))`, sums commute.  Inside, the
+    in-block sum meets the contraction, and both are one matmul (`_summed_contraction`): a
+    convolution's sum over its taps joins the sum over channels, where it was a matmul per
+    tap summed after the loop."""
+    kp = p.in_kernel(k)
+
+    def inward(n: Node, kids: tuple[Node, ...]) -> Node:
+        n = rebuild(n, kids)
+        if isinstance(n, BlockReduce) and n.op == "sum" and isinstance(n.x, Reduce) and \
+                n.x.monoid.name == "sum" and _contraction_below(n.x.x, kp):
+            return Reduce(n.x.axis, n.x.monoid, BlockReduce("sum", n.axis, n.x.x))
+        return n
+
+    stores = tuple(Store(s.tensor, s.axes, transform(s.value, inward)) for s in k.stores)
+    return k if stores == k.stores else Kernel(k.grid, stores, k.blocks)
+
+
+def _summed_contraction(n: BlockReduce, w: _KernelWriter) -> tuple[Dot, tuple[Axis, ...]] | None:
+    """`n` as a contraction and the axes it is summed over besides its own, where `n` sums a
+    contraction within blocks, through sums over one block of an axis (each its block's own
+    sum): `bsum(h, reduce(e, sum, bsum(e, dot(d, x, y))))` with e in one block is the
+    contraction of x and y over (h, e, d), provided both x and y span h and e."""
+    axes, x = [], n
+    while True:
+        if isinstance(x, BlockReduce) and x.op == "sum":
+            axes.append(x.axis)
+        elif not (isinstance(x, Reduce) and x.monoid.name == "sum" and w.p.blocks(x.axis) == 1):
+            break
+        x = x.x
+    if not isinstance(x, Dot) or one_hot(x) is not None:
+        return None
+    xs, ys = w.dims(x.x), w.dims(x.y)
+    spans = {a: (xs[c], ys[c]) for a in axes for c in [w.layout.element_dim(a)]}
+    if any(nx != ny for nx, ny in spans.values()):
+        return None
+    return x, tuple(a for a in axes if a != x.axis and spans[a][0] > 1)
 
 
 @STEP.on(*ELEMENTWISE_KINDS)
@@ -587,15 +631,15 @@ class _KernelWriter:
             code, parts = f"np.arange({d.block}, dtype=f32)", [[element]]
         return _to_layout(code, parts, self.dims(n))
 
-    def dot(self, n: Dot, also: Axis | None = None) -> str:
+    def dot(self, n: Dot, also: tuple[Axis, ...] = ()) -> str:
         """A contraction as one (batched) matmul: x-only axes become rows, y-only columns;
-        over a one-hot operand, a gather (`gather`).  `also`: an axis both operands span that
-        the matmul contracts too (the contraction summed over it within the block at once)."""
-        if also is None and (hot := one_hot(n)) is not None and \
+        over a one-hot operand, a gather (`gather`).  `also`: axes both operands span that
+        the matmul contracts too (the contraction summed over them within the block at once)."""
+        if not also and (hot := one_hot(n)) is not None and \
                 (code := self.gather(n, *hot)) is not None:
             return code
         xs, ys = self.dims(n.x), self.dims(n.y)
-        cs = [self.layout.element_dim(a) for a in (also, n.axis) if a is not None]
+        cs = [self.layout.element_dim(a) for a in (*also, n.axis)]
         batch = [i for i in range(len(xs)) if i not in cs and xs[i] > 1 and ys[i] > 1]
         xfree = [i for i in range(len(xs)) if i not in cs and xs[i] > 1 and ys[i] == 1]
         yfree = [i for i in range(len(ys)) if i not in cs and ys[i] > 1 and xs[i] == 1]
@@ -603,9 +647,8 @@ class _KernelWriter:
         y = _from_layout(self.tile(n.y), ys, [[i] for i in batch] + [cs, yfree])
         parts = [[(i, xs[i])] for i in batch]
         parts += [[(i, xs[i]) for i in xfree], [(i, ys[i]) for i in yfree]]
-        dims = self.dims(n)
-        if also is not None:
-            dims = tuple(1 if i == cs[0] else d for i, d in enumerate(dims))
+        summed = set(cs[:-1])
+        dims = tuple(1 if i in summed else d for i, d in enumerate(self.dims(n)))
         return _to_layout(f"np.matmul({x}, {y})", parts, dims)
 
     def gather(self, n: Dot, values: Node, picks: tuple[Pick, ...]) -> str | None:
@@ -1308,7 +1351,7 @@ def generate(p: BlockProgram, target: Target | str | None = None, threads: int =
     fns = _Functions()
     taken = set(names.values())
     kernels: list[_Code] = []
-    for k in map(lambda k: coarsened(p, k, target.local_capacity), p.kernels):
+    for k in (coarsened(p, summed_inward(p, k), target.local_capacity) for k in p.kernels):
         params = _kernel_params(p, k, names)
         outputs = {t: names[t] for t in k.tensors}
         kp = p.in_kernel(k)

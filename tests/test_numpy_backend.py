@@ -492,6 +492,31 @@ def test_a_contraction_over_two_axes_is_one_matmul():
                  "vs dense")
 
 
+def test_a_convolutions_taps_are_summed_in_the_matmul_over_its_channels(monkeypatch):
+    """A convolution as imported, `sum[s, c] W[m, c, s] * (X shifted by tap s)`, with its
+    channels looped in blocks: the sum over the taps moves into the loop over channels and
+    joins the contraction, one matmul over (taps, channels) a step, where it was a matmul
+    per tap and the taps added after the loop."""
+    source = ("dim o = 60 / 30\ndim s = 5\ndim j = 64\ndim c = 256 / 64\ndim m = 32\n"
+              "input X[j, c], W[m, c, s] : f32\n"
+              "Y[o, m] = sum[s, c] W[m, c, s] * sum[j] where(j == o + s, 1, 0) * X[j, c]\n"
+              "output Y\n")
+    ast = parse_program(source)
+    p = lower(ast)
+    monkeypatch.setattr(numpy_gen, "COARSE_TILE", 4096)  # the channels stay in blocks of 64
+    code = numpy_gen.generate(p)
+    body = code[code.index("def kernel_Y"):code.index("def _input")]
+    assert "for c0 in range(0, 256, 64):" in body
+    assert body.count("np.matmul") == 1 and "reshape(32, 320)" in body, body
+    assert "np.sum" not in body, body
+    inputs = random_inputs(ast, seed=7)
+    x, w = inputs["X"].astype(np.float64), inputs["W"].astype(np.float64)
+    want = np.einsum("osc,mcs->om", np.stack([x[o:o + 5] for o in range(60)]), w)
+    got = numpy_gen.run(p, inputs)["Y"]
+    assert_close(got, want, "vs numpy")
+    assert_close(got, dense.evaluate(ast, inputs, np.float64)["Y"], "vs dense")
+
+
 @pytest.mark.parametrize("values, index, axis", [
     ((1, 2, 1, 64, 40), (3, 1, 5, 1, 1), 4),  # disjoint dimensions: rows taken at once
     ((3, 2, 1, 40), (3, 1, 7, 1), 3),  # a dimension both span: numpy's own take_along_axis
