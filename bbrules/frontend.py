@@ -527,8 +527,8 @@ class _Checker:
                              f"last block is partial)")
         terms, extents = [], []
         for k, piece in enumerate(pieces, 1):
-            own = list(dict.fromkeys((a, sp) for a, sp in _free_occurrences(piece)
-                                     if a not in context and a != e.name))
+            own = [(a, sp) for a, sp in _free_occurrences(piece)
+                   if a not in context and a != e.name]
             names = list(dict.fromkeys(a for a, _ in own))
             if len(names) != 1:
                 why = (f"has {len(names)} axes that are neither the target's nor reduced "
