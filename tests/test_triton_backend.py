@@ -17,6 +17,7 @@ from __future__ import annotations
 import platform
 import re
 import sys
+import types
 from dataclasses import replace
 from functools import lru_cache
 
@@ -305,3 +306,45 @@ def test_tune_says_when_no_configuration_fits():
     ns["run"], ns["DEVICE"] = too_big, "cpu"  # the wall-clock timer: no GPU to time with
     with pytest.raises(RuntimeError, match="no configuration"):
         ns["tune"]()
+
+
+def test_graphed_compiles_outside_the_capture_and_replays_it(monkeypatch):
+    """`graphed` (CUDA graphs need a GPU, so torch's graph API is replaced by a recorder):
+    every kernel launched once before the capture (a first launch compiles, which a capture
+    cannot hold), launched once inside it, and each replay reruns the capture and returns the
+    stored tensors, whose buffers live as long as the replay."""
+    module = triton_gen.generate(fused(masked_attention("k <= q")))
+    ns = module.namespace()
+    events: list[str] = []
+
+    class Capture:
+        def __init__(self, graph):
+            self.graph = graph
+
+        def __enter__(self):
+            events.append("capture")
+
+        def __exit__(self, *exc):
+            events.append("end")
+
+    class Graph:
+        def replay(self):
+            events.append("replay")
+
+    cuda = types.SimpleNamespace(synchronize=lambda: events.append("sync"), CUDAGraph=Graph,
+                                 graph=Capture)
+    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(cuda=cuda))
+    memory = {name: np.zeros(shape, np.float32)
+              for name, (shape, *_) in ns["TENSORS"].items()}
+
+    def launch(buffers):
+        assert buffers is memory
+        events.append("launch")
+
+    ns["_memory"], ns["_launch"] = (lambda inputs: memory), launch
+    replay = ns["graphed"]()
+    assert events == ["launch", "sync", "capture", "launch", "end"]
+    assert replay.memory is memory
+    out = replay()
+    assert events[-1] == "replay" and set(out) == set(ns["OUTPUTS"])
+    assert all(np.shares_memory(out[t], memory[t]) for t in out)
