@@ -382,13 +382,23 @@ def _(n: BlockReduce, w: _KernelWriter) -> _Stmt | None:
     return w.array(n, w.fresh(f"b{n.op}"), w.block_reduce(n))
 
 
-def _contraction_below(x: Node, p: BlockProgram) -> bool:
-    """Is `x` a contraction under in-block sums and sums over one block (the chain
-    `_summed_contraction` makes one matmul)?"""
-    while isinstance(x, BlockReduce) and x.op == "sum" or \
-            isinstance(x, Reduce) and x.monoid.name == "sum" and p.blocks(x.axis) == 1:
+def _summed_chain(x: Node, p: BlockProgram) -> tuple[list[Axis], Node]:
+    """The axes of the in-block sums from `x` down, through sums over one block of an axis
+    (each its block's own sum), and the first node below that is neither."""
+    axes = []
+    while True:
+        if isinstance(x, BlockReduce) and x.op == "sum":
+            axes.append(x.axis)
+        elif not (isinstance(x, Reduce) and x.monoid.name == "sum" and p.blocks(x.axis) == 1):
+            return axes, x
         x = x.x
-    return isinstance(x, Dot) and one_hot(x) is None
+
+
+def _contraction_below(x: Node, p: BlockProgram) -> bool:
+    """Is `x` a contraction under a chain of sums (what `_summed_contraction` makes one
+    matmul)?"""
+    bottom = _summed_chain(x, p)[1]
+    return isinstance(bottom, Dot) and one_hot(bottom) is None
 
 
 def summed_inward(p: BlockProgram, k: Kernel) -> Kernel:
@@ -415,13 +425,7 @@ def _summed_contraction(n: BlockReduce, w: _KernelWriter) -> tuple[Dot, tuple[Ax
     contraction within blocks, through sums over one block of an axis (each its block's own
     sum): `bsum(h, reduce(e, sum, bsum(e, dot(d, x, y))))` with e in one block is the
     contraction of x and y over (h, e, d), provided both x and y span h and e."""
-    axes, x = [], n
-    while True:
-        if isinstance(x, BlockReduce) and x.op == "sum":
-            axes.append(x.axis)
-        elif not (isinstance(x, Reduce) and x.monoid.name == "sum" and w.p.blocks(x.axis) == 1):
-            break
-        x = x.x
+    axes, x = _summed_chain(n, w.p)
     if not isinstance(x, Dot) or one_hot(x) is not None:
         return None
     xs, ys = w.dims(x.x), w.dims(x.y)
