@@ -71,6 +71,22 @@ def test_fused_example_runs_like_the_interpreter(path):
     check_interpreted(fused(small_example(path)))
 
 
+def test_a_concatenation_fused_into_its_consumer_runs_like_the_interpreter():
+    """`concat`'s one-hot sums in Triton: pieces of 64 and 32 elements joined and contracted
+    by the matmul that reads them, in one kernel; rotate-half RoPE in one statement."""
+    source = ("dim t = 64 / 32\ndim a = 64 / 32\ndim b = 32 / 32\ndim e = 96 / 32\n"
+              "dim n = 32 / 32\ninput A[t, a], B[t, b], W[e, n] : f32\n"
+              "Y[t, n] = sum[e] concat(e, A[t, a], 2 * B[t, b]) * W[e, n]\noutput Y\n")
+    rope = ("dim t = 64 / 32\ndim d = 64 / 32\ndim i = 32 / 32\n"
+            "input X[t, d], C[t, d], S[t, d] : f32\n"
+            "R[t, d] = X[t, d] * C[t, d] + concat(d, -X[t, i + 32], X[t, i + 0]) * S[t, d]\n"
+            "output R\n")
+    for text in (source, rope):
+        p = fused(lower(parse_program(text)))
+        assert len(p.kernels) == 1
+        check_interpreted(p, rtol=1e-5)
+
+
 def test_unfused_programs_run_like_the_interpreter():
     """Kernels the rules did not touch: one store each, temporaries between them."""
     for stem in ("attention", "decoder_layer"):
