@@ -57,7 +57,7 @@ from typing import Literal, Mapping
 
 from .ir import (Binary, BlockProgram, BlockReduce, Const, Dim, Dot, Get, IRError, Kernel, Load,
                  Monoid, Node, Pos, Reduce, Store, TensorDecl, Tuple, Var, children,
-                 is_elementwise, postorder, shape)
+                 is_elementwise, postorder, rebuild, shape)
 from .masking import skip_predicate
 from .schedule import Compute, KernelSchedule, Loop, Step, Write, schedule_kernel, walk_steps
 
@@ -170,6 +170,10 @@ class Accumulation:
     in_place: set[int] = field(default_factory=set)  # components no combine step updates
     aliases: dict[int, Value] = field(default_factory=dict)  # components held in these tiles
     tmps: tuple[Buffer, ...] = ()
+    # Each component's combine as a backend emits it, subexpressions over smaller components
+    # read as `f.<k>` from `factors` (`rescale_factors`), computed first.
+    combines: tuple[Node, ...] = ()
+    factors: tuple[tuple[Node, Buffer], ...] = ()
 
 
 @dataclass(eq=False)
@@ -361,6 +365,36 @@ def same_op(combine: Node, c: str) -> str | None:
 
 
 @lru_cache(maxsize=1 << 10)
+def rescale_factors(m: Monoid, shapes: tuple[frozenset[str], ...]
+                    ) -> tuple[tuple[Node, ...], tuple[tuple[Node, frozenset[str]], ...]]:
+    """Each component's combine with its subexpressions over smaller components read as
+    `f.<k>`, and those subexpressions with their shapes (each a component's): computed once
+    per element of their shape, not once per element of the larger component.  The online
+    softmax's `o` (a row's features) reads `exp(a.m - max(a.m, b.m))` of the row's maximum:
+    one exponential a row, not one a feature."""
+    shape_of = {f"{side}.{c}": shapes[j] for j, c in enumerate(m.state) for side in "ab"}
+    factors: dict[Node, tuple[Var, frozenset[str]]] = {}
+    combines = []
+    for c, root in enumerate(m.combine):
+        below: dict[Node, frozenset[str] | None] = {}  # the shape of a node's variables
+        for n in postorder(root):
+            if isinstance(n, Var):
+                below[n] = shape_of[n.name] if shape_of[n.name] < shapes[c] else None
+            else:
+                kids = [below[k] for k in children(n)]
+                below[n] = None if None in kids else frozenset().union(*kids)
+
+        def hoisted(n: Node) -> Node:
+            if isinstance(n, (Var, Const)):
+                return n
+            if below[n] and below[n] in shapes:
+                return factors.setdefault(n, (Var(f"f.{len(factors)}"), below[n]))[0]
+            return rebuild(n, tuple(hoisted(k) for k in children(n)))
+        combines.append(hoisted(root))
+    return tuple(combines), tuple((n, shape) for n, (_, shape) in factors.items())
+
+
+@lru_cache(maxsize=1 << 10)
 def _combine_reads(m: Monoid) -> tuple[tuple[tuple[str, str, int], ...], ...]:
     """Per component: the variables its combine reads, by name, as (name, side, component)."""
     return tuple(tuple((v, *_side_component(m, v)) for v in sorted(_var_names(e)))
@@ -548,6 +582,9 @@ class _Planner:
         acc = Accumulation(r, m, contribs, states, shapes, groups, via_tmp, sites)
         if via_tmp:
             acc.tmps = tuple(self._buffer("temporary", s, op.end, body_path) for s in shapes)
+        acc.combines, factors = rescale_factors(m, shapes)
+        acc.factors = tuple((n, self._buffer("temporary", s, op.end, body_path))
+                            for n, s in factors)
         return acc
 
     def _accumulate_in_place(self, acc: Accumulation, op: LoopPlan) -> None:
@@ -738,7 +775,7 @@ class _Planner:
                              for _, side, j in combine_reads[c] if side == "b"
                              for b in self._underlying(acc.contribs[j])]
                     self._touch(reads + list(acc.states), site.seq, site.path)
-                for t in acc.tmps:
+                for t in (*acc.tmps, *(b for _, b in acc.factors)):
                     t.last = t.first
         for w in self.writes:
             self._touch(self._underlying(w.result), w.site.seq, w.site.path)

@@ -857,9 +857,30 @@ class _KernelGen:
 
     def _combine(self, w: _Writer, red: Accumulation) -> None:
         """Fold one iteration's contributions into a reduction's state, group by group (see
-        `_phases`), or through temporaries when the groups cannot be ordered."""
+        `_phases`), or through temporaries when the groups cannot be ordered; first the
+        factors that the combine of a larger component reads from smaller ones (the plan's
+        `Accumulation.factors`: the online softmax's rescale once per row, not per element)."""
         m = red.monoid
         targets = red.tmps if red.via_tmp else red.states
+        combines, factors = red.combines, red.factors
+
+        def env_of(e: _Elem) -> dict[str, Callable[[], str]]:
+            env: dict[str, Callable[[], str]] = {}
+            for j, (c, buf) in enumerate(zip(m.state, red.states)):
+                env[f"a.{c}"] = lambda b=buf: self._state(b, e.coords)
+                env[f"b.{c}"] = lambda x=red.contribs[j]: self._val(x, e)
+            for k, (_, buf) in enumerate(factors):
+                env[f"f.{k}"] = lambda b=buf: self._at(b, e.coords)
+            return env
+
+        if factors:
+            self._before_write(w)
+            for n, buf in factors:  # iterated as the state of its shape, in registers or not
+                state = next(b for b in red.states if b.order == buf.order)
+                self._each(w, buf.order, lambda e, n=n, buf=buf: e.w(
+                    f"{self._at(buf, e.coords)} = {self._expr(n, env_of(e))};"),
+                    unroll=state in self.state_regs)
+            self._barrier(w)
         for g in red.groups:
             comps = [c for c in g if c not in red.in_place]
             if not comps:
@@ -869,14 +890,11 @@ class _KernelGen:
                 self._before_write(w)
 
             def update(e: _Elem, comps: list[int] = comps) -> None:
-                env: dict[str, Callable[[], str]] = {}
-                for j, (c, buf) in enumerate(zip(m.state, red.states)):
-                    env[f"a.{c}"] = lambda b=buf: self._state(b, e.coords)
-                    env[f"b.{c}"] = lambda x=red.contribs[j]: self._val(x, e)
+                env = env_of(e)
                 news = []
                 for c in comps:
                     news.append(self._fresh("bb_n"))
-                    e.w(f"const float {news[-1]} = {self._expr(m.combine[c], env)};")
+                    e.w(f"const float {news[-1]} = {self._expr(combines[c], env)};")
                 for c, new in zip(comps, news):
                     e.w(f"{self._state(targets[c], e.coords)} = {new};")
 

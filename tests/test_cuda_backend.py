@@ -760,6 +760,28 @@ def test_fused_attention_key_loop_in_sass(name):
 
 
 @needs_sass
+def test_the_online_softmax_rescale_is_computed_once_per_row():
+    """The output's combine reads the running maximum's rescale factors, `exp(a.m - max)` and
+    `exp(b.m - max)`, computed once per row into a buffer of the plan's: in the key loop the
+    hardware exponentials are the scores' (one per score) and the factors' (a row's two, and
+    the sum's own two), not two more per output element.  The same numbers either way."""
+    p = flash_attention(128, 64, 128, 32, 64, ONLINE_SOFTMAX)  # 64 rows x 64 features
+    module = generate(p)
+    (kernel,) = [k for k in module.kernels if "for (int bb_b" in kernel_texts(module)[k.name]]
+    assert kernel.threads == 256
+    loop = outermost_loop(sass(module.source)[kernel.name])
+    scores, rows = 64 * 32 // 256, math.ceil(64 / 256)
+    # per thread and key block: 8 scores, 2 factors and the sum's 2 (42 with 2 per output
+    # element: 64 x 64 / 256 elements a thread)
+    assert sum(op.startswith("MUFU.EX2") for op in loop) <= scores + 4 * rows
+    factors = [buf for op in plan_for(p, p.kernels[0], get_target("h100").local_capacity).loops
+               for acc in op.accs for _, buf in acc.factors]
+    assert len(factors) == 2 and all(len(buf.order) == 1 for buf in factors)
+    assert_matches(emulate(module, random_inputs(p, seed=2)),
+                   interp.run(p, random_inputs(p, seed=2)), rtol=1e-5)
+
+
+@needs_sass
 @pytest.mark.parametrize("dtype,convert,back", [("f16", "HADD2.F32", "F2FP.F16.F32.PACK_AB"),
                                                 ("bf16", None, "F2FP.BF16.F32.PACK_AB")])
 def test_16_bit_conversions_are_hardware_instructions(dtype, convert, back):
