@@ -57,7 +57,7 @@ from typing import Literal, Mapping
 
 from .ir import (Binary, BlockProgram, BlockReduce, Const, Dim, Dot, Get, IRError, Kernel, Load,
                  Monoid, Node, Pos, Reduce, Store, TensorDecl, Tuple, Var, children,
-                 is_elementwise, postorder, rebuild, shape)
+                 is_elementwise, postorder, rebuild, shape, transform)
 from .masking import skip_predicate
 from .schedule import Compute, KernelSchedule, Loop, Step, Write, schedule_kernel, walk_steps
 
@@ -376,21 +376,26 @@ def rescale_factors(m: Monoid, shapes: tuple[frozenset[str], ...]
     factors: dict[Node, tuple[Var, frozenset[str]]] = {}
     combines = []
     for c, root in enumerate(m.combine):
+        order = list(postorder(root))
         below: dict[Node, frozenset[str] | None] = {}  # the shape of a node's variables
-        for n in postorder(root):
+        for n in order:
             if isinstance(n, Var):
                 below[n] = shape_of[n.name] if shape_of[n.name] < shapes[c] else None
             else:
                 kids = [below[k] for k in children(n)]
                 below[n] = None if None in kids else frozenset().union(*kids)
+        factor = {n for n in order
+                  if below[n] and below[n] in shapes and not isinstance(n, (Var, Const))}
+        inside: set[Node] = set()  # under a factor: part of its expression
+        for n in reversed(order):  # parents first
+            if n in factor or n in inside:
+                inside.update(children(n))
 
-        def hoisted(n: Node) -> Node:
-            if isinstance(n, (Var, Const)):
-                return n
-            if below[n] and below[n] in shapes:
+        def hoisted(n: Node, kids: tuple[Node, ...]) -> Node:
+            if n in factor and n not in inside:
                 return factors.setdefault(n, (Var(f"f.{len(factors)}"), below[n]))[0]
-            return rebuild(n, tuple(hoisted(k) for k in children(n)))
-        combines.append(hoisted(root))
+            return rebuild(n, kids)
+        combines.append(transform(root, hoisted))
     return tuple(combines), tuple((n, shape) for n, (_, shape) in factors.items())
 
 
