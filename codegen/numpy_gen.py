@@ -31,7 +31,9 @@ Why it looks the way it does:
   embedding lookup, a convolution's shift, as ONNX models import them) is a gather
   (`gather_one_hot`); a contraction summed over a second axis both operands span is one
   matmul over both; an online softmax rescales its output in the dying contribution's buffer;
-  a skipping loop's blocks where the predicate holds everywhere run without the mask.
+  a skipping loop's blocks where the predicate holds everywhere run without the mask; a short
+  loop over chunks of one element that selects by its position (a slice's, a concatenation's,
+  RoPE's halves) is written once per chunk, its selections folded away.
   Statements whose results no one reads (the one-hot a gather replaced) are dropped.
 - *Monoids are data.*  Identity, combine and finalize are emitted from the monoid's expressions,
   never special-cased by name, so online softmax and Welford need no code of their own.
@@ -80,9 +82,9 @@ from bbrules.ir import (ELEMENTWISE_KINDS, Axis, Binary, BlockProgram, BlockRedu
                         TileType, Tuple, Unary, Var, Where, children, is_elementwise, operator,
                         postorder, rebuild, show_kernel, tile_type, transform, type_of, validate)
 from bbrules.ops import ELEMENTWISE, TILE_REDUCE, OpInfo
-from bbrules.masking import NumpyAlgebra, may_hold
+from bbrules.masking import NumpyAlgebra, may_hold, skip_predicate
 from bbrules.plan import loop_predicate, plan_for
-from bbrules.schedule import Loop, Step, Write, walk_steps
+from bbrules.schedule import Compute, Loop, Step, Write, walk_steps
 from bbrules.targets import Target, get_target
 
 _INFIX = {"add": "+", "sub": "-", "mul": "*", "div": "/"}
@@ -158,6 +160,10 @@ class _Functions:
 # Deepest nesting of calls in one generated expression: Python's parser refuses more than 200
 # nested parentheses, so a deeper subexpression is given a name of its own.
 MAX_NESTING = 50
+
+# A loop over at most this many blocks of one element, whose body computes with the position,
+# is written once per block with the position known (`_KernelWriter.unrolled`).
+UNROLLED_BLOCKS = 8
 
 
 def _expressions(roots: Sequence[Node], env: Mapping[str, str], fns: _Functions,
@@ -365,7 +371,10 @@ def _(n: Load, w: _KernelWriter) -> _Stmt:
 
 
 @STEP.on(Pos)
-def _(n: Pos, w: _KernelWriter) -> _Stmt:
+def _(n: Pos, w: _KernelWriter) -> _Stmt | None:
+    if n in w.known:
+        w.scopes[-1][n] = _literal(w.known[n])
+        return None
     return w.array(n, w.fresh(f"pos_{n.axis}"), w.position(n))
 
 
@@ -443,7 +452,25 @@ def _(n: Node, w: _KernelWriter) -> _Stmt | None:
     if isinstance(n, Where) and n.c in w.known:
         w.scopes[-1][n] = w.lookup(n.x if w.known[n.c] else n.y)
         return None
+    if (same := _neutral_operand(n, w.known)) is not None:
+        w.scopes[-1][n] = w.lookup(same)
+        return None
     return w.elementwise(n, w.fresh(operator(n).name))
+
+
+def _neutral_operand(n: Node, known: Mapping[Node, float]) -> Node | None:
+    """The operand `n` equals where its other operand is a neutral element (`x + 0`, `1 * x`:
+    a selection folded in an unrolled loop leaves them), else None."""
+    if not isinstance(n, Binary):
+        return None
+
+    def value(c: Node) -> float | None:
+        return c.value if isinstance(c, Const) else known.get(c)
+    if (n.op, value(n.y)) in _RIGHT_NEUTRAL:
+        return n.x
+    if (n.op, value(n.x)) in _LEFT_NEUTRAL:
+        return n.y
+    return None
 
 
 @STEP.on(Dot)
@@ -485,8 +512,10 @@ class _KernelWriter:
         self.reads: set[str] = set()
         self.owned: set[str] = set()
         self.returned: set[str] = set()  # arrays a store returns as they are
-        # predicates that hold on every element of the blocks being written (whole blocks)
-        self.known: dict[Node, bool] = {}
+        # values known on every element of the blocks being written: predicates that hold on
+        # whole blocks, positions and what is computed from them in unrolled loops
+        self.known: dict[Node, float] = {}
+        self.unrolling = False
 
     # ---------------------------------------------------------------- names and lookup
 
@@ -707,19 +736,25 @@ class _KernelWriter:
         if looping:
             self.loop_vars[loop.axis] = var = _identifier(f"{loop.axis}0", self.taken)
             self.taken.add(var)
-        segments = self.segments(loop) if looping else [("", None)]
+        unrolled = self.unrolled(loop) if looping else None
+        segments = unrolled or (self.segments(loop) if looping else [("", {})])
         bodies = []
-        outer = self.known
-        for blocks, whole in segments:
-            self.known = {**outer, whole: True} if whole is not None else outer
+        outer, was_unrolling = self.known, self.unrolling
+        self.unrolling |= unrolled is not None
+        for blocks, known in segments:
+            self.known = {**outer, **known}
             self.scopes.append({})
             body = self.steps(loop.body)
             for r, acc in states:
                 self.reads = set()
+                if self.known.get(skip_predicate(r), 1.0) == 0.0:
+                    continue  # it contributes its identity on these blocks
                 body.append(self.combine(r, acc) if looping else self.fold_once(r, acc))
             self.scopes.pop()
-            bodies.append((blocks, _live(body) if looping else body))
-        self.known = outer
+            body = _live(body) if looping else body
+            if body or not looping:
+                bodies.append((blocks, body))
+        self.known, self.unrolling = outer, was_unrolling
         if saved is not None:
             self.loop_vars[loop.axis] = saved
         elif looping:
@@ -739,23 +774,46 @@ class _KernelWriter:
         stmt = _Stmt(lines, accs, uses, owned, escapes=escapes)
         return [stmt, self.finalize(states)] if states else [stmt]
 
-    def segments(self, loop: Loop) -> list[tuple[str, Node | None]]:
-        """The loop's visited blocks as code, each run with the predicate it may take as true
-        there (None: none).  Where the loop skips blocks by a predicate and no loop inside it
-        does, the blocks the predicate holds on everywhere are a run of their own whose body
-        applies no mask: the blocks before it, those blocks, the blocks after it (each a
-        table by the part's offset where parts differ, and left out where no part has any)."""
+    def segments(self, loop: Loop) -> list[tuple[str, dict[Node, float]]]:
+        """The loop's visited blocks as code, each run with what is known there (the value of
+        a predicate over positions).  Where the loop skips blocks by a predicate and no loop
+        inside it does, the blocks the predicate holds on everywhere are a run of their own
+        whose body applies no mask: the blocks before it, those blocks, the blocks after it
+        (each a table by the part's offset where parts differ, and left out where no part
+        has any)."""
         p = loop_predicate(loop)
         if p is None or any(isinstance(step, Loop) and loop_predicate(step) is not None
                             for step, _ in walk_steps(loop.body)):
-            return [(self.visited(loop), None)]
+            return [(self.visited(loop), {})]
         runs = self.visited_runs(loop, p)
         if runs is None or not any(whole for before, whole, after in runs.values()):
-            return [(self.visited(loop), None)]
+            return [(self.visited(loop), {})]
         d = self.p.dims[loop.axis]
         return [(self.by_offset({o: _blocks_code(r[i], d) for o, r in runs.items()}), known)
-                for i, known in ((0, None), (1, p), (2, None))
+                for i, known in ((0, {}), (1, {p: 1.0}), (2, {}))
                 if any(r[i] for r in runs.values())]
+
+    def unrolled(self, loop: Loop) -> list[tuple[str, dict[Node, float]]] | None:
+        """A short loop over blocks of one element whose body computes with its position
+        (the chunk axis of a slice or a concatenation, the pair of rotate-half RoPE), as one
+        run per block in which the position, and every value computed from positions and
+        constants alone, is a known number: its masks and one-hot selections fold away, and a
+        reduction whose predicate is false there is not combined.  None for any other loop,
+        and for a loop inside an unrolled one (the copies would multiply)."""
+        if self.unrolling or not _unrollable(self.p, loop):
+            return None
+        nodes = dict.fromkeys(_body_nodes(loop))
+        contracted = {c for n in nodes if isinstance(n, Dot) for c in (n.x, n.y)}
+        runs = []
+        for start in range(self.p.blocks(loop.axis)):
+            known: dict[Node, float] = {Pos(loop.axis): float(start)}
+            for n in nodes:
+                args = [known.get(c, c.value if isinstance(c, Const) else None)
+                        for c in children(n)]
+                if is_elementwise(n) and args and None not in args and n not in contracted:
+                    known[n] = float(np.float32(operator(n).numpy(*map(np.float32, args))))
+            runs.append((f"({start},)", known))
+        return runs
 
     def visited_runs(self, loop: Loop, p: Node
                      ) -> dict[int | None, tuple[list[int], list[int], list[int]]] | None:
@@ -1282,11 +1340,29 @@ def _take(values: np.ndarray, axis: int, index: np.ndarray) -> np.ndarray:
 _SAME_IN_BLOCKS = {"sum", "max", "min"}
 
 
+def _body_nodes(loop: Loop) -> Iterator[Node]:
+    """Every node the loop's body computes, and the nodes they read, operands first."""
+    for step, _ in walk_steps(loop.body):
+        if isinstance(step, Compute):
+            yield from postorder(step.node)
+
+
+def _unrollable(p: BlockProgram, loop: Loop) -> bool:
+    """Is `loop` over at most `UNROLLED_BLOCKS` blocks of one element, with a body that
+    computes with its position, and skipping (if at all) by its own position only?"""
+    d = p.dims[loop.axis]
+    if d.block != 1 or d.blocks > UNROLLED_BLOCKS or Pos(loop.axis) not in _body_nodes(loop):
+        return False
+    skip = loop_predicate(loop)
+    return skip is None or all(n.axis == loop.axis for n in postorder(skip)
+                               if isinstance(n, Pos))
+
+
 def coarsened(p: BlockProgram, k: Kernel, capacity: int) -> Kernel:
     """`k` with each axis that its plan walks only in reduction loops of `_SAME_IN_BLOCKS`
-    folds (skipping nothing, or gathering) given the largest block, its own times a divisor
-    of its block count, at which no tile of the kernel holds more than `COARSE_TILE`
-    elements.  Block sizes are a kernel's own (global tensors are the same whatever a
+    folds (skipping nothing, or gathering; not a loop to unroll) given the largest block, its
+    own times a divisor of its block count, at which no tile of the kernel holds more than
+    `COARSE_TILE` elements.  Block sizes are a kernel's own (global tensors are the same whatever a
     kernel's tiles), so this changes its loops only: sums are added in another order, which
     changes results to float rounding."""
     kp = p.in_kernel(k)
@@ -1294,7 +1370,8 @@ def coarsened(p: BlockProgram, k: Kernel, capacity: int) -> Kernel:
              for loop in enclosing]
     fixed = {loop.axis for loop in loops if not loop.reduces
              or loop_predicate(loop) is not None and not all(map(_gathers, loop.reduces))
-             or any(isinstance(step, Write) for step, _ in walk_steps(loop.body))}
+             or any(isinstance(step, Write) for step, _ in walk_steps(loop.body))
+             or _unrollable(kp, loop)}
     nodes = [n for s in k.stores for n in postorder(s.value)]
     for n in nodes:  # a fold whose in-block reduction is not its own monoid's depends on blocks
         if isinstance(n, Reduce) and n.monoid.name not in _SAME_IN_BLOCKS:

@@ -548,3 +548,55 @@ def test_a_gather_that_picks_nothing_is_zeros_of_the_contractions_shape():
     guard = np.ones((1, 1, 1), np.float32)
     got = numpy_gen.gather_one_hot(values, 2, ((far, (guard,)), (far - 100, ())))
     np.testing.assert_array_equal(got, np.zeros((3, 4, 1), np.float32))
+
+
+ROTATE_HALF = """
+dim t = 256 / 64
+dim d = 64
+dim i = 32
+input X[t, d], COS[t, i], SIN[t, i] : f32
+LO[t, i] = X[t, i + 0] * COS[t, i] - X[t, i + 32] * SIN[t, i]
+HI[t, i] = X[t, i + 32] * COS[t, i] + X[t, i + 0] * SIN[t, i]
+output LO, HI
+"""
+
+
+def test_a_short_loop_selecting_chunks_by_position_is_written_per_chunk():
+    """Rotate-half RoPE's two slices are one-hot sums over a chunk axis of two blocks of one:
+    written once per chunk, each sum reads its own half, with no mask, no positions and no
+    selection left; the numbers are those of a float64 reference."""
+    ast = parse_program(ROTATE_HALF, "rope.bbp")
+    r = fuse(lower(ast), load_packs([]), H100)
+    source = numpy_gen.generate(r.program)
+    assert re.findall(r"for d__i0 in \((\d),\):", source) == ["0", "1"]
+    assert not re.search(r"elementwise_where|elementwise_eq|np\.arange", source)
+    inputs = random_inputs(ast, seed=3)
+    x, c, s = (inputs[n].astype(np.float64) for n in ("X", "COS", "SIN"))
+    lo, hi = x[:, :32], x[:, 32:]
+    got = numpy_gen.run(r.program, inputs)
+    np.testing.assert_allclose(got["LO"], lo * c - hi * s, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got["HI"], hi * c + lo * s, rtol=1e-5, atol=1e-6)
+
+
+def test_per_chunk_folding_skips_sums_that_select_other_chunks_and_keeps_contractions():
+    """Three sums over the same four chunks of one element, selecting chunk 2, chunk 1 and
+    weighting by the position: each chunk combines only the sums its selections keep, and a
+    contraction whose operand became a known number still contracts."""
+    ast = parse_program("""
+dim t = 64 / 16
+dim c = 4 / 1
+dim n = 32 / 16
+input X[t, c], W[c, n] : f32
+Y[t, n] = sum[c] where(c == 2, 1, 0) * W[c, n] * X[t, c] + sum[c] where(c == 1, 1, 0) * X[t, c] * W[c, n]
+Z[t, n] = sum[c] (c * 2) * W[c, n] + Y[t, n]
+output Z
+""", "chunks.bbp")
+    r = fuse(lower(ast), load_packs([]), H100)
+    source = numpy_gen.generate(r.program)
+    assert re.findall(r"for c0 in \((\d),\):", source) == ["0", "1", "2", "3"]
+    assert source.count("X[:, c0:c0 + 1]") == 2  # chunks 1 and 2 only
+    inputs = random_inputs(ast, seed=2)
+    x, w = inputs["X"].astype(np.float64), inputs["W"].astype(np.float64)
+    want = x[:, [2]] * w[2] + x[:, [1]] * w[1] + (2 * np.arange(4.0)) @ w
+    np.testing.assert_allclose(numpy_gen.run(r.program, inputs)["Z"], want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(interp.run(r.program, inputs)["Z"], want, rtol=1e-5, atol=1e-5)
