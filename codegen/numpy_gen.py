@@ -737,12 +737,13 @@ class _KernelWriter:
             self.loop_vars[loop.axis] = var = _identifier(f"{loop.axis}0", self.taken)
             self.taken.add(var)
         unrolled = self.unrolled(loop) if looping else None
-        segments = unrolled or (self.segments(loop) if looping else [("", {})])
+        segments = unrolled or (self.segments(loop) if looping else [_Segment("", {}, True)])
         bodies = []
         outer, was_unrolling = self.known, self.unrolling
         self.unrolling |= unrolled is not None
-        for blocks, known in segments:
-            self.known = {**outer, **known}
+        surely_combined: set[Reduce] = set()  # on blocks every case visits
+        for segment in segments:
+            self.known = {**outer, **segment.known}
             self.scopes.append({})
             body = self.steps(loop.body)
             for r, acc in states:
@@ -750,10 +751,12 @@ class _KernelWriter:
                 if self.known.get(skip_predicate(r), 1.0) == 0.0:
                     continue  # it contributes its identity on these blocks
                 body.append(self.combine(r, acc) if looping else self.fold_once(r, acc))
+                if segment.always:
+                    surely_combined.add(r)
             self.scopes.pop()
             body = _live(body) if looping else body
             if body or not looping:
-                bodies.append((blocks, body))
+                bodies.append((segment.blocks, body))
         self.known, self.unrolling = outer, was_unrolling
         if saved is not None:
             self.loop_vars[loop.axis] = saved
@@ -763,7 +766,8 @@ class _KernelWriter:
         if not looping:
             return [_Stmt(init), *bodies[0][1], self.finalize(states)]
         accs = tuple(a for _, acc in states for a in acc)
-        owned = frozenset(a for r, acc in states for a, fresh in zip(acc, _fresh_state(r)) if fresh)
+        owned = frozenset(a for r, acc in states if r in surely_combined
+                          for a, fresh in zip(acc, _fresh_state(r)) if fresh)
         self.owned |= owned
         lines = init
         for blocks, body in bodies:
@@ -774,7 +778,7 @@ class _KernelWriter:
         stmt = _Stmt(lines, accs, uses, owned, escapes=escapes)
         return [stmt, self.finalize(states)] if states else [stmt]
 
-    def segments(self, loop: Loop) -> list[tuple[str, dict[Node, float]]]:
+    def segments(self, loop: Loop) -> list[_Segment]:
         """The loop's visited blocks as code, each run with what is known there (the value of
         a predicate over positions).  Where the loop skips blocks by a predicate and no loop
         inside it does, the blocks the predicate holds on everywhere are a run of their own
@@ -784,16 +788,17 @@ class _KernelWriter:
         p = loop_predicate(loop)
         if p is None or any(isinstance(step, Loop) and loop_predicate(step) is not None
                             for step, _ in walk_steps(loop.body)):
-            return [(self.visited(loop), {})]
+            return [self.visited(loop)]
         runs = self.visited_runs(loop, p)
         if runs is None or not any(whole for before, whole, after in runs.values()):
-            return [(self.visited(loop), {})]
+            return [self.visited(loop)]
         d = self.p.dims[loop.axis]
-        return [(self.by_offset({o: _blocks_code(r[i], d) for o, r in runs.items()}), known)
+        key = self.skip_cases(loop, p)[0]
+        return [_Segment.of({o: r[i] for o, r in runs.items()}, key, d, known)
                 for i, known in ((0, {}), (1, {p: 1.0}), (2, {}))
                 if any(r[i] for r in runs.values())]
 
-    def unrolled(self, loop: Loop) -> list[tuple[str, dict[Node, float]]] | None:
+    def unrolled(self, loop: Loop) -> list[_Segment] | None:
         """A short loop over blocks of one element whose body computes with its position
         (the chunk axis of a slice or a concatenation, the pair of rotate-half RoPE), as one
         run per block in which the position, and every value computed from positions and
@@ -812,26 +817,21 @@ class _KernelWriter:
                         for c in children(n)]
                 if is_elementwise(n) and args and None not in args and n not in contracted:
                     known[n] = float(np.float32(operator(n).numpy(*map(np.float32, args))))
-            runs.append((f"({start},)", known))
+            runs.append(_Segment(f"({start},)", known, True))
         return runs
 
     def visited_runs(self, loop: Loop, p: Node
                      ) -> dict[int | None, tuple[list[int], list[int], list[int]]] | None:
-        """Per part offset (None: the whole grid at once), the visited block starts as three
-        runs: cut by `p`, `p` true everywhere, cut again; None where they do not fall so."""
-        axes = {n.axis for n in postorder(p) if isinstance(n, Pos)}
-        if any(a != loop.axis and a in self.loop_vars for a in axes):
+        """Per value of what the visited blocks depend on (`skip_cases`), the visited block
+        starts as three runs: cut by `p`, `p` true everywhere, cut again; None where they do
+        not fall so."""
+        cases = self.skip_cases(loop, p)
+        if cases is None:
             return None
-        part = self.part
-        if part is None or part.axis not in axes or part.axis == loop.axis:
-            ranges = {None: {}}
-        else:
-            span = part.blocks * self.p.block(part.axis)
-            ranges = {o: {part.axis: (o, o + span - 1)} for o in part.offsets}
         out = {}
-        for o, r in ranges.items():
-            held = self.starts_where(loop, p, axes, r)
-            cut = set(self.starts_where(loop, Unary("not", p), axes, r))
+        for o, r in cases[1].items():
+            held = self.starts_where(loop, p, r)
+            cut = set(self.starts_where(loop, Unary("not", p), r))
             whole = [s for s in held if s not in cut]
             first = held.index(whole[0]) if whole else len(held)
             last = first + len(whole)
@@ -840,37 +840,50 @@ class _KernelWriter:
             out[o] = (held[:first], whole, held[last:])
         return out
 
-    def by_offset(self, codes: Mapping[int | None, str]) -> str:
-        """One code for every part, or a table by the part's offset."""
-        if len(set(codes.values())) == 1:
-            return next(iter(codes.values()))
-        table = ", ".join(f"{o}: {c}" for o, c in codes.items())
-        return f"{{{table}}}[{self.part.start}]"
+    def skip_cases(self, loop: Loop, p: Node
+                   ) -> tuple[str | None, dict[int | None, dict[Axis, tuple[int, int]]]] | None:
+        """What the blocks `p` lets the loop skip depend on, besides the loop's own position:
+        (None, {None: {}}) for nothing; (the part's start, its axis' range per part offset)
+        for a part's own blocks of its split axis; (an enclosing loop's variable, its block's
+        range per block start) for an enclosing loop's position (concatenated pieces, each
+        read only in the blocks it fills).  None where it depends on more than one of these.
+        """
+        axes = {n.axis for n in postorder(p) if isinstance(n, Pos)} - {loop.axis}
+        enclosing = [a for a in axes if a in self.loop_vars]
+        part = self.part if self.part is not None and self.part.axis in axes else None
+        if len(enclosing) + (part is not None) > 1:
+            return None
+        if part is not None:
+            span = part.blocks * self.p.block(part.axis)
+            return part.start, {o: {part.axis: (o, o + span - 1)} for o in part.offsets}
+        if enclosing:
+            a = enclosing[0]
+            d = self.p.dims[a]
+            return self.loop_vars[a], {s: {a: (s, s + d.block - 1)}
+                                       for s in range(0, d.padded, d.block)}
+        return None, {None: {}}
 
-    def visited(self, loop: Loop) -> str:
+    def visited(self, loop: Loop) -> _Segment:
         """The starts of the loop's blocks, as code: all of them, or (where its reductions
         contribute their identity outside a predicate over positions, `loop_predicate`) those
-        on which the predicate may hold for some block of the vectorised grid axes.  A part
-        whose predicate reads its split axis visits those of its own blocks of that axis: a
-        table by the part's offset (causal attention's early query blocks stop early)."""
+        on which the predicate may hold for some block of the vectorised grid axes: a table by
+        a part's offset where the predicate reads its split axis (causal attention's early
+        query blocks stop early), or by an enclosing loop's block where it reads its axis."""
         d = self.p.dims[loop.axis]
-        every = f"range(0, {d.padded}, {d.block})"
         p = loop_predicate(loop)
-        axes = {n.axis for n in postorder(p) if isinstance(n, Pos)} if p is not None else ()
-        if p is None or any(a != loop.axis and a in self.loop_vars for a in axes):
-            return every  # it reads an enclosing loop's position: decided per iteration
-        part = self.part
-        if part is None or part.axis not in axes or part.axis == loop.axis:
-            return _blocks_code(self.starts_where(loop, p, axes, {}), d)
-        span = part.blocks * self.p.block(part.axis)
-        return self.by_offset({o: _blocks_code(self.starts_where(
-            loop, p, axes, {part.axis: (o, o + span - 1)}), d) for o in part.offsets})
+        cases = self.skip_cases(loop, p) if p is not None else None
+        if cases is None:
+            return _Segment(f"range(0, {d.padded}, {d.block})", {}, True)
+        key, ranges = cases
+        return _Segment.of({o: self.starts_where(loop, p, r) for o, r in ranges.items()}, key,
+                           d, {})
 
-    def starts_where(self, loop: Loop, p: Node, axes: AbstractSet[Axis],
-                     ranges: Mapping[Axis, tuple[int, int]]) -> list[int]:
+    def starts_where(self, loop: Loop, p: Node, ranges: Mapping[Axis, tuple[int, int]]
+                     ) -> list[int]:
         """The starts of the loop's blocks on which `p` may hold, for positions of the other
         axes anywhere in `ranges` (default: the whole axis)."""
         d = self.p.dims[loop.axis]
+        axes = {n.axis for n in postorder(p) if isinstance(n, Pos)}
         starts = np.arange(d.blocks, dtype=np.float64) * d.block
         bounds = {a: tuple(np.float64(x) for x in ranges.get(a, (0, self.p.padded(a) - 1)))
                   for a in axes}
@@ -1073,6 +1086,29 @@ def _axes_of(n: Node) -> tuple[Axis, ...]:
         case Reduce(a, _, _) | BlockReduce(_, a, _) | Dot(a, _, _):
             return (a,)
     return ()
+
+
+@dataclass
+class _Segment:
+    """Blocks of a loop visited with one body: their starts as code, what is known on them
+    (`_KernelWriter.known`), and whether every case visits at least one (else a fold's state
+    may still be its identity after the loop, not an array of its own)."""
+
+    blocks: str
+    known: dict[Node, float]
+    always: bool
+
+    @staticmethod
+    def of(starts: Mapping[int | None, Sequence[int]], key: str | None, d: Dim,
+           known: dict[Node, float]) -> _Segment:
+        """The block starts of each case (a part's offset, an enclosing loop's block: the
+        value of `key`), as one code where they agree, else a table by `key`."""
+        codes = {o: _blocks_code(s, d) for o, s in starts.items()}
+        if len(set(codes.values())) == 1:
+            code = next(iter(codes.values()))
+        else:
+            code = f"{{{', '.join(f'{o}: {c}' for o, c in codes.items())}}}[{key}]"
+        return _Segment(code, known, all(starts.values()))
 
 
 def _blocks_code(starts: Sequence[int], d: Dim) -> str:

@@ -271,6 +271,27 @@ def test_numpy_iterates_only_the_blocks_a_predicate_of_the_loop_axis_may_hold_on
         np.testing.assert_allclose(got[o], want[o], rtol=1e-5, atol=1e-5)
 
 
+def test_numpy_skips_by_an_enclosing_loops_position_and_may_visit_nothing(pack):
+    """A concatenation fused into its consumer: the fold over each piece's own axis skips by
+    the position of the loop storing the joined axis, so each block of that axis visits only
+    the piece's blocks that fill it (a table by the enclosing loop's block), and the blocks
+    no piece fills visit none, leaving the fold's identity."""
+    ast = parse_program("dim t = 64 / 16\ndim a = 64 / 32\ndim b = 32 / 16\n"
+                        "dim e = 96 / 32\ndim n = 32 / 16\ninput A[t, a], B[t, b], W[e, n] : f32\n"
+                        "J[t, e] = concat(e, exp(A[t, a]), B[t, b])\n"
+                        "Y[t, n] = sum[e] J[t, e] * W[e, n]\noutput J, Y\n")
+    r = fuse(lower(ast), pack, H100)
+    assert len(r.program.kernels) == 1
+    source = numpy_gen.generate(r.program)
+    assert "{0: range(0, 32, 32), 32: range(32, 64, 32), 64: ()}[e0]" in source
+    assert "{0: (), 32: (), 64: range(0, 32, 16)}[e0]" in source
+    inputs = random_inputs(ast, seed=2)
+    joined = np.concatenate([np.exp(inputs["A"].astype(np.float64)), inputs["B"]], axis=1)
+    got = numpy_gen.run(r.program, inputs)
+    np.testing.assert_allclose(got["J"], joined, rtol=1e-6)
+    np.testing.assert_allclose(got["Y"], joined @ inputs["W"], rtol=1e-5, atol=1e-5)
+
+
 def test_an_additive_mask_from_positions_skips_blocks_as_a_select_does(pack):
     """A mask added to the scores (as ONNX writes masks), `S + where(k <= q, 0, -inf)`: where
     the predicate is false the score is a finite sum plus -inf, which is -inf, so the fold skips
