@@ -98,6 +98,17 @@ CASES = [
     ("unknown output dtype", "Y[n] = B[n]\noutput Y : f64", 6, 12, "unknown dtype 'f64'"),
     ("scalar used with axes", "T[] = sum[n] B[n]\nY[n] = B[n] * T[n]\noutput Y", 6, 15,
      "'T' has 0 axes (T[]), this reference gives 1"),
+    ("view that does not multiply out", "dim h = 2\ndim d = 3\nY[m, h, d] = A[m, (h, d)]\n"
+     "output Y", 7, 20, "h (2) x d (3) is 6 elements, 'e' of 'A' has 8"),
+    ("slice off the chunks", "dim i = 4\nY[m, i] = A[m, i + 2]\noutput Y", 6, 20,
+     "must start at a multiple of i's extent 4"),
+    ("slice past the end", "dim i = 4\nY[m, i] = A[m, i + 8]\noutput Y", 6, 20,
+     "runs past its extent 8"),
+    ("concatenation of the wrong length", "dim c = 12\nY[m, c] = concat(c, A[m, e], B[n])\n"
+     "output Y", 6, 11, "are 8 + 8 = 16 elements along 'c', which has 12"),
+    ("concatenated piece with no axis of its own", "dim c = 16\n"
+     "Y[m, c] = concat(c, A[m, e], A[m, c])\noutput Y", 6, 30,
+     "piece 2 of concat(c, ...) has no axis of its own"),
 ]
 
 

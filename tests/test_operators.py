@@ -1,8 +1,10 @@
 """The forms and functions programs of real models use: mean and multi-axis reductions, scalar
-results, named constants, output dtypes, `**`, and erf, cos, sin, pow, softplus, elu, exp2.
+results, named constants, output dtypes, `**`, erf, cos, sin, pow, softplus, elu, exp2, and
+predicates over values and positions.
 
-Each is checked three ways against numpy written here: the dense evaluator, and the lowered
-program through the reference interpreter and the numpy backend.
+Each is checked four ways against numpy written here: the dense evaluator, and the lowered
+program through the reference interpreter, the numpy backend and the CUDA C backend (run by
+the emulator in tests/cuda_emu).
 """
 
 from __future__ import annotations
@@ -13,18 +15,21 @@ import numpy as np
 import pytest
 
 from bbrules import dense, interp
-from bbrules.codegen import numpy_gen
+from bbrules.codegen import cuda_gen, numpy_gen
 from bbrules.frontend import parse_program
 from bbrules.lower import lower
 
+from cuda_emu import emulate
+
 X = np.linspace(-3.0, 3.0, 48, dtype=np.float32).reshape(4, 6, 2)
+T, C, P = np.ix_(range(4), range(6), range(2))  # positions along each axis
 
 
 def outputs(text: str, inputs: dict[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
     ast = parse_program(text)
     block = lower(ast)
     return [dense.evaluate(ast, inputs, np.float64), interp.run(block, inputs),
-            numpy_gen.run(block, inputs)]
+            numpy_gen.run(block, inputs), emulate(cuda_gen.generate(block), inputs)]
 
 
 HEADER = "dim t = 4 / 2\ndim c = 6 / 3\ndim p = 2\ninput X[t, c, p] : f32\n"
@@ -39,6 +44,8 @@ FUNCTIONS = {
     "pow(abs(X[t, c, p]), 1.5)": np.abs(X.astype(np.float64)) ** 1.5,
     "abs(X[t, c, p]) ** 1.5": np.abs(X.astype(np.float64)) ** 1.5,
     "-X[t, c, p] ** 2": -(X.astype(np.float64) ** 2),
+    "where(X[t, c, p] > 0 and not (X[t, c, p] > 2) or c <= t and p == 1, X[t, c, p], 3)":
+        np.where((X > 0) & ~(X > 2) | (C <= T) & (P == 1), X, 3),
 }
 
 
@@ -65,5 +72,6 @@ def test_named_constants_scalar_results_and_output_dtypes():
     ast = parse_program(text)
     assert ast.tensors["LOSS"].axes == () and ast.tensors["Y"].dtype == "bf16"
     loss = ((X.astype(np.float64) / 8 - 0.25) ** 2).sum()
-    for got in outputs(text, {"X": X}):
+    for got in outputs(text, {"X": X}):  # Y within a bf16 rounding where it is stored so
         np.testing.assert_allclose(got["LOSS"], loss, rtol=1e-6)
+        np.testing.assert_allclose(got["Y"], X.astype(np.float64) * loss, rtol=2 ** -8)

@@ -138,6 +138,42 @@ def test_causal_attention_at_4096_visits_about_half_the_key_blocks(pack):
     assert loop.axis == "k" and loop.skip == Binary("le", Pos("k"), Pos("q"))
 
 
+N = 4096
+Q_FULL, K_FULL = np.arange(N)[:, None], np.arange(N)[None, :]
+AT_4096 = {  # mask, allowed keys, additive bias, the largest share of the plain flops
+    "causal": ("k <= q", Q_FULL >= K_FULL, 0.0, 0.55),
+    "sliding window 256": ("k <= q and q - k < 256",
+                           (Q_FULL >= K_FULL) & (Q_FULL - K_FULL < 256), 0.0, 0.1),
+    "prefix-LM 512": ("k <= q or k < 512", (Q_FULL >= K_FULL) | (K_FULL < 512), 0.0, 0.55),
+    "ALiBi": ("k <= q", Q_FULL >= K_FULL, -0.5 * np.abs(Q_FULL - K_FULL), 0.55),
+}
+
+
+@pytest.fixture(scope="module")
+def plain_at_4096(pack):
+    return fuse(lower(load_program(EXAMPLES / "attention.bbp")), pack, H100, options=WHOLE)
+
+
+@pytest.mark.parametrize("name", AT_4096)
+def test_masked_attention_at_4096_visits_only_what_its_mask_reaches(pack, plain_at_4096, name):
+    """One head at N = 4096: one kernel, the scores never stored, modeled flops and traffic
+    the share of the unmasked program's that the mask's blocks reach (about half for causal
+    masks, the band for a window of 256), and the numbers of a float64 reference."""
+    mask, allowed, bias, share = AT_4096[name]
+    source = attention(mask, n=N, bq=64, bk=64, heads=1).replace("dim d = 32", "dim d = 64")
+    if name == "ALiBi":
+        source = source.replace("* 0.125, -inf)", "* 0.125 - 0.5 * abs(q - k), -inf)")
+    ast = parse_program(source)
+    r = fuse(lower(ast), pack, H100, options=WHOLE)
+    assert len(r.program.kernels) == 1 and set(r.program.tensors) == {"Q", "K", "V", "O"}
+    plain = plain_at_4096.after
+    assert r.after.flops <= share * plain.flops and r.after.traffic <= share * plain.traffic
+    inputs = random_inputs(ast, seed=5)
+    want = reference(inputs, allowed[None], bias)
+    np.testing.assert_allclose(numpy_gen.run(r.program, inputs)["O"], want, rtol=1e-4,
+                               atol=1e-5)
+
+
 def test_a_band_visits_only_the_blocks_it_crosses():
     band = Binary("and", Binary("le", Pos("k"), Pos("q")),
                   Binary("lt", Binary("sub", Pos("q"), Pos("k")), Const(256.0)))

@@ -66,6 +66,26 @@ def test_the_logits_are_never_stored_at_full_size(pack):
     assert r.after.traffic < r.before.traffic and r.after.time < r.before.time
 
 
+def test_the_full_vocabulary_in_blocks_of_128_fused_with_targets_in_the_ragged_block(pack):
+    """50,257 words in blocks of 128 (393 blocks, the last holding 81 words), 256 tokens of
+    width 64: fused into one kernel that never stores the logits, with half of the tokens'
+    targets among the last block's words, the loss is a float64 reference's (the 47 padding
+    columns must add nothing to the sums of exponentials nor to the maxima)."""
+    ast = load_program(EXAMPLE, {"t": (256, 64), "e": (64, 64)})
+    r = fuse(lower(ast), pack, H100, objective="traffic")
+    assert len(r.program.kernels) == 1 and "Z" not in r.program.tensors
+    inputs = random_inputs(ast, seed=6)
+    rng = np.random.default_rng(6)
+    targets = np.where(np.arange(256) % 2 == 0, rng.integers(50176, 50257, 256),
+                       rng.integers(0, 50176, 256))
+    inputs["Y"] = np.zeros((256, 50257), np.float32)
+    inputs["Y"][np.arange(256), targets] = 1.0
+    z = inputs["H"].astype(np.float64) @ inputs["W"].astype(np.float64)
+    m = z.max(axis=1)
+    ce = m + np.log(np.exp(z - m[:, None]).sum(axis=1)) - z[np.arange(256), targets]
+    assert numpy_gen.run(r.program, inputs)["LOSS"] == pytest.approx(ce.mean(), rel=1e-5)
+
+
 def test_a_ragged_axis_keeps_the_programs_blocks():
     p = lower(parse_program("dim r = 10 / 4\ninput X[r] : f32\nY[r] = X[r] * 2\noutput Y\n"))
     (k,) = p.kernels
