@@ -755,8 +755,9 @@ class _KernelWriter:
                     surely_combined.add(r)
             self.scopes.pop()
             body = _live(body) if looping else body
-            if body or not looping:
-                bodies.append((segment.blocks, body))
+            if not looping or any(not line.lstrip().startswith("#")
+                                  for stmt in body for line in stmt.lines):
+                bodies.append((segment.blocks, body))  # (not a body of comments only)
         self.known, self.unrolling = outer, was_unrolling
         if saved is not None:
             self.loop_vars[loop.axis] = saved

@@ -117,7 +117,7 @@ output O
 """
 
 
-def test_fused_qkv_weights_and_head_splitting():
+def test_fused_qkv_weights_and_head_splitting(pack):
     text = FUSED_QKV.replace("dim f = 96 / 32\n", "").replace("dim d = 16\n",
                                                              "dim d = 16\ndim f = 96 / 32\n")
     ast = parse_program(text)
@@ -126,8 +126,50 @@ def test_fused_qkv_weights_and_head_splitting():
     v = (x @ w).reshape(64, 3, 2, 16)[:, 2]  # [t, h, d]
     want = v.transpose(1, 0, 2) + x.reshape(64, 2, 16).transpose(1, 0, 2)
     np.testing.assert_allclose(dense.evaluate(ast, inputs, np.float64)["O"], want, rtol=1e-12)
-    for got in (interp.run(lower(ast), inputs), numpy_gen.run(lower(ast), inputs)):
+    fused = fuse(lower(ast), pack, H100).program
+    for got in (interp.run(lower(ast), inputs), numpy_gen.run(lower(ast), inputs),
+                interp.run(fused, inputs), numpy_gen.run(fused, inputs)):
         np.testing.assert_allclose(got["O"], want, rtol=1e-5, atol=1e-5)
+
+
+MULTI_HEAD = """
+dim t = 128 / 32           # queries
+dim s = 128 / 32           # keys
+dim h = 4 / 1              # heads
+dim d = 16                 # features of a head
+dim c = 64 / 32            # the model width, 4 heads x 16
+dim n = 64 / 32            # output columns
+input Q[t, c], K[s, c], V[s, c], WO[c, n] : f32
+S[h, t, s] = sum[d] Q[t, (h, d)] * K[s, (h, d)] * 0.25
+M[h, t]    = max[s] S[h, t, s]
+E[h, t, s] = exp(S[h, t, s] - M[h, t])
+L[h, t]    = sum[s] E[h, t, s]
+A[h, t, d] = sum[s] E[h, t, s] * V[s, (h, d)] / L[h, t]
+Y[t, n]    = sum[h, d] A[h, t, d] * WO[(h, d), n]
+output Y
+"""
+
+
+def test_heads_split_from_the_model_width_and_merged_by_the_output_projection(pack):
+    """Multi-head attention on model-width Q, K and V: each head reads its 16 features through
+    a view (`Q[t, (h, d)]`), and the heads are merged where the output projection reads its
+    weights' rows as (head, feature) pairs, `sum[h, d] A * WO[(h, d), n]`: the concatenation
+    of the heads times WO, with no merged tensor stored.  Fused, the scores are never stored;
+    the numbers are a float64 reference's (split, attend per head, merge, project)."""
+    ast = parse_program(MULTI_HEAD)
+    r = fuse(lower(ast), pack, H100)
+    assert not {"S", "E"} & set(r.program.tensors)
+    inputs = random_inputs(ast, seed=8)
+    q, k, v = (inputs[n].astype(np.float64).reshape(128, 4, 16).transpose(1, 0, 2)
+               for n in "QKV")
+    s = np.einsum("htd,hsd->hts", q, k) * 0.25
+    e = np.exp(s - s.max(axis=-1, keepdims=True))
+    heads = np.einsum("hts,hsd->htd", e, v) / e.sum(axis=-1, keepdims=True)
+    merged = heads.transpose(1, 0, 2).reshape(128, 64)
+    want = merged @ inputs["WO"].astype(np.float64)
+    for got in (interp.run(r.program, inputs), numpy_gen.run(r.program, inputs),
+                dense.evaluate(ast, inputs, np.float64)):
+        np.testing.assert_allclose(got["Y"], want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("body, column, message", [
