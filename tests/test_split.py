@@ -104,6 +104,8 @@ def test_attention_at_4096_on_h100_splits_over_keys_like_flash_decoding(pack):
     states = 2 * (o + 2 * 4096 * F32)
     assert r.after.traffic == 2 * q + o + 64 * (k + v) + 2 * states
     assert r.after.time < 0.7 * whole.after.time
+    # without splitting, the one kernel of before split reductions existed, at its traffic
+    assert whole.after.traffic <= q + o + 64 * (k + v)
 
 
 def test_split_k_of_a_skinny_matmul_is_generic_over_monoids(pack):
