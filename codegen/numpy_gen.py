@@ -1385,10 +1385,18 @@ def _body_nodes(loop: Loop) -> Iterator[Node]:
 
 
 def _unrollable(p: BlockProgram, loop: Loop) -> bool:
-    """Is `loop` over at most `UNROLLED_BLOCKS` blocks of one element, with a body that
-    computes with its position, and skipping (if at all) by its own position only?"""
+    """Is `loop` over at most `UNROLLED_BLOCKS` blocks of one element, with a body that selects
+    by its position (other than in the one-hot operand of a contraction, which is a gather
+    whatever the blocks: a convolution's taps are better contracted at once), and skipping (if
+    at all) by its own position only?"""
     d = p.dims[loop.axis]
-    if d.block != 1 or d.blocks > UNROLLED_BLOCKS or Pos(loop.axis) not in _body_nodes(loop):
+    if d.block != 1 or d.blocks > UNROLLED_BLOCKS:
+        return False
+    nodes = list(_body_nodes(loop))
+    gathered = {m for n in nodes if isinstance(n, Dot) and (hot := one_hot(n)) is not None
+                for m in postorder(n.y if hot[0] is n.x else n.x)}
+    if not any(isinstance(n, Where) and n not in gathered and Pos(loop.axis) in postorder(n.c)
+               for n in nodes):
         return False
     skip = loop_predicate(loop)
     return skip is None or all(n.axis == loop.axis for n in postorder(skip)

@@ -517,6 +517,25 @@ def test_a_convolutions_taps_are_summed_in_the_matmul_over_its_channels(monkeypa
     assert_close(got, dense.evaluate(ast, inputs, np.float64)["Y"], "vs dense")
 
 
+def test_taps_in_blocks_of_one_are_walked_at_once_not_one_by_one():
+    """Magika's import gives a convolution's taps blocks of one: their position only picks
+    the rows to gather, so the loop over them is coarsened into the matmul over (taps,
+    channels), not written once per tap (`_unrollable` is for selections, not gathers)."""
+    source = ("dim o = 60 / 30\ndim s = 5 / 1\ndim j = 64\ndim c = 256 / 64\ndim m = 32\n"
+              "input X[j, c], W[m, c, s] : f32\n"
+              "Y[o, m] = sum[s, c] W[m, c, s] * sum[j] where(j == o + s, 1, 0) * X[j, c]\n"
+              "output Y\n")
+    ast = parse_program(source)
+    p = lower(ast)
+    code = numpy_gen.generate(p)
+    body = code[code.index("def kernel_Y"):code.index("def _input")]
+    assert "for s0" not in body and body.count("np.matmul") == 1, body
+    inputs = random_inputs(ast, seed=7)
+    x, w = inputs["X"].astype(np.float64), inputs["W"].astype(np.float64)
+    want = np.einsum("osc,mcs->om", np.stack([x[o:o + 5] for o in range(60)]), w)
+    assert_close(numpy_gen.run(p, inputs)["Y"], want, "vs numpy")
+
+
 @pytest.mark.parametrize("values, index, axis", [
     ((1, 2, 1, 64, 40), (3, 1, 5, 1, 1), 4),  # disjoint dimensions: rows taken at once
     ((3, 2, 1, 40), (3, 1, 7, 1), 3),  # a dimension both span: numpy's own take_along_axis
