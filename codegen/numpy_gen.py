@@ -373,8 +373,7 @@ def _(n: Load, w: _KernelWriter) -> _Stmt:
 @STEP.on(Pos)
 def _(n: Pos, w: _KernelWriter) -> _Stmt | None:
     if n in w.known:
-        w.scopes[-1][n] = _literal(w.known[n])
-        return None
+        return w.alias(n, None, _literal(w.known[n]))
     return w.array(n, w.fresh(f"pos_{n.axis}"), w.position(n))
 
 
@@ -447,14 +446,12 @@ def _summed_contraction(n: BlockReduce, w: _KernelWriter) -> tuple[Dot, tuple[Ax
 @STEP.on(*ELEMENTWISE_KINDS)
 def _(n: Node, w: _KernelWriter) -> _Stmt | None:
     if n in w.known:
-        w.scopes[-1][n] = _literal(w.known[n])
-        return None
+        return w.alias(n, None, _literal(w.known[n]))
     if isinstance(n, Where) and n.c in w.known:
-        w.scopes[-1][n] = w.lookup(n.x if w.known[n.c] else n.y)
-        return None
+        same = n.x if w.known[n.c] else n.y
+        return w.alias(n, same, w.lookup(same))
     if (same := _neutral_operand(n, w.known)) is not None:
-        w.scopes[-1][n] = w.lookup(same)
-        return None
+        return w.alias(n, same, w.lookup(same))
     return w.elementwise(n, w.fresh(operator(n).name))
 
 
@@ -604,6 +601,19 @@ class _KernelWriter:
         owned = frozenset() if isinstance(n, Load) else frozenset((name,))
         return _Stmt([f"{name} = {text}"], (name,), frozenset(self.reads), owned=owned)
 
+    def alias(self, n: Node, same: Node | None, code: Code) -> _Stmt | None:
+        """`n` is the value of node `same` (None: of the number `code`): the same array where
+        their tiles have the same dimensions, else that value broadcast to `n`'s (a view no
+        step writes into), so that steps that reshape `n` (a contraction) find its shape."""
+        dims = self.dims(n)
+        if (self.dims(same) if same is not None else (1,) * len(dims)) == dims:
+            self.scopes[-1][n] = code
+            return None
+        name = self.fresh("broadcast")
+        self.scopes[-1][n] = name
+        return _Stmt([f"{name} = np.broadcast_to({code}, {dims!r})"], (name,),
+                     frozenset(self.reads))
+
     def elementwise(self, n: Node, name: str) -> _Stmt:
         """One operator; where it is a ufunc, also the variant writing into a dying operand."""
         args = [self.lookup(c) for c in children(n)]
@@ -748,7 +758,7 @@ class _KernelWriter:
             body = self.steps(loop.body)
             for r, acc in states:
                 self.reads = set()
-                if self.known.get(skip_predicate(r), 1.0) == 0.0:
+                if looping and self.known.get(skip_predicate(r), 1.0) == 0.0:
                     continue  # it contributes its identity on these blocks
                 body.append(self.combine(r, acc) if looping else self.fold_once(r, acc))
                 if segment.always:

@@ -517,6 +517,30 @@ def test_a_convolutions_taps_are_summed_in_the_matmul_over_its_channels(monkeypa
     assert_close(got, dense.evaluate(ast, inputs, np.float64)["Y"], "vs dense")
 
 
+def test_a_selection_folded_inside_a_contraction_keeps_the_contractions_shapes():
+    """Per chunk, `where(p == 1, X[h, s, d], 0)` is X or a plain 0, which lacks X's head axis;
+    the contraction that reads it reshapes by the node's dimensions, so the 0 is broadcast to
+    them.  A fold of one block nested in the chunk loop still folds what it selects."""
+    ast = parse_program("""
+dim h = 2 / 1
+dim t = 64 / 32
+dim s = 64 / 32
+dim p = 2 / 1
+dim d = 16
+input X[h, s, d], C[s, p, d], Q[h, t, p, d] : f32
+R[h, s, p, d] = where(p == 1, X[h, s, d], 0) * C[s, p, d]
+Z[h, t, s] = sum[p, d] Q[h, t, p, d] * R[h, s, p, d]
+output Z
+""", "select_dot.bbp")
+    r = fuse(lower(ast), load_packs([]), H100)
+    assert len(r.program.kernels) == 1
+    assert "np.broadcast_to(f32(0.0)" in numpy_gen.generate(r.program)
+    inputs = random_inputs(ast, seed=1)
+    q, x, c = (inputs[n].astype(np.float64) for n in "QXC")
+    want = np.einsum("htd,hsd->hts", q[:, :, 1], x * c[:, 1])
+    assert_close(numpy_gen.run(r.program, inputs)["Z"], want, "vs numpy")
+
+
 def test_taps_in_blocks_of_one_are_walked_at_once_not_one_by_one():
     """Magika's import gives a convolution's taps blocks of one: their position only picks
     the rows to gather, so the loop over them is coarsened into the matmul over (taps,
