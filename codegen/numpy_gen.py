@@ -161,8 +161,8 @@ class _Functions:
 # nested parentheses, so a deeper subexpression is given a name of its own.
 MAX_NESTING = 50
 
-# A loop over at most this many blocks of one element, whose body computes with the position,
-# is written once per block with the position known (`_KernelWriter.unrolled`).
+# A loop over at most this many blocks of one element, whose body selects by the position, is
+# written once per block with the position known (`_KernelWriter.unrolled`).
 UNROLLED_BLOCKS = 8
 
 
@@ -710,6 +710,8 @@ class _KernelWriter:
         codes = []
         for pick in picks:
             at = self.lookup(pick.at)  # minus the block's start and the pick's offset
+            if isinstance(pick.at, Const) or pick.at in self.known:  # an index array of a number
+                at = f"np.full({self.dims(pick.at)!r}, {at})"
             if start is not None or pick.offset:
                 at = f"({at})" + (f" - {start}" if start is not None else "") + (
                     f" {'-+'[pick.offset < 0]} {abs(pick.offset) + 0.0!r}" if pick.offset else "")
@@ -810,12 +812,13 @@ class _KernelWriter:
                 if any(r[i] for r in runs.values())]
 
     def unrolled(self, loop: Loop) -> list[_Segment] | None:
-        """A short loop over blocks of one element whose body computes with its position
-        (the chunk axis of a slice or a concatenation, the pair of rotate-half RoPE), as one
-        run per block in which the position, and every value computed from positions and
-        constants alone, is a known number: its masks and one-hot selections fold away, and a
-        reduction whose predicate is false there is not combined.  None for any other loop,
-        and for a loop inside an unrolled one (the copies would multiply)."""
+        """A short loop over blocks of one element whose body selects by its position (the
+        chunk axis of a slice or a concatenation, the pair of rotate-half RoPE; `_unrollable`),
+        as one run per block in which the position, and every value computed from positions
+        and constants alone, is a known number: its masks and one-hot selections fold away,
+        and a reduction whose predicate is false there is not combined.  A contraction's
+        operands stay arrays (it reshapes them).  None for any other loop, and for a loop
+        inside an unrolled one (the copies would multiply)."""
         if self.unrolling or not _unrollable(self.p, loop):
             return None
         nodes = dict.fromkeys(_body_nodes(loop))
@@ -1417,9 +1420,9 @@ def coarsened(p: BlockProgram, k: Kernel, capacity: int) -> Kernel:
     """`k` with each axis that its plan walks only in reduction loops of `_SAME_IN_BLOCKS`
     folds (skipping nothing, or gathering; not a loop to unroll) given the largest block, its
     own times a divisor of its block count, at which no tile of the kernel holds more than
-    `COARSE_TILE` elements.  Block sizes are a kernel's own (global tensors are the same whatever a
-    kernel's tiles), so this changes its loops only: sums are added in another order, which
-    changes results to float rounding."""
+    `COARSE_TILE` elements.  Block sizes are a kernel's own (global tensors are the same
+    whatever a kernel's tiles), so this changes its loops only: sums are added in another
+    order, which changes results to float rounding."""
     kp = p.in_kernel(k)
     loops = [loop for _, enclosing in walk_steps(plan_for(kp, k, capacity).schedule.body)
              for loop in enclosing]

@@ -541,6 +541,19 @@ output Z
     assert_close(numpy_gen.run(r.program, inputs)["Z"], want, "vs numpy")
 
 
+def test_a_gather_pinned_to_a_chunks_known_position_reads_that_row():
+    """A chunk loop that selects (so it is written per chunk) and also gathers the row its
+    position pins: the position is a number there, and the gather's index an array of it."""
+    ast = parse_program("dim a = 3 / 1\ndim k = 8\ndim t = 16 / 8\ninput X[t, k], Y[t, a] : f32\n"
+                        "Z[t] = sum[a] where(a == 1, Y[t, a], 0) + "
+                        "sum[a] sum[k] where(k == a, 1, 0) * X[t, k]\noutput Z\n")
+    p = lower(ast)
+    assert "in (2,):" in numpy_gen.generate(p)
+    inputs = random_inputs(ast, seed=1)
+    want = inputs["Y"][:, 1] + inputs["X"][:, :3].astype(np.float64).sum(axis=1)
+    assert_close(numpy_gen.run(p, inputs)["Z"], want, "vs numpy")
+
+
 def test_taps_in_blocks_of_one_are_walked_at_once_not_one_by_one():
     """Magika's import gives a convolution's taps blocks of one: their position only picks
     the rows to gather, so the loop over them is coarsened into the matmul over (taps,
