@@ -789,7 +789,7 @@ class _KernelWriter:
         uses = frozenset().union(*(s.uses for s in every))
         escapes = frozenset().union(*(s.escapes for s in every))
         stmt = _Stmt(lines, accs, uses, owned, escapes=escapes)
-        return [stmt, self.finalize(states)] if states else [stmt]
+        return [stmt, self.finalize(states, surely_combined)] if states else [stmt]
 
     def segments(self, loop: Loop) -> list[_Segment]:
         """The loop's visited blocks as code, each run with what is known there (the value of
@@ -970,8 +970,11 @@ class _KernelWriter:
         self.owned |= owned
         return _Stmt(lines, tuple(defs), frozenset(self.reads), frozenset(owned))
 
-    def finalize(self, states: list[tuple[Reduce, list[str]]]) -> _Stmt:
-        """The reductions' results, from their final states, in the enclosing body."""
+    def finalize(self, states: list[tuple[Reduce, list[str]]],
+                 combined: AbstractSet[Reduce] | None = None) -> _Stmt:
+        """The reductions' results, from their final states, in the enclosing body.  A fold
+        not surely `combined` (a loop whose blocks may all be skipped) may still hold its
+        identity, a number: its results are broadcast to their tiles' shapes."""
         lines: list[str] = []
         defs: list[str] = []
         owned: set[str] = set()
@@ -992,6 +995,13 @@ class _KernelWriter:
                 results.append(name)
                 if is_elementwise(f) and ft.shape:
                     owned.add(name)
+            if combined is not None and r not in combined:
+                for i, ft in enumerate(t if isinstance(t, tuple) else (t,)):
+                    name = self.fresh("fin")
+                    dims = self.layout.shape(ft, self.loop_vars.keys())
+                    lines.append(f"{name} = np.broadcast_to({results[i]}, {dims!r})")
+                    defs.append(name)
+                    results[i] = name
             self.reads.update(acc)
             self.scopes[-1][r] = results[0] if len(results) == 1 else tuple(results)
         self.owned |= owned

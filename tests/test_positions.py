@@ -328,6 +328,23 @@ def test_numpy_skips_by_an_enclosing_loops_position_and_may_visit_nothing(pack):
     np.testing.assert_allclose(got["Y"], joined @ inputs["W"], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("blocks", ["4 / 1", "64 / 16"])
+def test_a_fold_whose_predicate_never_holds_visits_nothing_and_gives_its_identity(blocks):
+    """No block of c may hold `c > 100`: the loops visit none, the max is -inf and the sum 0
+    on every element (the identity, broadcast to the tile), also where a store or a
+    contraction reads them."""
+    ast = parse_program(f"dim t = 32 / 16\ndim c = {blocks}\ndim n = 8\n"
+                        "input X[t, c], W[t, n] : f32\n"
+                        "M[t] = max[c] where(c > 100, X[t, c], -inf)\n"
+                        "S[t] = sum[c] where(c > 100 and c < 200, X[t, c], 0)\n"
+                        "Y[n] = sum[t] (S[t] + 1) * W[t, n]\noutput M, S, Y\n")
+    inputs = random_inputs(ast, seed=3)
+    for p in (lower(ast), fuse(lower(ast), load_packs([]), H100).program):
+        got = numpy_gen.run(p, inputs)
+        assert (got["M"] == -np.inf).all() and (got["S"] == 0).all()
+        np.testing.assert_allclose(got["Y"], inputs["W"].sum(axis=0), rtol=1e-5)
+
+
 def test_an_additive_mask_from_positions_skips_blocks_as_a_select_does(pack):
     """A mask added to the scores (as ONNX writes masks), `S + where(k <= q, 0, -inf)`: where
     the predicate is false the score is a finite sum plus -inf, which is -inf, so the fold skips
