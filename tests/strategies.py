@@ -171,3 +171,35 @@ def programs(draw: Callable[[st.SearchStrategy[Any]], Any]) -> str:
     outputs = [t for t in targets[:-1] if draw(st.booleans())] + [targets[-1]]
     lines.append(f"output {', '.join(outputs)}")
     return "\n".join(lines) + "\n"
+
+
+COMPARE = ("==", "!=", "<=", ">=", "<", ">")
+
+
+@st.composite
+def selecting_programs(draw: Callable[[st.SearchStrategy[Any]], Any]) -> str:
+    """Source text of a program that selects by the position along a short axis `c` (2 to 4
+    chunks, in blocks of one or all in one), as slices, concatenations and RoPE do: sums,
+    maxima and contractions over c under predicates of c's position, that may hold on every
+    chunk, some or none, a map over c, and a one-hot pick of one chunk."""
+    chunks = draw(st.integers(2, 4))
+    block = draw(st.sampled_from([1, chunks]))
+
+    def predicate() -> str:
+        atoms = [f"c {draw(st.sampled_from(COMPARE))} {draw(st.integers(-1, chunks))}"
+                 for _ in range(draw(st.integers(1, 2)))]
+        return f" {draw(st.sampled_from(('and', 'or')))} ".join(atoms)
+
+    pick = draw(st.integers(0, chunks - 1))
+    width = draw(st.sampled_from(["8", "16 / 8"]))
+    lines = [f"dim t = 32 / 16\ndim c = {chunks} / {block}\ndim d = {width}\ndim n = 16 / 8",
+             "input X[t, c, d], W[c, d, n], V[t, d], U[d, n] : f32",
+             f"A[t, d] = sum[c] where({predicate()}, X[t, c, d], 0)",
+             f"B[t, c, d] = where({predicate()}, X[t, c, d], V[t, d]) * (c + 1)",
+             f"G[t, n] = sum[c, d] where({predicate()}, X[t, c, d], 0) * W[c, d, n]",
+             f"M[t, d] = max[c] where({predicate()}, B[t, c, d], -inf)",
+             f"H[t, n] = sum[d] A[t, d] * U[d, n] + G[t, n] + "
+             f"sum[c] where(c == {pick}, 1, 0) * sum[d] B[t, c, d] * W[c, d, n]"]
+    outputs = draw(st.lists(st.sampled_from("ABGMH"), min_size=1, max_size=3, unique=True))
+    lines.append(f"output {', '.join(outputs)}")
+    return "\n".join(lines) + "\n"
