@@ -34,6 +34,7 @@ from bbrules.targets import get_target
 from irbuild import (add, attention_reference, div, flash_attention, mul, online_softmax,
                      program, rand, reshaped_dims, sub, welford_stats)
 from strategies import programs
+from test_views import ROPE_BY_SLICES
 
 EXAMPLES = sorted((Path(__file__).parent.parent / "examples").glob("*.bbp"))
 MULTI_DIR = Path(__file__).parent / "programs" / "multi"
@@ -606,22 +607,11 @@ def test_a_gather_that_picks_nothing_is_zeros_of_the_contractions_shape():
     np.testing.assert_array_equal(got, np.zeros((3, 4, 1), np.float32))
 
 
-ROTATE_HALF = """
-dim t = 256 / 64
-dim d = 64
-dim i = 32
-input X[t, d], COS[t, i], SIN[t, i] : f32
-LO[t, i] = X[t, i + 0] * COS[t, i] - X[t, i + 32] * SIN[t, i]
-HI[t, i] = X[t, i + 32] * COS[t, i] + X[t, i + 0] * SIN[t, i]
-output LO, HI
-"""
-
-
 def test_a_short_loop_selecting_chunks_by_position_is_written_per_chunk():
     """Rotate-half RoPE's two slices are one-hot sums over a chunk axis of two blocks of one:
     written once per chunk, each sum reads its own half, with no mask, no positions and no
     selection left; the numbers are those of a float64 reference."""
-    ast = parse_program(ROTATE_HALF, "rope.bbp")
+    ast = parse_program(ROPE_BY_SLICES, "rope.bbp")
     r = fuse(lower(ast), load_packs([]), H100)
     source = numpy_gen.generate(r.program)
     assert re.findall(r"for d__i0 in \((\d),\):", source) == ["0", "1"]
