@@ -33,7 +33,9 @@ Why it looks the way it does:
   matmul over both; an online softmax rescales its output in the dying contribution's buffer;
   a skipping loop's blocks where the predicate holds everywhere run without the mask; a short
   loop over chunks of one element that selects by its position (a slice's, a concatenation's,
-  RoPE's halves) is written once per chunk, its selections folded away.
+  RoPE's halves) is written once per chunk, its selections folded away; a product whose
+  columns are the block of a loop that folds across them (attention's scores) is computed
+  column-major and viewed transposed, so the fold's row maxima and sums read contiguous memory.
   Statements whose results no one reads (the one-hot a gather replaced) are dropped.
 - *Monoids are data.*  Identity, combine and finalize are emitted from the monoid's expressions,
   never special-cased by name, so online softmax and Welford need no code of their own.
@@ -513,6 +515,7 @@ class _KernelWriter:
         # whole blocks, positions and what is computed from them in unrolled loops
         self.known: dict[Node, float] = {}
         self.unrolling = False
+        self.folding: set[Axis] = set()  # axes of the enclosing loops that only fold
 
     # ---------------------------------------------------------------- names and lookup
 
@@ -686,12 +689,19 @@ class _KernelWriter:
         batch = [i for i in range(len(xs)) if i not in cs and xs[i] > 1 and ys[i] > 1]
         xfree = [i for i in range(len(xs)) if i not in cs and xs[i] > 1 and ys[i] == 1]
         yfree = [i for i in range(len(ys)) if i not in cs and ys[i] > 1 and xs[i] == 1]
-        x = _from_layout(self.tile(n.x), xs, [[i] for i in batch] + [xfree, cs])
-        y = _from_layout(self.tile(n.y), ys, [[i] for i in batch] + [cs, yfree])
         parts = [[(i, xs[i])] for i in batch]
         parts += [[(i, xs[i]) for i in xfree], [(i, ys[i]) for i in yfree]]
         summed = set(cs[:-1])
         dims = tuple(1 if i in summed else d for i, d in enumerate(self.dims(n)))
+        if xfree and [self.layout.element_dim(a) for a in self.folding] == yfree:
+            # columns over the block of a folding loop, which the fold reduces across: the
+            # product computed column-major (y^T x^T, then viewed transposed), so the maxima
+            # and sums over a row run across contiguous columns, several times faster
+            x = _from_layout(self.tile(n.x), xs, [[i] for i in batch] + [cs, xfree])
+            y = _from_layout(self.tile(n.y), ys, [[i] for i in batch] + [yfree, cs])
+            return _to_layout(f"np.matmul({y}, {x}).swapaxes(-1, -2)", parts, dims)
+        x = _from_layout(self.tile(n.x), xs, [[i] for i in batch] + [xfree, cs])
+        y = _from_layout(self.tile(n.y), ys, [[i] for i in batch] + [cs, yfree])
         return _to_layout(f"np.matmul({x}, {y})", parts, dims)
 
     def gather(self, n: Dot, values: Node, picks: tuple[Pick, ...]) -> str | None:
@@ -748,6 +758,11 @@ class _KernelWriter:
         if looping:
             self.loop_vars[loop.axis] = var = _identifier(f"{loop.axis}0", self.taken)
             self.taken.add(var)
+        folds_only = looping and not any(isinstance(step, Write)
+                                         for step, _ in walk_steps(loop.body))
+        was_folding = loop.axis in self.folding
+        if folds_only:
+            self.folding.add(loop.axis)
         unrolled = self.unrolled(loop) if looping else None
         segments = unrolled or (self.segments(loop) if looping else [_Segment("", {}, True)])
         bodies = []
@@ -771,6 +786,8 @@ class _KernelWriter:
                                   for stmt in body for line in stmt.lines):
                 bodies.append((segment.blocks, body))  # (not a body of comments only)
         self.known, self.unrolling = outer, was_unrolling
+        if not was_folding:
+            self.folding.discard(loop.axis)
         if saved is not None:
             self.loop_vars[loop.axis] = saved
         elif looping:

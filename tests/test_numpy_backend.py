@@ -126,6 +126,19 @@ def test_flash_attention_matches_plain_attention(n, d, bq, bk):
     assert python_loops(numpy_gen.generate(p)) == (1 if n // bk > 1 else 0)
 
 
+def test_the_scores_of_a_key_loop_are_multiplied_column_major():
+    """Q K^T inside the loop over key blocks, whose row maxima and sums reduce across its
+    columns: computed as (K Q^T)^T, a transposed view, so each reduction runs over
+    contiguous memory; P V, whose columns are features, is an ordinary product."""
+    p = flash(64, 16, 16, 16)
+    source = numpy_gen.generate(p)
+    products = re.findall(r"np\.matmul\(.*", source)
+    assert len(products) == 2 and sum(".swapaxes(-1, -2)" in m for m in products) == 1
+    inputs = {"Q": rand(64, 16, seed=1), "K": rand(64, 16, seed=2), "V": rand(64, 16, seed=3)}
+    assert_close(numpy_gen.run(p, inputs)["O"],
+                 attention_reference(inputs["Q"], inputs["K"], inputs["V"]), "vs numpy")
+
+
 def test_fused_attention_never_allocates_n_by_n():
     n, d, bk = 1024, 16, 64
     fused = numpy_gen.load(flash(n, d, 64, bk))
