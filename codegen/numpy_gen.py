@@ -1264,15 +1264,15 @@ def _split_axis(kp: BlockProgram, k: Kernel) -> Axis:
     depend (each part repeats that work: attention fused with the projection after it, split
     by the projection's columns, would compute the attention once per part), then the one of
     the most blocks (the first of equals).  A node's work is its elements over every axis it
-    spans or depends on, times the contraction for a matmul."""
+    spans or depends on, the contracted axis included for a matmul."""
     nodes = {id(n): n for s in k.stores for n in postorder(s.value)}.values()
     work = []
     for n in nodes:
         t = type_of(n)
         if isinstance(n, (Load, Const, Pos)) or not isinstance(t, TileType):
             continue
-        size = prod(kp.padded(a) for a in t.deps | t.shape)
-        work.append((t.deps | t.shape, size * (kp.padded(n.axis) if isinstance(n, Dot) else 1)))
+        axes = t.deps | t.shape  # a contraction's depends on the axis it contracts
+        work.append((axes, prod(kp.padded(a) for a in axes)))
 
     def repeated(axis: Axis) -> int:
         return sum(size for axes, size in work if axis not in axes)

@@ -320,3 +320,15 @@ def test_a_kernel_is_split_along_the_axis_its_work_depends_on():
     y = mul(sub(x, Get(0, stats)), Unary("rsqrt", add(Get(1, stats), Const(1e-5))))
     p = program({"m": (12, 4), "e": (24, 4)}, {"X": ("m", "e")}, [Store("Y", ("m", "e"), y)])
     assert numpy_gen._split_axis(p, p.kernels[0]) == "m"
+
+
+def test_a_contraction_counts_its_contracted_axis_once():
+    """LayerNorm folded into a matmul: the statistics and the normalised row do not depend on
+    the columns, the bias's product `sum[e] B[e] W[e, n]` does not depend on the rows.  That
+    product is n x e multiply-adds, not n x e x e: counted once, it is the cheaper work to
+    repeat, and the rows are split (split by columns, each part normalised all of X again)."""
+    ast = load_program(EXAMPLES / "layernorm_matmul.bbp",
+                       {"m": (256, 64), "e": (128, 32), "n": (128, 32)})
+    p = fuse(lower(ast), load_packs([]), get_target("cpu"), "traffic").program
+    kernel = next(k for k in p.kernels if set(k.grid) == {"m", "n"})
+    assert numpy_gen._split_axis(p.in_kernel(kernel), kernel) == "m"
