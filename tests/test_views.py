@@ -54,6 +54,14 @@ def rms(x: np.ndarray, g: np.ndarray) -> np.ndarray:
     return x / np.sqrt((x * x).mean(axis=-1, keepdims=True) + 1e-6) * g
 
 
+def assert_reported(text: str, line: int, column: int, message: str) -> None:
+    """Parsing `text` fails with `message` at `line` and `column`."""
+    with pytest.raises(SourceError) as err:
+        parse_program(text, "bad.bbp")
+    assert message in str(err.value)
+    assert (err.value.span.line, err.value.span.column) == (line, column)
+
+
 def fused_outputs(pack, ast) -> list[dict[str, np.ndarray]]:
     r = fuse(lower(ast), pack, H100)
     assert not {"S", "E", "QR"} & set(r.program.tensors)  # scores, rotated Q never stored
@@ -182,10 +190,7 @@ def test_views_whose_sizes_do_not_multiply_out_are_reported_where_they_are(body,
                                                                           message):
     text = ("dim t = 8 / 4\ndim e = 32 / 16\ndim h = 2 / 1\ndim d = 16\ndim c = 4\n"
             "dim r = 32 / 12\ninput X[t, e], R[t, r] : f32\n" + body + "\noutput Y\n")
-    with pytest.raises(SourceError) as err:
-        parse_program(text, "v.bbp")
-    assert message in str(err.value)
-    assert (err.value.span.line, err.value.span.column) == (8, column)
+    assert_reported(text, 8, column, message)
 
 
 # --------------------------------------------------------------------------------------------
@@ -234,10 +239,7 @@ def test_rotate_half_rope_written_with_slices_is_one_kernel_reading_x_once(pack)
 def test_slices_that_are_not_whole_chunks_are_reported_where_they_are(ref, column, message):
     text = ("dim t = 8 / 4\ndim d = 64\ndim i = 32\ndim r = 40 / 32\n"
             f"input X[t, d], R[t, r] : f32\nY[t, i] = {ref} * 2\noutput Y\n")
-    with pytest.raises(SourceError) as err:
-        parse_program(text, "s.bbp")
-    assert message in str(err.value)
-    assert (err.value.span.line, err.value.span.column) == (6, column)
+    assert_reported(text, 6, column, message)
 
 
 # --------------------------------------------------------------------------------------------
@@ -301,7 +303,4 @@ def test_malformed_concatenations_are_reported_where_they_are(value, column, mes
     text = ("dim t = 8 / 4\ndim a = 64 / 32\ndim b = 32 / 32\ndim e = 96 / 32\n"
             f"dim r = 40 / 32\ninput A[t, a], B[t, b], R[t, r] : f32\nY[t, e] = {value}\n"
             "output Y\n")
-    with pytest.raises(SourceError) as err:
-        parse_program(text, "c.bbp")
-    assert message in str(err.value)
-    assert (err.value.span.line, err.value.span.column) == (7, column)
+    assert_reported(text, 7, column, message)
