@@ -229,6 +229,34 @@ def band_of(arr: np.ndarray) -> Band | None:
     return None
 
 
+@dataclass(frozen=True)
+class Ramp:
+    """A constant that is `start + step * i` along its one dimension of extent > 1 (`axis`):
+    the class ids a one-hot compares with (`Equal(ids, Range(n))`, which exporters fold into
+    a constant), or positions."""
+
+    axis: int
+    start: float
+    step: float
+
+
+def ramp_of(arr: np.ndarray) -> Ramp | None:
+    """The ramp `arr` is, or None: it must vary along exactly one dimension, by a whole,
+    nonzero step from a whole start, so that every value is exactly representable."""
+    arr = np.asarray(arr)
+    varying = [d for d, n in enumerate(arr.shape) if n > 1]
+    if len(varying) != 1 or arr.size > 1 << 24:
+        return None
+    line = arr.reshape(-1).astype(np.float64)
+    start, step = line[0], line[1] - line[0]
+    if not (np.isfinite(start) and np.isfinite(step) and step != 0
+            and start == round(start) and step == round(step)):
+        return None
+    if not np.array_equal(line, start + step * np.arange(line.size)):
+        return None
+    return Ramp(varying[0], float(start), float(step))
+
+
 class OnnxError(UsageError):
     """A model bbrules cannot import, said with the node's position, name and operator."""
 
@@ -330,6 +358,8 @@ class Importer:
                 v = Value(tuple(arr.shape), number=float(arr.flat[0]))
             elif (band := band_of(arr)) is not None:
                 v = self.band(name, tuple(arr.shape), band)
+            elif (ramp := ramp_of(arr)) is not None:
+                v = self.ramp(name, tuple(arr.shape), ramp)
             else:
                 v = self.declare(name, tuple(arr.shape), "f32", arr)
             self.values[name] = v
@@ -349,6 +379,15 @@ class Importer:
                     ([f"{j} <= {shifted(band.hi)}"] if band.hi is not None else [])
             return f"where({' and '.join(tests)}, {_number(band.inside)}, " \
                    f"{_number(band.outside)})"
+        return self.statement(name, shape, range(len(shape)), [], expr)
+
+    def ramp(self, name: str, shape: tuple[int, ...], ramp: Ramp) -> Value:
+        """A constant ramp written as the position it is: a one-hot's comparison of ids with
+        it is then a gather (a lookup of table rows), not a product by a matrix of zeros."""
+        def expr(_refs: list[str], ix: _Index) -> str:
+            at = ix.position(ramp.axis)
+            scaled = at if ramp.step == 1 else f"{_number(ramp.step)} * {at}"
+            return scaled if ramp.start == 0 else f"{_number(ramp.start)} + {scaled}"
         return self.statement(name, shape, range(len(shape)), [], expr)
 
     def const(self, name: str, what: str) -> np.ndarray:

@@ -251,6 +251,59 @@ def test_band_of_refuses_what_is_not_a_band(matrix):
     assert band_of(matrix) is None
 
 
+@pytest.mark.parametrize("arr, ramp", [
+    (np.arange(257), (0, 0.0, 1.0)),
+    (np.arange(5.0).reshape(1, 5, 1) * 2 + 3, (1, 3.0, 2.0)),
+    (np.arange(4, 0, -1), (0, 4.0, -1.0)),
+])
+def test_ramp_of_reads_positions(arr, ramp):
+    from bbrules.onnx_import import Ramp, ramp_of
+    assert ramp_of(arr) == Ramp(*ramp)
+
+
+@pytest.mark.parametrize("arr", [
+    np.arange(6).reshape(2, 3),  # two varying axes
+    np.array([0, 1, 3]),  # not one step
+    np.arange(5) * 0.5,  # a fractional step
+    np.arange(5) + 0.25,  # a fractional start
+    np.array([7.0]),  # nothing varies
+])
+def test_ramp_of_refuses_what_is_not_a_ramp(arr):
+    from bbrules.onnx_import import ramp_of
+    assert ramp_of(arr) is None
+
+
+def test_a_one_hot_against_a_constant_range_is_a_gather(tmp_path):
+    # magika's byte embedding: Equal(bytes, [0 .. 256]) cast to floats, times a table.  The
+    # constant range is the position it compares with, so the product is a lookup of rows.
+    rng = np.random.default_rng(4)
+    table = numpy_helper.from_array(rng.standard_normal((257, 16)).astype(np.float32), "table")
+    classes = numpy_helper.from_array(np.arange(257, dtype=np.int32), "classes")
+    axes = numpy_helper.from_array(np.array([1], np.int64), "axes")
+    graph = helper.make_graph(
+        [helper.make_node("Unsqueeze", ["ids", "axes"], ["column"]),
+         helper.make_node("Equal", ["column", "classes"], ["hot"]),
+         helper.make_node("Cast", ["hot"], ["onehot"], to=TensorProto.FLOAT),
+         helper.make_node("MatMul", ["onehot", "table"], ["y"])], "embed",
+        [helper.make_tensor_value_info("ids", TensorProto.INT32, [64])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [64, 16])],
+        [table, classes, axes])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    onnx.save(model, str(tmp_path / "embed.onnx"))
+    imported = import_onnx(tmp_path / "embed.onnx")
+    assert re.search(r"^input classes\[", imported.text, re.M) is None, imported.text
+    from bbrules.frontend import parse_program
+    from bbrules.lower import lower
+    fused = fuse(lower(parse_program(imported.text)), load_packs([]), get_target("h100")).program
+    code = numpy_gen.generate(fused)
+    assert "gather_one_hot(" in code and "np.matmul" not in code, code
+    ids = rng.integers(0, 257, 64).astype(np.int32)
+    ids[:2] = [0, 256]
+    want = ReferenceEvaluator(model).run(None, {"ids": ids})[0]
+    got = imported.onnx_outputs(numpy_gen.run(fused, imported.bbp_inputs({"ids": ids})))["y"]
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
 def test_a_wide_convolution_fits_local_memory_and_fuses_with_its_activation(tmp_path):
     # magika's layer at a quarter of its width: 128 channels, 256 positions, 5 taps.  A tile
     # over output positions, taps, channels and input positions at once would not fit h100's
