@@ -42,11 +42,13 @@ Why it looks the way it does:
 - Static shapes are known while generating, so reshapes and transposes around `np.matmul` are
   written out as constants: the generated code is plain numpy a reader can follow.
 - *Every core.*  A vectorised tile runs numpy's elementwise work (exp, max, where, ...) on one
-  core; only matmul uses BLAS threads.  So a kernel with enough work (`MIN_CALL_FLOPS` per
-  numpy call of a part, by the cost model's count) is split along its grid axis of the most
-  blocks into *parts*, `PARTS_PER_THREAD` per thread: a part is a function for a contiguous
-  run of that axis' blocks, the same code at a smaller grid, reading its inputs and writing
-  its stores at the run's offset (`q_start`), into arrays allocated before the parts start.
+  core; only matmul uses BLAS threads.  Where some kernel has elementwise work enough to gain
+  from sharing it (`_parts_pay`; a program of products alone runs whole, BLAS threading
+  them), a kernel with enough work (`MIN_CALL_FLOPS` per numpy call of a part, by the cost
+  model's count) is split along its grid axis of the most blocks into *parts*,
+  `PARTS_PER_THREAD` per thread: a part is a function for a contiguous run of that axis'
+  blocks, the same code at a smaller grid, reading its inputs and writing its stores at the
+  run's offset (`q_start`), into arrays allocated before the parts start.
   `run_parts` runs them `threads` at a time (numpy releases the GIL in ufuncs and matmul),
   with numpy's OpenBLAS limited to one thread meanwhile: parts each calling a BLAS that runs
   a thread per core oversubscribe the cores and run slower than the whole kernel.  Two parts
@@ -685,13 +687,18 @@ class _KernelWriter:
                 (code := self.gather(n, *hot)) is not None:
             return code
         xs, ys = self.dims(n.x), self.dims(n.y)
-        cs = [self.layout.element_dim(a) for a in (*also, n.axis)]
+        contracted = (*also, n.axis)
+        loaded = [o for o in (n.x, n.y) if isinstance(o, Load) and set(contracted) <= set(o.axes)]
+        if loaded:  # contracted in the order a loaded operand stores them: a view, not a copy
+            stored = max(loaded, key=lambda o: prod(self.dims(o))).axes
+            contracted = sorted(contracted, key=stored.index)
+        cs = [self.layout.element_dim(a) for a in contracted]
         batch = [i for i in range(len(xs)) if i not in cs and xs[i] > 1 and ys[i] > 1]
         xfree = [i for i in range(len(xs)) if i not in cs and xs[i] > 1 and ys[i] == 1]
         yfree = [i for i in range(len(ys)) if i not in cs and ys[i] > 1 and xs[i] == 1]
         parts = [[(i, xs[i])] for i in batch]
         parts += [[(i, xs[i]) for i in xfree], [(i, ys[i]) for i in yfree]]
-        summed = set(cs[:-1])
+        summed = {self.layout.element_dim(a) for a in also}
         dims = tuple(1 if i in summed else d for i, d in enumerate(self.dims(n)))
         if xfree and len(yfree) == 1 and \
                 any(self.layout.element_dim(a) == yfree[0] for a in self.folding):
@@ -862,8 +869,8 @@ class _KernelWriter:
             return None
         out = {}
         for o, r in cases[1].items():
-            held = self.starts_where(loop, p, r)
-            cut = set(self.starts_where(loop, Unary("not", p), r))
+            held = starts_where(self.p, loop.axis, p, r)
+            cut = set(starts_where(self.p, loop.axis, Unary("not", p), r))
             whole = [s for s in held if s not in cut]
             first = held.index(whole[0]) if whole else len(held)
             last = first + len(whole)
@@ -907,21 +914,8 @@ class _KernelWriter:
         if cases is None:
             return _Segment(f"range(0, {d.padded}, {d.block})", {}, True)
         key, ranges = cases
-        return _Segment.of({o: self.starts_where(loop, p, r) for o, r in ranges.items()}, key,
-                           d, {})
-
-    def starts_where(self, loop: Loop, p: Node, ranges: Mapping[Axis, tuple[int, int]]
-                     ) -> list[int]:
-        """The starts of the loop's blocks on which `p` may hold, for positions of the other
-        axes anywhere in `ranges` (default: the whole axis)."""
-        d = self.p.dims[loop.axis]
-        axes = {n.axis for n in postorder(p) if isinstance(n, Pos)}
-        starts = np.arange(d.blocks, dtype=np.float64) * d.block
-        bounds = {a: tuple(np.float64(x) for x in ranges.get(a, (0, self.p.padded(a) - 1)))
-                  for a in axes}
-        bounds[loop.axis] = (starts, starts + (d.block - 1))
-        hold = np.broadcast_to(may_hold(p, bounds, NumpyAlgebra()), starts.shape)
-        return [int(s) for s, h in zip(starts, hold) if h]
+        starts = {o: starts_where(self.p, loop.axis, p, r) for o, r in ranges.items()}
+        return _Segment.of(starts, key, d, {})
 
     def combine(self, r: Reduce, acc: list[str]) -> _Stmt:
         """Fold this iteration's contribution into the accumulators (simultaneously).
@@ -1260,20 +1254,82 @@ def split_kernel(p: BlockProgram, k: Kernel, threads: int, target: Target
     return axis, runs
 
 
+@dataclass(frozen=True)
+class _NodeWork:
+    """A node a kernel computes: the axes its elements span or depend on (a contraction's
+    include the axis it contracts), how many numpy computes (multiply-adds for a product,
+    which BLAS computes), and whether it is a special function (exp, tanh, ...)."""
+
+    axes: frozenset[Axis]
+    elements: int
+    product: bool
+    special: bool
+
+
+def _kernel_work(kp: BlockProgram, k: Kernel) -> list[_NodeWork]:
+    """Every node the kernel's numpy code computes, once each; not a one-hot operand that a
+    gather replaces, nor loads, constants and positions."""
+    nodes = {id(n): n for s in k.stores for n in postorder(s.value)}
+    for n in list(nodes.values()):
+        if isinstance(n, Dot) and (hot := one_hot(n)) is not None:
+            for m in postorder(n.y if hot[0] is n.x else n.x):
+                if _mentions(m, n.axis):
+                    nodes.pop(id(m), None)
+    work = []
+    for n in nodes.values():
+        t = type_of(n)
+        if isinstance(n, (Load, Const, Pos)) or not isinstance(t, TileType):
+            continue
+        axes = t.deps | t.shape
+        elements = prod(kp.padded(a) for a in axes)
+        product = isinstance(n, Dot) and one_hot(n) is None
+        if isinstance(n, BlockReduce) and _contraction_below(n, kp):
+            elements = 0  # summed within the matmul
+        elif isinstance(n, (Reduce, Dot)) and not product:  # a fold, a gather: per block
+            elements = elements // kp.padded(n.axis) * kp.blocks(n.axis)
+        special = is_elementwise(n) and operator(n).special > 0
+        work.append(_NodeWork(axes, elements, product, special))
+    return work
+
+
+# What decides whether a kernel's parts beat the whole kernel, measured on the 2-core CPU
+# (`benchmarks/bench_cpu.py`, the imported LLaMA layers at 128 and 2048 tokens, magika):
+# numpy's elementwise work runs on one core at about 4 elements a nanosecond (a special
+# function, exp or tanh, costs about 8 of those); BLAS threads a whole kernel's products over
+# every core itself, at about 45 multiply-adds a nanosecond each, and products split into
+# parts of one BLAS thread each run about 10% slower; starting parts on the pool's threads and
+# waiting for them costs about 150 microseconds.
+NUMPY_ELEMENTS_PER_NS = 4
+SPECIAL_ELEMENTS = 8
+BLAS_MACS_PER_NS = 45
+PARTS_BLAS_SLOWDOWN = 0.1
+PARTS_START_NS = 150_000
+
+
+def _parts_pay(kp: BlockProgram, k: Kernel) -> bool:
+    """Do parts on two or more threads save more numpy time (half of the elementwise work, at
+    least) than they cost (starting them; products run by parts, not by BLAS's own threads)?
+
+    A program none of whose kernels this holds for runs every kernel whole, with BLAS on its
+    own threads: at 128 tokens every kernel of a LLaMA layer ran 1.3 to 2 times slower in
+    parts.  One that has such a kernel splits every kernel with enough work (`split_kernel`),
+    products included: a BLAS that ran on several threads keeps them spinning for a while
+    after, on the cores the next kernel's parts need (a LLaMA layer at 2048 tokens whose
+    projections ran whole: 283 ms, against 210 ms all in parts)."""
+    work = _kernel_work(kp, k)
+    elementwise = sum(w.elements * (SPECIAL_ELEMENTS if w.special else 1)
+                      for w in work if not w.product) / NUMPY_ELEMENTS_PER_NS
+    products = sum(w.elements for w in work if w.product) / BLAS_MACS_PER_NS
+    return elementwise / 2 > PARTS_START_NS + PARTS_BLAS_SLOWDOWN * products / 2
+
+
 def _split_axis(kp: BlockProgram, k: Kernel) -> Axis:
     """The grid axis to split a kernel along: the one on which the least of its work does not
     depend (each part repeats that work: attention fused with the projection after it, split
     by the projection's columns, would compute the attention once per part), then the one of
     the most blocks (the first of equals).  A node's work is its elements over every axis it
     spans or depends on, the contracted axis included for a matmul."""
-    nodes = {id(n): n for s in k.stores for n in postorder(s.value)}.values()
-    work = []
-    for n in nodes:
-        t = type_of(n)
-        if isinstance(n, (Load, Const, Pos)) or not isinstance(t, TileType):
-            continue
-        axes = t.deps | t.shape  # a contraction's depends on the axis it contracts
-        work.append((axes, prod(kp.padded(a) for a in axes)))
+    work = [(w.axes, w.elements) for w in _kernel_work(kp, k)]
 
     def repeated(axis: Axis) -> int:
         return sum(size for axes, size in work if axis not in axes)
@@ -1297,17 +1353,26 @@ class Pick:
 
 
 def one_hot(n: Dot) -> tuple[Node, tuple[Pick, ...]] | None:
-    """(the other operand, the picks) when one operand of the contraction `n` is
-    `where(c, 1, 0)` and `c` pins the contracted position: an equality `pos(k) + b == e`, with
+    """(the other operand, the picks) when one operand of the contraction `n` is 1 where `c`
+    holds and 0 elsewhere (`_indicator`) and `c` pins the contracted position: an equality `pos(k) + b == e`, with
     `and` of conditions free of k, and `or` of such.  Then `sum_k [k = e] Y[k]` is `Y[e]`: an
     embedding lookup (Gather) or a convolution's shift, which a matmul by a matrix of zeros
     computes at the cost of a contraction."""
     for hot, values in ((n.x, n.y), (n.y, n.x)):
-        if isinstance(hot, Where) and hot.x == Const(1.0) and hot.y == Const(0.0):
-            picks = _picks(hot.c, n.axis)
-            if picks:
-                return values, picks
+        if isinstance(hot, Where) and hot.y == Const(0.0) and isinstance(values, Where) \
+                and values.c == hot.c and values.y == Const(0.0):
+            hot = hot.x  # a mask both operands share (a ragged axis'): the values carry it
+        if (c := _indicator(hot)) is not None and (picks := _picks(c, n.axis)):
+            return values, picks
     return None
+
+
+def _indicator(n: Node) -> Node | None:
+    """The condition under which `n` is 1, where it is 0 elsewhere: `where(c, 1, 0)`, or a
+    comparison or logical operator, whose values are 1 and 0."""
+    if isinstance(n, Where) and n.x == Const(1.0) and n.y == Const(0.0):
+        return n.c
+    return n if isinstance(n, Binary) and n.op in ("eq", "and", "or") else None
 
 
 def _picks(c: Node, axis: Axis) -> tuple[Pick, ...] | None:
@@ -1418,6 +1483,32 @@ def _take(values: np.ndarray, axis: int, index: np.ndarray) -> np.ndarray:
 _SAME_IN_BLOCKS = {"sum", "max", "min"}
 
 
+def starts_where(p: BlockProgram, axis: Axis, pred: Node,
+                 ranges: Mapping[Axis, tuple[int, int]]) -> list[int]:
+    """The starts of `axis`' blocks on which `pred` may hold, for positions of the other axes
+    anywhere in `ranges` (default: the whole axis)."""
+    d = p.dims[axis]
+    axes = {n.axis for n in postorder(pred) if isinstance(n, Pos)}
+    starts = np.arange(d.blocks, dtype=np.float64) * d.block
+    bounds = {a: tuple(np.float64(x) for x in ranges.get(a, (0, p.padded(a) - 1)))
+              for a in axes}
+    bounds[axis] = (starts, starts + (d.block - 1))
+    hold = np.broadcast_to(may_hold(pred, bounds, NumpyAlgebra()), starts.shape)
+    return [int(s) for s, h in zip(starts, hold) if h]
+
+
+def _skips(p: BlockProgram, loop: Loop) -> bool:
+    """May the loop skip blocks by its predicate (`loop_predicate`)?  Not where the predicate
+    reads only the loop's own position and holds somewhere in every block: a ragged axis'
+    mask, which larger blocks visit just as well."""
+    pred = loop_predicate(loop)
+    if pred is None:
+        return False
+    if any(isinstance(n, Pos) and n.axis != loop.axis for n in postorder(pred)):
+        return True
+    return len(starts_where(p, loop.axis, pred, {})) < p.dims[loop.axis].blocks
+
+
 def _body_nodes(loop: Loop) -> Iterator[Node]:
     """Every node the loop's body computes, and the nodes they read, operands first."""
     for step, _ in walk_steps(loop.body):
@@ -1455,7 +1546,7 @@ def coarsened(p: BlockProgram, k: Kernel, capacity: int) -> Kernel:
     loops = [loop for _, enclosing in walk_steps(plan_for(kp, k, capacity).schedule.body)
              for loop in enclosing]
     fixed = {loop.axis for loop in loops if not loop.reduces
-             or loop_predicate(loop) is not None and not all(map(_gathers, loop.reduces))
+             or _skips(kp, loop) and not all(map(_gathers, loop.reduces))
              or any(isinstance(step, Write) for step, _ in walk_steps(loop.body))
              or _unrollable(kp, loop)}
     nodes = [n for s in k.stores for n in postorder(s.value)]
@@ -1518,7 +1609,10 @@ def generate(p: BlockProgram, target: Target | str | None = None, threads: int =
     fns = _Functions()
     taken = set(names.values())
     kernels: list[_Code] = []
-    for k in (coarsened(p, summed_inward(p, k), target.local_capacity) for k in p.kernels):
+    ks = [coarsened(p, summed_inward(p, k), target.local_capacity) for k in p.kernels]
+    if not any(_parts_pay(p.in_kernel(k), k) for k in ks):
+        threads = 1
+    for k in ks:
         params = _kernel_params(p, k, names)
         outputs = {t: names[t] for t in k.tensors}
         kp = p.in_kernel(k)

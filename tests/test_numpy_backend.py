@@ -472,6 +472,48 @@ def test_a_one_hot_contraction_is_a_gather(pick):
     np.testing.assert_allclose(got, np.array(rows), rtol=1e-6)
 
 
+@pytest.mark.parametrize("hot", ["where(IDS[t] == v, 1, 0)", "(IDS[t] == v)"])
+def test_a_one_hot_over_a_ragged_vocabulary_is_a_gather(hot):
+    """A vocabulary of 257 in blocks of 64 masks both operands of the contraction past 257;
+    the values carry the mask, so the one-hot's copy of it does not keep the gather from
+    being one.  A comparison is a one-hot as it stands (its values are 1 and 0)."""
+    source = ("dim t = 128 / 32\ndim v = 257 / 64\ndim e = 16\ninput IDS[t], E[v, e] : f32\n"
+              f"X[t, e] = sum[v] {hot} * E[v, e]\noutput X\n")
+    ast = parse_program(source)
+    p = lower(ast)
+    code = numpy_gen.generate(p)
+    assert "gather_one_hot(" in code and "np.matmul" not in code and python_loops(code) == 0
+    inputs = random_inputs(ast, seed=5)
+    ids = np.random.default_rng(6).integers(0, 320, 128).astype(np.float32)
+    ids[:3] = [256, 257, 319]  # the last id, and two the padding would hold
+    inputs["IDS"] = ids
+    got = numpy_gen.run(p, inputs)["X"]
+    rows = [inputs["E"][int(i)] if i < 257 else np.zeros(16) for i in ids]
+    np.testing.assert_allclose(got, np.array(rows), rtol=1e-6)
+    assert_close(got, dense.evaluate(ast, inputs, np.float64)["X"], "vs dense")
+
+
+def test_a_ragged_axis_mask_does_not_keep_a_fold_in_blocks():
+    """A row maximum over 508 columns in blocks of 64 masks the padding of its last block,
+    which holds valid columns too: no block is skipped, so the fold is coarsened to one block
+    (one numpy call per step, not eight).  A causal mask skips whole blocks, and keeps them."""
+    ragged = ("dim r = 512 / 16\ndim c = 508 / 64\ninput X[r, c] : f32\n"
+              "Y[r] = max[c] tanh(X[r, c])\noutput Y\n")
+    ast = parse_program(ragged)
+    p = lower(ast)
+    assert dict(numpy_gen.coarsened(p, p.kernels[0], H100.local_capacity).blocks)["c"] == 512
+    code = numpy_gen.generate(p)
+    assert python_loops(code) == 0, code
+    inputs = random_inputs(ast, seed=8)
+    assert_close(numpy_gen.run(p, inputs)["Y"], dense.evaluate(ast, inputs, np.float64)["Y"],
+                 "vs dense")
+    causal = ("dim r = 512 / 64\ndim c = 512 / 64\ninput X[r, c] : f32\n"
+              "Y[r] = max[c] where(c <= r, X[r, c], -inf)\noutput Y\n")
+    p = lower(parse_program(causal))
+    assert dict(numpy_gen.coarsened(p, p.kernels[0], H100.local_capacity).blocks).get(
+        "c", 64) == 64
+
+
 def test_a_shift_by_a_one_hot_is_a_gather_and_a_guard_still_applies():
     """A convolution's taps as imported: output position i and tap s read input position
     i + s.  A guard free of the contracted axis (here: even taps only) masks the picks."""
@@ -528,6 +570,31 @@ def test_a_convolutions_taps_are_summed_in_the_matmul_over_its_channels(monkeypa
     want = np.einsum("osc,mcs->om", np.stack([x[o:o + 5] for o in range(60)]), w)
     got = numpy_gen.run(p, inputs)["Y"]
     assert_close(got, want, "vs numpy")
+    assert_close(got, dense.evaluate(ast, inputs, np.float64)["Y"], "vs dense")
+
+
+def test_a_contraction_reads_a_stored_operand_in_its_stored_order(monkeypatch):
+    """The convolution's weights W[m, c, s] are contracted over (c, s) in the order W stores
+    them, so each step's weight operand is a view of W, not a copy: the gathered input is
+    laid out to match, which it is anyway."""
+    source = ("dim o = 60 / 30\ndim s = 5\ndim j = 64\ndim c = 256 / 64\ndim m = 32\n"
+              "input X[j, c], W[m, c, s] : f32\n"
+              "Y[o, m] = sum[s, c] W[m, c, s] * sum[j] where(j == o + s, 1, 0) * X[j, c]\n"
+              "output Y\n")
+    ast = parse_program(source)
+    p = lower(ast)
+    monkeypatch.setattr(numpy_gen, "COARSE_TILE", 4096)  # the channels stay in blocks of 64
+    module = numpy_gen.load(p, threads=1)
+    inputs = random_inputs(ast, seed=9)
+    weights, operands = inputs["W"], []
+
+    def matmul(x, y):
+        operands.append((x, y))
+        return np.matmul(x, y)
+    monkeypatch.setattr(module, "np", type("numpy", (), {**vars(np), "matmul": staticmethod(matmul)}))
+    got = module.run(**inputs)["Y"]
+    assert len(operands) == 4, "a matmul per block of channels"
+    assert all(np.shares_memory(x, weights) or np.shares_memory(y, weights) for x, y in operands)
     assert_close(got, dense.evaluate(ast, inputs, np.float64)["Y"], "vs dense")
 
 

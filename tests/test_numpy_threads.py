@@ -5,7 +5,7 @@ float64 dense evaluation or the reference interpreter, on programs that exercise
 must get right: Flash Attention (a fold over keys), causal attention (positions of the split
 axis and key blocks skipped by a predicate), a ragged split axis, kernels of several stores
 with map loops, split folds over views (decode attention), and random programs.  These
-programs are small, so `MIN_CALL_FLOPS` is lowered to let them split.
+programs are small, so the thresholds are lowered to let them split (`split_small`).
 """
 
 from __future__ import annotations
@@ -42,7 +42,9 @@ H100 = get_target("h100")
 
 @pytest.fixture
 def split_small(monkeypatch):
-    """Let kernels of any work split, so small programs exercise the parts."""
+    """Let kernels of any work split, so small programs exercise the parts: parts cost
+    nothing to start, and each numpy call of a part has work enough."""
+    monkeypatch.setattr(numpy_gen, "PARTS_START_NS", -float("inf"))
     monkeypatch.setattr(numpy_gen, "MIN_CALL_FLOPS", 1)
 
 
@@ -87,6 +89,7 @@ def test_fused_causal_attention_on_threads(monkeypatch):
                        dims={"h": (2, 1), "q": (64, 16), "k": (64, 16), "d": (16, 16)})
     p = fuse(lower(ast), load_packs([]), H100).program
     monkeypatch.setattr(numpy_gen, "MIN_CALL_FLOPS", 1500)
+    monkeypatch.setattr(numpy_gen, "PARTS_START_NS", 0)
     assert numpy_gen.split_kernel(p, p.kernels[0], 2, H100) == ("q", [(0, 2), (2, 1), (3, 1)])
     # each part visits the key blocks its own query blocks reach: 2, then 3 or 4 of 4; those
     # below its first query are a loop of their own, without the mask
@@ -309,6 +312,29 @@ def test_a_kernel_skipping_blocks_by_its_split_axis_runs_in_more_parts():
     assert parts["causal_attention"][0] == "q" and len(parts["causal_attention"][1]) == \
         2 * numpy_gen.PARTS_PER_THREAD * numpy_gen.SKIPPING_PARTS
     assert len(parts["attention"][1]) == 2 * numpy_gen.PARTS_PER_THREAD
+
+
+def test_a_program_splits_only_where_some_kernel_has_elementwise_work_to_share():
+    """Products alone run whole, BLAS threading them itself: a chain of matmuls at 128 rows
+    has nothing numpy would do on one core.  Attention's exponentials and rescaling are such
+    work; with a kernel like that, the program's products are split into parts too, so that
+    BLAS's threads do not spin on the cores the parts need."""
+    source = ("dim t = 128 / 64\ndim e = 256 / 64\ndim f = 1024 / 64\n"
+              "input X[t, e], W1[e, f], W2[f, e] : f32\n"
+              "H[t, f] = sum[e] X[t, e] * W1[e, f]\nY[t, e] = sum[f] H[t, f] * W2[f, e]\n"
+              "output Y\n")
+    products = lower(parse_program(source))
+    assert not any(numpy_gen._parts_pay(products, k) for k in products.kernels)
+    assert parts_in(numpy_gen.generate(products, threads=2)) == 0
+    longer = source.replace("dim t = 128 / 64", "dim t = 4096 / 64")
+    assert parts_in(numpy_gen.generate(lower(parse_program(longer)), threads=2)) == 0
+    ast = load_program(EXAMPLES / "attention.bbp")
+    attention = lower(ast)  # unfused: scores, softmax and the product by V, each a kernel
+    pays = [k.name for k in attention.kernels if numpy_gen._parts_pay(attention, k)]
+    assert pays and len(pays) < len(attention.kernels)
+    code = numpy_gen.generate(attention, threads=2)
+    split = {name for name in re.findall(r"\(kernel_(\w+?)_[a-z]+\d+, \d+\)", code)}
+    assert set(pays) < split, (pays, split)
 
 
 def test_a_kernel_is_split_along_the_axis_its_work_depends_on():
