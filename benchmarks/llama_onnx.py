@@ -123,7 +123,7 @@ def main() -> int:
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--cpu", action="store_true",
                     help="time the fused model through the numpy backend against onnxruntime "
-                         "(when installed) on the same input, medians of 5")
+                         "(when installed) on the same input, medians of 9")
     args = ap.parse_args()
     target, pack = get_target(args.target), load_packs([])
     print("| layers | statements | kernels | traffic | modeled time | candidates (distinct) "
@@ -180,9 +180,13 @@ def cpu_times(model: onnx.ModelProto, imported, program, args) -> str:
     inputs = imported.bbp_inputs(feed)
 
     def median(fn) -> float:
+        # after a pause: runtimes' worker threads (OpenBLAS's behind numpy, onnxruntime's) spin
+        # for a while after their work, on the cores whatever is timed next needs (onnxruntime
+        # timed right after the numpy backend took 3x as long)
+        time.sleep(1.0)
         fn()  # warm up
         times = []
-        for _ in range(5):
+        for _ in range(9):
             start = time.perf_counter()
             fn()
             times.append(time.perf_counter() - start)

@@ -50,7 +50,11 @@ def fetch(into: Path) -> Path:
     return into / MODEL
 
 
-def median_seconds(fn, repeat: int = 5) -> float:
+def median_seconds(fn, repeat: int = 9) -> float:
+    """The median of `repeat` timed calls, after a pause: runtimes' worker threads (OpenBLAS's
+    behind numpy, onnxruntime's) spin for a while after their work, on the cores whatever is
+    timed next needs (onnxruntime measured right after the numpy backend took 3x as long)."""
+    time.sleep(1.0)
     fn()
     times = []
     for _ in range(repeat):
