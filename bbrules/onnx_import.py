@@ -242,7 +242,8 @@ class Ramp:
 
 def ramp_of(arr: np.ndarray) -> Ramp | None:
     """The ramp `arr` is, or None: it must vary along exactly one dimension, by a whole,
-    nonzero step from a whole start, so that every value is exactly representable."""
+    nonzero step from a whole start, no value on the way (start, step x position, their
+    sum) beyond 2^24, so that float32 computes each exactly, as the constant holds it."""
     arr = np.asarray(arr)
     varying = [d for d, n in enumerate(arr.shape) if n > 1]
     if len(varying) != 1 or arr.size > 1 << 24:
@@ -250,7 +251,8 @@ def ramp_of(arr: np.ndarray) -> Ramp | None:
     line = arr.reshape(-1).astype(np.float64)
     start, step = line[0], line[1] - line[0]
     if not (np.isfinite(start) and np.isfinite(step) and step != 0
-            and start == round(start) and step == round(step)):
+            and start == round(start) and step == round(step)
+            and abs(start) + abs(step) * (line.size - 1) <= 1 << 24):
         return None
     if not np.array_equal(line, start + step * np.arange(line.size)):
         return None

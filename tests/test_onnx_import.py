@@ -267,6 +267,7 @@ def test_ramp_of_reads_positions(arr, ramp):
     np.arange(5) * 0.5,  # a fractional step
     np.arange(5) + 0.25,  # a fractional start
     np.array([7.0]),  # nothing varies
+    np.arange(3) * 2.0**23 + 2.0**23,  # past 2^24, where float32 rounds
 ])
 def test_ramp_of_refuses_what_is_not_a_ramp(arr):
     from bbrules.onnx_import import ramp_of
