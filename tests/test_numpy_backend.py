@@ -447,50 +447,37 @@ def test_a_contraction_loop_runs_in_blocks_as_large_as_the_tiles_allow(monkeypat
     assert_close(numpy_gen.run(p, inputs)["C"], want, "four blocks")
 
 
-@pytest.mark.parametrize("pick", ["IDS[t] == v", "IDS[t] == v or IDS[t] == v - 256"])
-def test_a_one_hot_contraction_is_a_gather(pick):
+@pytest.mark.parametrize("vocab, hot", [
+    (256, "where(IDS[t] == v, 1, 0)"),
+    (256, "where(IDS[t] == v or IDS[t] == v - 256, 1, 0)"),
+    (257, "where(IDS[t] == v, 1, 0)"),
+    (257, "(IDS[t] == v)"),
+])
+def test_a_one_hot_contraction_is_a_gather(vocab, hot):
     """An embedding lookup as models import it, a sum over the vocabulary of a one-hot times
     the table, is a gather in numpy: no matmul by a matrix of zeros, no loop over the
     vocabulary's blocks.  Ids out of range or not whole pick nothing, as the one-hot does;
-    negative ids wrap with the second equality (ONNX's Gather)."""
-    source = ("dim t = 64 / 16\ndim v = 256 / 64\ndim e = 32\ninput IDS[t], E[v, e] : f32\n"
-              f"X[t, e] = sum[v] where({pick}, 1, 0) * E[v, e]\noutput X\n")
+    negative ids wrap with the second equality (ONNX's Gather).  A vocabulary of 257 in
+    blocks of 64 masks both operands past 257: the values carry the mask, so the one-hot's
+    copy of it does not keep the gather from being one, and the padding is never picked.  A
+    comparison is a one-hot as it stands (its values are 1 and 0)."""
+    source = (f"dim t = 64 / 16\ndim v = {vocab} / 64\ndim e = 32\n"
+              f"input IDS[t], E[v, e] : f32\nX[t, e] = sum[v] {hot} * E[v, e]\noutput X\n")
     ast = parse_program(source)
     p = lower(ast)
     code = numpy_gen.generate(p)
     assert "gather_one_hot(" in code and "np.matmul" not in code and python_loops(code) == 0
     inputs = random_inputs(ast, seed=2)
-    ids = np.random.default_rng(3).integers(-256, 256, 64).astype(np.float32)
-    ids[:4] = [300, -300, 2.5, 255]
+    ids = np.random.default_rng(3).integers(-vocab, 320, 64).astype(np.float32)
+    ids[:6] = [300, -300, 2.5, vocab - 1, 257, 319]
     inputs["IDS"] = ids
     got = numpy_gen.run(p, inputs)["X"]
     assert_close(got, interp.run(p, inputs)["X"], "vs interpreter")
     assert_close(got, dense.evaluate(ast, inputs, np.float64)["X"], "vs dense")
-    wraps = "or" in pick
-    rows = [inputs["E"][int(i) % 256] if (0 <= i < 256 or wraps and -256 <= i < 0)
+    wraps = " or " in hot
+    rows = [inputs["E"][int(i) % vocab] if (0 <= i < vocab or wraps and -vocab <= i < 0)
             and i == int(i) else np.zeros(32) for i in ids]
     np.testing.assert_allclose(got, np.array(rows), rtol=1e-6)
-
-
-@pytest.mark.parametrize("hot", ["where(IDS[t] == v, 1, 0)", "(IDS[t] == v)"])
-def test_a_one_hot_over_a_ragged_vocabulary_is_a_gather(hot):
-    """A vocabulary of 257 in blocks of 64 masks both operands of the contraction past 257;
-    the values carry the mask, so the one-hot's copy of it does not keep the gather from
-    being one.  A comparison is a one-hot as it stands (its values are 1 and 0)."""
-    source = ("dim t = 128 / 32\ndim v = 257 / 64\ndim e = 16\ninput IDS[t], E[v, e] : f32\n"
-              f"X[t, e] = sum[v] {hot} * E[v, e]\noutput X\n")
-    ast = parse_program(source)
-    p = lower(ast)
-    code = numpy_gen.generate(p)
-    assert "gather_one_hot(" in code and "np.matmul" not in code and python_loops(code) == 0
-    inputs = random_inputs(ast, seed=5)
-    ids = np.random.default_rng(6).integers(0, 320, 128).astype(np.float32)
-    ids[:3] = [256, 257, 319]  # the last id, and two the padding would hold
-    inputs["IDS"] = ids
-    got = numpy_gen.run(p, inputs)["X"]
-    rows = [inputs["E"][int(i)] if i < 257 else np.zeros(16) for i in ids]
-    np.testing.assert_allclose(got, np.array(rows), rtol=1e-6)
-    assert_close(got, dense.evaluate(ast, inputs, np.float64)["X"], "vs dense")
 
 
 def test_a_ragged_axis_mask_does_not_keep_a_fold_in_blocks():
@@ -552,7 +539,9 @@ def test_a_convolutions_taps_are_summed_in_the_matmul_over_its_channels(monkeypa
     """A convolution as imported, `sum[s, c] W[m, c, s] * (X shifted by tap s)`, with its
     channels looped in blocks: the sum over the taps moves into the loop over channels and
     joins the contraction, one matmul over (taps, channels) a step, where it was a matmul
-    per tap and the taps added after the loop."""
+    per tap and the taps added after the loop.  The weights W[m, c, s] are contracted over
+    (c, s) in the order W stores them, so each step's weight operand is a view of W, not a
+    copy (the gathered input is laid out to match, which it is anyway)."""
     source = ("dim o = 60 / 30\ndim s = 5\ndim j = 64\ndim c = 256 / 64\ndim m = 32\n"
               "input X[j, c], W[m, c, s] : f32\n"
               "Y[o, m] = sum[s, c] W[m, c, s] * sum[j] where(j == o + s, 1, 0) * X[j, c]\n"
@@ -568,33 +557,17 @@ def test_a_convolutions_taps_are_summed_in_the_matmul_over_its_channels(monkeypa
     inputs = random_inputs(ast, seed=7)
     x, w = inputs["X"].astype(np.float64), inputs["W"].astype(np.float64)
     want = np.einsum("osc,mcs->om", np.stack([x[o:o + 5] for o in range(60)]), w)
-    got = numpy_gen.run(p, inputs)["Y"]
-    assert_close(got, want, "vs numpy")
-    assert_close(got, dense.evaluate(ast, inputs, np.float64)["Y"], "vs dense")
+    module, operands = numpy_gen.load(p, threads=1), []
 
-
-def test_a_contraction_reads_a_stored_operand_in_its_stored_order(monkeypatch):
-    """The convolution's weights W[m, c, s] are contracted over (c, s) in the order W stores
-    them, so each step's weight operand is a view of W, not a copy: the gathered input is
-    laid out to match, which it is anyway."""
-    source = ("dim o = 60 / 30\ndim s = 5\ndim j = 64\ndim c = 256 / 64\ndim m = 32\n"
-              "input X[j, c], W[m, c, s] : f32\n"
-              "Y[o, m] = sum[s, c] W[m, c, s] * sum[j] where(j == o + s, 1, 0) * X[j, c]\n"
-              "output Y\n")
-    ast = parse_program(source)
-    p = lower(ast)
-    monkeypatch.setattr(numpy_gen, "COARSE_TILE", 4096)  # the channels stay in blocks of 64
-    module = numpy_gen.load(p, threads=1)
-    inputs = random_inputs(ast, seed=9)
-    weights, operands = inputs["W"], []
-
-    def matmul(x, y):
-        operands.append((x, y))
-        return np.matmul(x, y)
-    monkeypatch.setattr(module, "np", type("numpy", (), {**vars(np), "matmul": staticmethod(matmul)}))
+    def matmul(a, b):
+        operands.append((a, b))
+        return np.matmul(a, b)
+    numpy = type("numpy", (), {**vars(np), "matmul": staticmethod(matmul)})
+    monkeypatch.setattr(module, "np", numpy)
     got = module.run(**inputs)["Y"]
     assert len(operands) == 4, "a matmul per block of channels"
-    assert all(np.shares_memory(x, weights) or np.shares_memory(y, weights) for x, y in operands)
+    assert all(np.shares_memory(a, inputs["W"]) for a, _ in operands), "W copied"
+    assert_close(got, want, "vs numpy")
     assert_close(got, dense.evaluate(ast, inputs, np.float64)["Y"], "vs dense")
 
 
