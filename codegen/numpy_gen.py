@@ -1327,8 +1327,9 @@ def _split_axis(kp: BlockProgram, k: Kernel) -> Axis:
     """The grid axis to split a kernel along: the one on which the least of its work does not
     depend (each part repeats that work: attention fused with the projection after it, split
     by the projection's columns, would compute the attention once per part), then the one of
-    the most blocks (the first of equals).  A node's work is its elements over every axis it
-    spans or depends on, the contracted axis included for a matmul."""
+    the most blocks (the first of equals).  A node's work is what `_kernel_work` counts: its
+    elements over every axis it spans or depends on, the contracted axis included for a
+    matmul."""
     work = [(w.axes, w.elements) for w in _kernel_work(kp, k)]
 
     def repeated(axis: Axis) -> int:
@@ -1354,8 +1355,8 @@ class Pick:
 
 def one_hot(n: Dot) -> tuple[Node, tuple[Pick, ...]] | None:
     """(the other operand, the picks) when one operand of the contraction `n` is 1 where `c`
-    holds and 0 elsewhere (`_indicator`) and `c` pins the contracted position: an equality `pos(k) + b == e`, with
-    `and` of conditions free of k, and `or` of such.  Then `sum_k [k = e] Y[k]` is `Y[e]`: an
+    holds and 0 elsewhere (`_indicator`) and `c` pins the contracted position: an equality
+    `pos(k) + b == e`, with `and` of conditions free of k, and `or` of such.  Then `sum_k [k = e] Y[k]` is `Y[e]`: an
     embedding lookup (Gather) or a convolution's shift, which a matmul by a matrix of zeros
     computes at the cost of a contraction."""
     for hot, values in ((n.x, n.y), (n.y, n.x)):
@@ -1598,8 +1599,9 @@ def generate(p: BlockProgram, target: Target | str | None = None, threads: int =
     """The numpy module for `p`: one function per kernel and `run(**inputs) -> outputs`.
 
     Each kernel runs the loops of its plan on `target` (default: the H100's local memory, which
-    decides only which inputs are resident, not the loops).  With `threads` > 1, kernels with
-    enough work are split into parts run at once (`split_kernel`, `run_parts`)."""
+    decides only which inputs are resident, not the loops).  With `threads` > 1, where some
+    kernel's parts pay (`_parts_pay`), kernels with enough work are split into parts run at
+    once (`split_kernel`, `run_parts`)."""
     validate(p)
     if target is None or isinstance(target, str):
         target = get_target(target or "h100")
