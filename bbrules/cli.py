@@ -467,7 +467,8 @@ def _fuse_args(p: argparse.ArgumentParser) -> None:
                         "kernel (Flash-Decoding, split-K)")
     p.add_argument("--fixed-blocks", action="store_true",
                    help="every kernel keeps the program's block sizes (by default a kernel "
-                        "whose grid leaves processors idle may tile an axis finer)")
+                        "whose grid leaves processors idle may tile an axis finer, and the "
+                        "best candidates' kernels coarser where that reads less)")
     p.add_argument("--nodes", type=_integer(1), default=Budget.nodes, help="e-node budget")
     p.add_argument("--iterations", type=_integer(1), default=Budget.iterations,
                    help="iteration budget per stage")

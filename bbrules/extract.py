@@ -173,6 +173,7 @@ class Extractor:
         # Per candidate (its stores): its program launched as `grouping` decides, that
         # program's cost, and the key of its stores launched one kernel each.
         self.cache: dict[tuple[Store, ...], tuple[BlockProgram, ProgramCost, tuple] | None] = {}
+        self.written: dict[tuple[Store, ...], BlockProgram] = {}  # and as built, to relaunch
         self.grouped = True  # which key the search descends on (see `extract`)
         self.kernel_checks: dict[Store, bool] = {}
         self.shortlist: dict[int, list[int]] = {}
@@ -302,10 +303,30 @@ class Extractor:
             else:
                 plain = self.cost(program) if grouped is not program else cost
                 self.cache[stores] = (grouped, cost, plain.key(self.objective))
+                self.written[stores] = program
         entry = self.cache[stores]
         if entry is None:
             return None
         return entry[1].key(self.objective) if self.grouped else entry[2]
+
+    def retile(self, order: Callable[[ProgramCost], tuple], n: int) -> None:
+        """Launch the `n` best candidates in `order` again, now also trying grid axes in
+        coarser blocks where that reads less (`group_kernels`' `coarser`).
+
+        Coarser blocks are where a matmul's operands stop being re-read for every block of
+        output rows, but each candidate would price a handful of new kernels for them, which
+        would slow the search several-fold.  So the search ranks candidates by their
+        launches at the program's blocks and finer, and only its best few are tiled coarser
+        too; their order may change (a normalisation stored apart lets the matmul after it
+        take tiles that the fused kernel cannot fit)."""
+        entries = sorted(((order(e[1]), stores) for stores, e in self.cache.items()
+                          if e is not None), key=lambda ks: ks[0])
+        for _, stores in entries[:n]:
+            if self.spent():
+                return
+            grouped = group_kernels(self.written[stores], self.launched_cost, self.objective,
+                                    self.kernel, self.splitter, self.target, coarser=True)
+            self.cache[stores] = (grouped, self.cost(grouped), self.cache[stores][2])
 
     def launched_cost(self, program: BlockProgram) -> ProgramCost | None:
         """A launched program's cost, None if it has more kernels than allowed."""
@@ -692,6 +713,8 @@ def extract(graph: ClassGraph, source: BlockProgram, target: Target, objective: 
                             // (len(runs) - n))
         ex.grouped = True
     ex.price(source)
+    if options.reblock:
+        ex.retile(ex.ranked()[1], options.retiled)
     anchor, order = ex.ranked()
     best = ex.first(order)
     if best is None:

@@ -16,15 +16,25 @@ move less data), the first of two kinds of move:
   `d = rowsum(b)`).  The later kernel moves up to the earlier one, so it must read nothing that
   the earlier one, or a kernel between them, stores.
 
+Asked to (`coarser`, which extraction does for its best few candidates), kernels then take
+the cheapest of:
+
+- *Coarser blocks*: one grid axis in blocks twice as large, where the kernel then reads less.
+  A matmul whose output rows come in blocks of 64 reads the other operand once per 64 rows;
+  in blocks of 256, a quarter as often, for as long as the tiles fit local memory.
+
 Then, where a kernel's grid leaves processors idle, the cheapest of two more kinds, until
 none is cheaper:
 
 - *Split a fold* (`splitting`): the kernel folds one reduction in chunks on more grid points
   and a second kernel combines their states.
-- *Finer blocks*: one grid axis in blocks half as large, recorded in the kernel
-  (`Kernel.blocks`), where the kernel reads no more for it: tensors live whole in global
-  memory, so each kernel may tile them its own way (a softmax over 4096 rows in blocks of 16
-  fills the chip; in blocks of 64 it does not).
+- *Finer blocks*: one grid axis in blocks half as large, where the kernel reads no more for
+  it (a softmax over 4096 rows in blocks of 16 fills the chip; in blocks of 64 it does not).
+
+Both block moves are recorded in the kernel (`Kernel.blocks`): tensors live whole in global
+memory, so each kernel may tile them its own way.  Coarser blocks may leave processors idle
+that the parallel moves would rather have filled another way, so the launches with and
+without them each descend through the parallel moves, and the cheaper end is kept.
 
 Every candidate is priced whole, and kernel costs are cached, so a move costs one new kernel's
 plan at most.  The moves are tried in program order, so the result does not depend on hashing.
@@ -48,20 +58,27 @@ Make = Callable[[tuple[str, ...], tuple[Store, ...], tuple[tuple[str, int], ...]
 
 
 def group_kernels(p: BlockProgram, price: Price, objective: str = "time", make: Make = Kernel,
-                  splitter: Splitter | None = None, target: Target | None = None
-                  ) -> BlockProgram:
+                  splitter: Splitter | None = None, target: Target | None = None,
+                  coarser: bool = False) -> BlockProgram:
     """`p` with its stores launched as cheaply as the moves above find, by `price` under
     `objective`.  `make` builds each new launch (extraction interns them, so its caches find
-    them by identity).  Then, for a kernel that leaves processors idle, the cheapest of: a
-    fold split (with a `splitter`), or a grid axis in blocks half as large (with a `target`,
-    down to its block granularity), until none is cheaper."""
+    them by identity).  Then, with `coarser` (and a `target`), grid axes in blocks twice as
+    large where that reads less.  Then, for a kernel that leaves processors idle, the
+    cheapest of: a fold split (with a `splitter`), or a grid axis in blocks half as large
+    (with a `target`, down to its block granularity), until none is cheaper."""
     best = price(p)
     if best is None:
         return p
-    p, best = _descend(p, best, price, objective, first=True,
-                       moves=lambda q, _: (replace(q, kernels=k) for k in _moves(q, make)))
+    routes = [_descend(p, best, price, objective, first=True,
+                       moves=lambda q, _: (replace(q, kernels=k) for k in _moves(q, make)))]
+    if coarser and target is not None:
+        seen: dict[Kernel, tuple[Kernel, ...]] = {}  # a kernel's coarser tilings, once each
+        tiled = _descend(*routes[0], price, objective, first=False,
+                         moves=lambda q, _: _coarser(q, make, target, seen))
+        if tiled[0] is not routes[0][0]:
+            routes.append(tiled)
     if objective != "time":
-        return p  # both only add traffic: never cheaper by traffic
+        return routes[-1][0]  # splits and finer blocks only add traffic: never cheaper by it
 
     finer: dict[Kernel, tuple[Kernel, ...]] = {}  # a kernel's finer tilings, once each
 
@@ -71,13 +88,19 @@ def group_kernels(p: BlockProgram, price: Price, objective: str = "time", make: 
         if target is not None:
             yield from _finer(q, cost, make, target, finer)
 
-    p, best = _descend(p, best, price, objective, first=False, moves=parallel)
+    # Coarser blocks read less but fill fewer processors, which the parallel moves may then
+    # recover: each route ends in its own local optimum, and the cheaper one is kept.
+    p, best = _descend(*routes[0], price, objective, first=False, moves=parallel)
+    for q, cost in routes[1:]:
+        q, cost = _descend(q, cost, price, objective, first=False, moves=parallel)
+        if _cheaper(cost, best, objective):
+            p, best = q, cost
     return p
 
 
 def _finer(p: BlockProgram, cost: ProgramCost, make: Make, target: Target,
            seen: dict[Kernel, tuple[Kernel, ...]]) -> Iterator[BlockProgram]:
-    """`p` with one kernel that leaves processors idle tiled finer (`_finer_tilings`; `seen`
+    """`p` with one kernel that leaves processors idle tiled finer (`_tilings`; `seen`
     remembers each kernel's, since most candidates share most kernels)."""
     ks = p.kernels
     for i, (k, kc) in enumerate(zip(ks, cost.kernels)):
@@ -85,31 +108,59 @@ def _finer(p: BlockProgram, cost: ProgramCost, make: Make, target: Target,
                        target, more_traffic=False):
             continue
         if k not in seen:
-            seen[k] = tuple(_finer_tilings(p, k, kc, make, target))
+            seen[k] = tuple(_tilings(p, k, kc, make, target, coarser=False))
         for finer in seen[k]:
             yield replace(p, kernels=ks[:i] + (finer,) + ks[i + 1:])
 
 
-def _finer_tilings(p: BlockProgram, k: Kernel, kc: KernelCost, make: Make, target: Target
-                   ) -> Iterator[Kernel]:
-    """`k` with one grid axis in blocks half as large (not below the target's granularity):
-    twice the grid points, tiles half as large.  Only where that reads nothing more: finer
+def _coarser(p: BlockProgram, make: Make, target: Target,
+             seen: dict[Kernel, tuple[Kernel, ...]]) -> Iterator[BlockProgram]:
+    """`p` with one kernel tiled coarser where that reads less (`_tilings`)."""
+    ks = p.kernels
+    for i, k in enumerate(ks):
+        if k not in seen:
+            kc = cost_kernel(p, k, target)
+            rereads = kc.bytes_read > _once(p, k)
+            seen[k] = tuple(_tilings(p, k, kc, make, target, coarser=True)) if rereads else ()
+        for coarser in seen[k]:
+            yield replace(p, kernels=ks[:i] + (coarser,) + ks[i + 1:])
+
+
+def _tilings(p: BlockProgram, k: Kernel, kc: KernelCost, make: Make, target: Target,
+             coarser: bool) -> Iterator[Kernel]:
+    """`k` with one grid axis in blocks twice as large (`coarser`) or half as large (not
+    below the target's granularity), blocks that still divide the axis.
+
+    Coarser blocks are offered only where the kernel then reads less: a matmul's output
+    block twice as tall reads the other operand half as often, at the price of half the
+    grid points and tiles twice as large (illegal, so infinitely slow, once they no longer
+    fit local memory).  Finer blocks are offered only where they read nothing more: finer
     blocks that re-read operands (a matmul's, the keys of attention) are a trade of traffic
     for parallelism that these moves leave alone."""
     own = p.in_kernel(k)
     folded = frozenset().union(*map(_reduced, k.stores))
     for a in k.grid:
         if a in folded:
-            continue  # each finer block would fold over all of the axis again
-        half = own.block(a) // 2
-        if half < target.block_granularity or own.extent(a) % half or own.dims[a].ragged:
+            continue  # each block would fold over all of the axis again
+        block = own.block(a) * 2 if coarser else own.block(a) // 2
+        if (block < target.block_granularity or block > own.extent(a)
+                or own.extent(a) % block or own.dims[a].ragged):
             continue
-        blocks = {**dict(k.blocks), a: half}
+        blocks = {**dict(k.blocks), a: block}
         own_blocks = tuple((x, blocks[x]) for x in p.dims
                            if x in blocks and blocks[x] != p.block(x))
-        finer = make(k.grid, k.stores, own_blocks)
-        if cost_kernel(p, finer, target).traffic <= kc.traffic:
-            yield finer
+        tiled = make(k.grid, k.stores, own_blocks)
+        traffic = cost_kernel(p, tiled, target).traffic
+        if traffic < kc.traffic if coarser else traffic <= kc.traffic:
+            yield tiled
+
+
+def _once(p: BlockProgram, k: Kernel) -> int:
+    """The bytes `k` reads if it reads each tensor it loads once: coarser blocks cannot read
+    less than that."""
+    storage = {p.tensors[t].storage for t in _loaded(k)}
+    return sum(math.prod(p.extent(a) for a in p.tensors[t].axes) * p.tensors[t].itemsize
+               for t in storage)
 
 
 def _descend(p: BlockProgram, best: ProgramCost, price: Price, objective: str, first: bool,

@@ -94,5 +94,7 @@ class Options:
     #                              much costlier
     split_folds: bool = True  # launches may split a fold over chunks (`bbrules.splitting`)
     reblock: bool = True  # launches may tile a grid axis finer than its dim (`grouping`)
+    #                       and the best candidates coarser (`Extractor.retile`)
+    retiled: int = 8  # how many of the best candidates are launched again with coarser blocks
     # Explanations: how deep rewrites below rewrites may nest before the search gives up.
     explain_depth: int = 64

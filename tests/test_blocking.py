@@ -16,7 +16,7 @@ from bbrules.blockfile import parse_block_program
 from bbrules.codegen import cuda_gen, numpy_gen
 from bbrules.cost import cost_program
 from bbrules.errors import SourceError
-from bbrules.frontend import load_program
+from bbrules.frontend import load_program, parse_program
 from bbrules.fuse import fuse
 from bbrules.ir import IRError, show_program, validate
 from bbrules.lower import lower
@@ -121,3 +121,51 @@ def test_finer_blocks_never_go_below_the_target_granularity(pack):
     for kernel in r.program.kernels:
         assert all(b >= 32 for _, b in kernel.blocks)
 
+
+
+MATMUL = """
+dim m = 2048 / 64
+dim k = 128 / 64
+dim n = 1024 / 64
+input A[m, k], B[k, n] : f32
+C[m, n] = sum[k] A[m, k] * B[k, n]
+output C
+"""
+
+
+def test_a_matmul_takes_coarser_output_blocks_where_they_read_less(pack):
+    # In 64 x 64 output blocks, A is read once per 64 columns of C and B once per 64 rows;
+    # the fused matmul is memory-bound on h100, so blocks twice as large on an axis read
+    # the other operand half as often and are faster.
+    p = lower(parse_program(MATMUL))
+    r = fuse(p, pack, H100)
+    (kernel,) = r.program.kernels
+    blocks = dict(kernel.blocks)
+    assert blocks and all(b > 64 for b in blocks.values())
+    assert kernel.grid == ("m", "n") and r.after.legal
+    fixed = fuse(p, pack, H100, options=Options(reblock=False))
+    assert fixed.program.kernels[0].blocks == ()
+    assert r.after.bytes_read < fixed.after.bytes_read and r.after.time < fixed.after.time
+    # The cost model's reads at the chosen blocks: A once per block of n, B once per block
+    # of m.
+    q = r.program.in_kernel(kernel)
+    assert r.after.bytes_read == (q.blocks("n") * 2048 * 128 + q.blocks("m") * 128 * 1024) * F32
+    rng = np.random.default_rng(0)
+    inputs = {"A": rng.standard_normal((2048, 128), dtype=np.float32),
+              "B": rng.standard_normal((128, 1024), dtype=np.float32)}
+    want = inputs["A"].astype(np.float64) @ inputs["B"].astype(np.float64)
+    for run in (interp.run, numpy_gen.run):
+        np.testing.assert_allclose(run(r.program, inputs)["C"], want, rtol=1e-4, atol=1e-3)
+
+
+def test_coarser_blocks_stop_where_the_tiles_no_longer_fit(pack):
+    # By traffic alone coarser blocks always pay: they grow until local memory is full.
+    r = fuse(lower(parse_program(MATMUL)), pack, H100, objective="traffic")
+    (kernel,) = r.program.kernels
+    assert r.after.legal and r.after.footprint <= H100.local_capacity
+    q = r.program.in_kernel(kernel)
+    for axis in kernel.grid:
+        if q.block(axis) < q.extent(axis):
+            coarser = replace(kernel, blocks=tuple({**dict(kernel.blocks),
+                                                    axis: 2 * q.block(axis)}.items()))
+            assert not cost_program(replace(r.program, kernels=(coarser,)), H100).legal

@@ -4,6 +4,7 @@ its identity past the extent, and every backend returns tensors at their extents
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +19,7 @@ from bbrules.fuse import fuse
 from bbrules.inputs import random_inputs
 from bbrules.ir import BlockProgram, IRError, Kernel, validate
 from bbrules.lower import lower
+from bbrules.options import Options
 from bbrules.packs import load_packs
 from bbrules.targets import get_target
 
@@ -60,10 +62,27 @@ def test_temporaries_come_back_at_their_extents(pack):
         np.testing.assert_allclose(got, want, rtol=1e-6)
 
 
-def test_the_logits_are_never_stored_at_full_size(pack):
+def test_the_logits_are_stored_only_where_that_reads_less(pack):
+    # At the program's blocks, the LM head runs inside the cross-entropy: the logits are
+    # never stored.
+    fixed = fuse(lower(load_program(EXAMPLE)), pack, H100, options=Options(reblock=False))
+    assert "Z" not in fixed.program.tensors and len(fixed.program.kernels) == 2
+    assert fixed.after.traffic < fixed.before.traffic
+    assert fixed.after.time < fixed.before.time
+    # With blocks chosen per kernel, the fused kernel fits tokens in blocks of 128 at most
+    # (beside its tiles of logits and of the one-hot targets, over the ragged vocabulary's
+    # blocks of 128), so it reads W 128 times; the LM head alone fits blocks of 256 and
+    # reads it 64 times, which saves more than storing the logits and reading them back.
     r = fuse(lower(load_program(EXAMPLE)), pack, H100)
-    assert "Z" not in r.program.tensors and len(r.program.kernels) == 2
-    assert r.after.traffic < r.before.traffic and r.after.time < r.before.time
+    assert r.after.traffic < fixed.after.traffic and r.after.time < fixed.after.time
+    ce = fixed.program.kernels[0]
+    for tokens in (128, 256):
+        tiled = replace(fixed.program, kernels=(replace(ce, blocks=(("t", tokens),)),
+                                                *fixed.program.kernels[1:]))
+        cost = cost_program(tiled, H100)
+        assert not cost.legal or cost.time > r.after.time
+    (head,) = [k for k in r.program.kernels if k.tensors == ("Z",)]
+    assert r.program.in_kernel(head).block("t") == 256
 
 
 def test_the_full_vocabulary_in_blocks_of_128_fused_with_targets_in_the_ragged_block(pack):
