@@ -111,6 +111,7 @@ class KernelCost:
     loops: int
     resident: tuple[str, ...]  # input tensors kept in local memory for the whole kernel
     work: Work = NO_WORK  # `flops`, by unit
+    blocks: tuple[tuple[str, int], ...] = ()  # the block size of each axis it uses
 
     @property
     def traffic(self) -> int:
@@ -239,7 +240,8 @@ class ProgramCost:
         for k in self.kernels:
             d = asdict(k)
             d.update(tensors=list(k.tensors), grid=list(k.grid), resident=list(k.resident),
-                     time=finite(k.time), traffic=k.traffic, work=k.work.to_json())
+                     time=finite(k.time), traffic=k.traffic, work=k.work.to_json(),
+                     blocks=dict(k.blocks))
             kernels.append(d)
         return {
             "target": self.target.name,
@@ -447,7 +449,7 @@ class _KernelCoster:
         return KernelCost(self.kernel.tensors, self.kernel.grid, self.grid_points, self.read,
                           written, self.work.total, plan.footprint, plan.fits, time,
                           len(plan.loops), tuple(dict.fromkeys(n.tensor for n in plan.resident)),
-                          self.work)
+                          self.work, tuple((a, d.block) for a, d in self.dims.items()))
 
     def walk(self, ops: list[Op], runs: int) -> None:
         """Traffic and work of `ops`, which execute `runs` times."""

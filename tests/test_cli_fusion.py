@@ -45,6 +45,10 @@ def test_apply_json_and_explain(capsys):
     report = json.loads(capsys.readouterr().out)
     assert report["after"]["traffic"] < report["before"]["traffic"]
     assert report["stop"] in ("saturated", "iteration limit", "node limit", "time limit")
+    # each kernel's block sizes, its own where it chose them
+    assert report["before"]["kernels"][0]["blocks"] == {"q": 64, "k": 64, "d": 64}
+    (fused,) = report["after"]["kernels"]
+    assert set(fused["blocks"]) == {"q", "k", "d"} and fused["blocks"]["k"] == 64
     assert main(["apply", ATTENTION, *SMALL, "--explain"]) == 0
     assert "forward" in capsys.readouterr().out
 
