@@ -171,3 +171,25 @@ def test_coarser_blocks_stop_where_the_tiles_no_longer_fit(pack):
             coarser = replace(kernel, blocks=tuple({**dict(kernel.blocks),
                                                     axis: 2 * q.block(axis)}.items()))
             assert not cost_program(replace(r.program, kernels=(coarser,)), H100).legal
+
+
+def test_a_kernel_s_own_loop_blocks_run_alike_in_every_backend():
+    p = lower(parse_program(MATMUL.replace("2048 / 64", "64 / 16").replace("128 / 64", "64 / 32")
+                            .replace("1024 / 64", "64 / 16")))
+    (kernel,) = p.kernels
+    p = replace(p, kernels=(replace(kernel, blocks=(("m", 32), ("k", 16))),))
+    validate(p)
+    # The cost model and the CUDA kernel both tile k by 16, not the program's 32.
+    footprint = cost_program(p, H100).kernels[0].footprint
+    assert cuda_gen.generate(p).kernels[0].shared_bytes == footprint
+    default = replace(p, kernels=(replace(p.kernels[0], blocks=(("m", 32),)),))
+    assert footprint < cost_program(default, H100).kernels[0].footprint
+    rng = np.random.default_rng(1)
+    inputs = {"A": rng.standard_normal((64, 64), dtype=np.float32),
+              "B": rng.standard_normal((64, 64), dtype=np.float32)}
+    want = inputs["A"].astype(np.float64) @ inputs["B"].astype(np.float64)
+    runs = [interp.run, numpy_gen.run]
+    if shutil.which("g++"):
+        runs.append(lambda q, x: emulate(cuda_gen.generate(q), x, threads=32))
+    for run in runs:
+        np.testing.assert_allclose(run(p, inputs)["C"], want, rtol=1e-4, atol=1e-4)
