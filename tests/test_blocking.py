@@ -56,6 +56,24 @@ def softmax_reference(x: np.ndarray) -> np.ndarray:
     return e / e.sum(axis=1, keepdims=True)
 
 
+def every_backend(threads: int = 32) -> list:
+    """The interpreter, the numpy backend and, where g++ can build it, the CUDA emulator."""
+    runs = [interp.run, numpy_gen.run]
+    if shutil.which("g++"):
+        runs.append(lambda q, inputs: emulate(cuda_gen.generate(q), inputs, threads=threads))
+    return runs
+
+
+def assert_computes_a_times_b(p, m: int, k: int, n: int, seed: int) -> None:
+    """Every backend computes C = A @ B of `p` as float64 does."""
+    rng = np.random.default_rng(seed)
+    inputs = {"A": rng.standard_normal((m, k), dtype=np.float32),
+              "B": rng.standard_normal((k, n), dtype=np.float32)}
+    want = inputs["A"].astype(np.float64) @ inputs["B"].astype(np.float64)
+    for run in every_backend(threads=64):
+        np.testing.assert_allclose(run(p, inputs)["C"], want, rtol=1e-4, atol=1e-3)
+
+
 def test_the_softmax_example_is_one_kernel_reading_x_twice(pack):
     r = fuse(lower(load_program(EXAMPLES / "softmax.bbp")), pack, H100)
     (kernel,) = r.program.kernels
@@ -78,10 +96,7 @@ def test_a_kernel_s_own_blocks_round_trip_and_run_alike_in_every_backend():
     assert parse_block_program(show_program(p)).program.kernels == p.kernels
     x = np.random.default_rng(0).standard_normal((64, 512)).astype(np.float32)
     want = softmax_reference(x)
-    runs = [interp.run, numpy_gen.run]
-    if shutil.which("g++"):
-        runs.append(lambda q, inputs: emulate(cuda_gen.generate(q), inputs, threads=32))
-    for run in runs:
+    for run in every_backend():
         np.testing.assert_allclose(run(p, {"X": x})["Y"], want, rtol=1e-5, atol=1e-7)
 
 
@@ -149,15 +164,7 @@ def test_a_matmul_takes_coarser_output_blocks_where_they_read_less(pack):
     # of m.
     q = r.program.in_kernel(kernel)
     assert r.after.bytes_read == (q.blocks("n") * 2048 * 128 + q.blocks("m") * 128 * 1024) * F32
-    rng = np.random.default_rng(0)
-    inputs = {"A": rng.standard_normal((2048, 128), dtype=np.float32),
-              "B": rng.standard_normal((128, 1024), dtype=np.float32)}
-    want = inputs["A"].astype(np.float64) @ inputs["B"].astype(np.float64)
-    runs = [interp.run, numpy_gen.run]
-    if shutil.which("g++"):
-        runs.append(lambda q, x: emulate(cuda_gen.generate(q), x, threads=64))
-    for run in runs:
-        np.testing.assert_allclose(run(r.program, inputs)["C"], want, rtol=1e-4, atol=1e-3)
+    assert_computes_a_times_b(r.program, 2048, 128, 1024, seed=0)
 
 
 def test_coarser_blocks_stop_where_the_tiles_no_longer_fit(pack):
@@ -184,12 +191,4 @@ def test_a_kernel_s_own_loop_blocks_run_alike_in_every_backend():
     assert cuda_gen.generate(p).kernels[0].shared_bytes == footprint
     default = replace(p, kernels=(replace(p.kernels[0], blocks=(("m", 32),)),))
     assert footprint < cost_program(default, H100).kernels[0].footprint
-    rng = np.random.default_rng(1)
-    inputs = {"A": rng.standard_normal((64, 64), dtype=np.float32),
-              "B": rng.standard_normal((64, 64), dtype=np.float32)}
-    want = inputs["A"].astype(np.float64) @ inputs["B"].astype(np.float64)
-    runs = [interp.run, numpy_gen.run]
-    if shutil.which("g++"):
-        runs.append(lambda q, x: emulate(cuda_gen.generate(q), x, threads=32))
-    for run in runs:
-        np.testing.assert_allclose(run(p, inputs)["C"], want, rtol=1e-4, atol=1e-4)
+    assert_computes_a_times_b(p, 64, 64, 64, seed=1)
