@@ -513,8 +513,12 @@ class _Planner:
                         raise IRError(f"internal: load {n!r} outside every loop over '{a}'")
                 v = self._new("load", n, (), frozenset(axes), path, blocks=blocks)
                 v.order = axes
-                if self.tensors[tensor].role == "input" and any(
-                        self.trips[a] > 1 and a not in axes for a in self.looped):
+                # A slab spans the grid's block of each grid axis, so a load over a grid axis
+                # that an inner reduction re-binds (`sum[j]` in a kernel whose grid has j)
+                # is read per step instead.
+                if (self.tensors[tensor].role == "input"
+                        and any(self.trips[a] > 1 and a not in axes for a in self.looped)
+                        and not any(a in self.grid and a in self.looped for a in axes)):
                     self.rereads.append(v)
                 return v
             case Pos(axis):

@@ -232,6 +232,22 @@ def test_16_bit_tensors_are_converted_on_load_and_store(dtype, rtol):
 
 
 @needs_cxx
+def test_a_reduction_that_re_binds_a_grid_axis_reads_along_it():
+    # The inner sum walks all of j in a kernel whose grid has j: the load of A[t, j] inside
+    # it may not be kept as a slab of the grid's one block of j.  (Found by the test below:
+    # every output was -inf.)
+    p = lower(parse_program("dim i = 2 / 1\ndim j = 3 / 1\ndim t = 2 / 1\ninput A[i, j] : f32\n"
+                            "T[j, t] = max[i] ((sum[j] A[t, j] * A[i, j]) + A[i, j])\n"
+                            "output T\n"))
+    inputs = random_inputs(p, seed=0)
+    a = inputs["A"].astype(np.float64)
+    want = np.array([[max(a[t] @ a[i] + a[i, j] for i in range(2)) for t in range(2)]
+                     for j in range(3)])
+    np.testing.assert_allclose(emulate(generate(p), inputs)["T"], want, rtol=1e-5)
+    np.testing.assert_allclose(interp.run(p, inputs)["T"], want, rtol=1e-5)
+
+
+@needs_cxx
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(programs())
 def test_random_programs_run_like_the_interpreter(source):
