@@ -34,11 +34,15 @@ exceeds the target's local capacity is illegal.
 
 Time.  share = min(1, grid_points / processors): a grid smaller than the chip uses only that
 fraction of bandwidth and of every unit.  time = max(bytes / (bandwidth x share),
-compute / share) + launch_cost, where compute sums each unit's work over its rate: matrix
-flops on 16-bit operands / peak_flops_f16, on f32 operands / peak_flops_dot_f32, special
-functions / special_rate, vector flops / peak_flops.  (Units do overlap on real hardware; the
-sum is the conservative choice, and the one that charges a fused kernel for the exponentials
-it recomputes.)
+compute / share) + step_ops x step_cost + launch_cost, where compute sums each unit's work
+over its rate: matrix flops on 16-bit operands / peak_flops_f16, on f32 operands /
+peak_flops_dot_f32, special functions / special_rate, vector flops / peak_flops.  (Units do
+overlap on real hardware; the sum is the conservative choice, and the one that charges a
+fused kernel for the exponentials it recomputes.)  `step_ops` counts the operations inside
+the kernel's loops (loads, elementwise steps, block reductions, contractions, writes, each
+monoid combine's elementwise terms) once per step, not per grid point: what the numpy
+backend issues, one numpy call over the whole grid each, for as many steps as the loops
+take.  A target whose backend pays nothing per step (every GPU target) gives `step_cost` 0.
 
 Everything is computed in one walk of the plan.  Extraction prices thousands of candidate
 programs that share most of their kernels, so per-kernel results are cached on (kernel, the
@@ -112,6 +116,7 @@ class KernelCost:
     resident: tuple[str, ...]  # input tensors kept in local memory for the whole kernel
     work: Work = NO_WORK  # `flops`, by unit
     blocks: tuple[tuple[str, int], ...] = ()  # the block size of each axis it uses
+    step_ops: float = 0.0  # operations in loop steps, counted once per step for the grid
 
     @property
     def traffic(self) -> int:
@@ -409,6 +414,10 @@ def _(n: Dot, c: _KernelCoster, v: Value, runs: int) -> Work:
     return Work(matrix_f16=f) if len(narrow) == 1 else Work(matrix_f32=f)
 
 
+# The plan steps that are operations of their own (a numpy call each), not references.
+STEP_OPS = frozenset({"load", "elementwise", "breduce", "dot"})
+
+
 class _KernelCoster:
     """One kernel's plan, walked once for traffic and flops; footprint and legality are the
     plan's."""
@@ -426,6 +435,7 @@ class _KernelCoster:
         self.read = 0
         self.imbalance = 1.0  # the makespan over the average grid point's time (`visited`)
         self.work = NO_WORK
+        self.step_ops = 0.0
 
     def elements(self, axes: frozenset[str]) -> int:
         n = self.sizes.get(axes)
@@ -449,23 +459,28 @@ class _KernelCoster:
         return KernelCost(self.kernel.tensors, self.kernel.grid, self.grid_points, self.read,
                           written, self.work.total, plan.footprint, plan.fits, time,
                           len(plan.loops), tuple(dict.fromkeys(n.tensor for n in plan.resident)),
-                          self.work, tuple((a, d.block) for a, d in self.dims.items()))
+                          self.work, tuple((a, d.block) for a, d in self.dims.items()),
+                          self.step_ops)
 
-    def walk(self, ops: list[Op], runs: int) -> None:
-        """Traffic and work of `ops`, which execute `runs` times."""
+    def walk(self, ops: list[Op], runs: int, steps: float = 0) -> None:
+        """Traffic, work and step operations of `ops`, which execute `runs` times: `steps`
+        times for the whole grid inside loops, 0 outside them."""
         for op in ops:
             if isinstance(op, WritePlan):
-                continue  # the written tensors are counted whole
-            if isinstance(op, LoopPlan):
+                self.step_ops += steps  # the written tensors' bytes are counted whole
+            elif isinstance(op, LoopPlan):
                 trips = op.trips * self.visited(op)
-                self.walk(op.body, runs * trips)
+                self.walk(op.body, runs * trips, max(steps, 1) * trips)
                 for acc in op.accs:
                     combine, finalize = _monoid_flops(acc.monoid, acc.shapes)
+                    self.step_ops += len(combine) * max(steps, 1) * trips + len(finalize) * steps
                     for terms, times in ((combine, runs * trips), (finalize, runs)):
                         for shape, work in terms:
                             self.work += work * (self.elements(shape) * times)
             else:
                 self.work += FLOPS(op.node, self, op, runs) * runs
+                if op.kind in STEP_OPS:
+                    self.step_ops += steps
 
     def visited(self, op: LoopPlan) -> float | int:
         """The share of its blocks a loop visits: all, or those its skip predicate may hold
@@ -489,4 +504,5 @@ class _KernelCoster:
         t = self.target
         share = min(1.0, self.grid_points / t.processors)
         memory = traffic / (t.global_bandwidth * share)
-        return max(memory, self.work.seconds(t) / share) * self.imbalance + t.launch_cost
+        return (max(memory, self.work.seconds(t) / share) * self.imbalance
+                + self.step_ops * t.step_cost + t.launch_cost)

@@ -11,7 +11,12 @@ unit at the rate for their operands' dtype (16-bit: `peak_flops_f16`; f32: `peak
 which on H100/H200 is the TF32 tensor-core rate, the choice a compiler makes for f32 matmuls
 when it may, e.g. torch's `allow_tf32`), special functions (exp, log, rsqrt, tanh, ...) at
 `special_rate`, everything else (elementwise arithmetic, in-tile reductions, monoid combines)
-on the vector units at `peak_flops`.  `resolution` is how far apart two modeled times must be
+on the vector units at `peak_flops`.  `step_cost` is the fixed cost of one operation in a
+step of a kernel's loops (a load, an elementwise step, a contraction, a combine), paid once
+per step for the whole grid: the numpy backend runs a step as one numpy call per operation
+over every grid point at once, and a call costs microseconds whatever its size, so many
+small steps are slow there.  GPU targets leave it at 0: a thread block's steps overlap other
+blocks' work, and their cost is the work itself.  `resolution` is how far apart two modeled times must be
 for the model to tell them apart: closer, they count as a tie and the one with less global
 traffic wins (`ProgramCost.key`).
 
@@ -29,6 +34,8 @@ User targets are TOML files with the same fields, in the units people quote them
     special_rate = 2.44           # T evaluations/s of exp, log, rsqrt, ...; optional, default
                                   #   peak_flops (one special function costs one f32 flop)
     launch_cost = 4               # µs per kernel
+    step_cost = 1.9               # µs per operation in a step of a kernel's loops, once per
+                                  #   step for the whole grid; optional, default 0
     resolution = 0.03             # fraction; optional, default 0 (times compared exactly)
     block_granularity = 16        # elements; optional, default 16 (the matrix units' tile
                                   #   side): the smallest block extraction gives a kernel
@@ -69,6 +76,7 @@ class Target:
     special_rate: float = 0.0  # special-function evaluations/s, whole chip
     resolution: float = 0.0  # modeled times closer than this fraction are a tie
     block_granularity: int = 16  # the smallest block a kernel may choose for itself
+    step_cost: float = 0.0  # seconds per operation in a loop step, once for the whole grid
 
     def __post_init__(self) -> None:
         for name in ("peak_flops_dot_f32", "special_rate"):
@@ -93,7 +101,8 @@ BUILTIN_TARGETS: dict[str, Target] = {
                "--repeat 15): 17.7 GB/s DRAM copy, 512 KiB L2 per core as local memory, "
                "batched 64x64 f32 matmul 59.7 GFLOP/s (also the f16 rate: numpy computes "
                "in f32), exp 0.773e9/s, multiply 6.46 GFLOP/s, 1.8 µs per generated kernel; "
-               "modeled times within 5% tie", 59.7e9, 0.773e9, 0.05),
+               "modeled times within 5% tie; 1.9 µs per operation of a loop step (measured "
+               "2026-12-05)", 59.7e9, 0.773e9, 0.05, step_cost=1.9e-6),
     )
 }
 
@@ -129,6 +138,7 @@ _DEFAULTED: dict[str, _Field] = {
     "special_rate": _Field(float, lambda t_s: t_s * 1e12),
     "resolution": _Field(float, lambda fraction: fraction, _RESOLUTION_RANGE),
     "block_granularity": _Field(int, lambda n: n, (1, 4096)),
+    "step_cost": _Field(float, lambda us: us / 1e6),
 }
 _OPTIONAL = {"name", "doc"}
 

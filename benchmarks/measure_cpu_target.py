@@ -8,8 +8,11 @@ Each figure is what the numpy backend does on this machine, timed as it does it:
   has no faster 16-bit path, it computes in f32);
 - special_rate: `np.exp` on a 1 MiB f32 array (resident in the cache), evaluations per second;
 - peak_flops: `np.multiply` on the same arrays, one flop per element;
-- launch_cost: a generated kernel that does almost nothing (one 16-element block), run through
-  the generated module's `run`, per kernel;
+- step_cost: a generated kernel whose map loop stores a 16-element block per step, run for
+  one step and for `STEPS`; the difference over the difference in the step operations the
+  cost model counts for the two (`KernelCost.step_ops`), seconds per operation;
+- launch_cost: a generated kernel that does almost nothing (one 16-element block, no loop),
+  run through the generated module's `run`, per kernel;
 - local_capacity: the per-core L2 cache size the OS reports (1 MiB if it reports none);
 - processors: the cores this process may use;
 - resolution: 0.05, not measured: a numpy program's time has overheads (Python loops over
@@ -39,13 +42,17 @@ from typing import Callable
 
 import numpy as np
 
+from bbrules.blockfile import parse_block_program
 from bbrules.codegen import numpy_gen
+from bbrules.cost import cost_program
 from bbrules.frontend import parse_program
 from bbrules.lower import lower
+from bbrules.targets import get_target
 
 TILE = 64  # the block size of the examples' contractions
 RESOLUTION = 0.05
 KERNELS = 16  # kernels in the chain whose run time gives the per-kernel overhead
+STEPS = 256  # steps of the map loop whose run time gives the per-operation overhead
 
 
 @dataclass(frozen=True)
@@ -59,6 +66,7 @@ class Figures:
     peak_flops_f16: float  # TFLOP/s
     peak_flops_dot_f32: float  # TFLOP/s
     special_rate: float  # T/s
+    step_cost: float  # µs
     launch_cost: float  # µs
     resolution: float
 
@@ -98,7 +106,8 @@ def measure(repeat: int) -> tuple[Figures, dict[str, float]]:
     special = rate("exp", x.size, lambda: np.exp(x, out=y))
     vector = rate("multiply", x.size, lambda: np.multiply(x, x, out=y))
 
-    launch = overhead(repeat, spread)
+    step = per_step_op(repeat, spread)
+    launch = per_kernel(repeat, spread)
     figures = Figures(
         global_bandwidth=round(bandwidth / 1e9, 2),
         local_capacity=l2_kib(),
@@ -108,13 +117,31 @@ def measure(repeat: int) -> tuple[Figures, dict[str, float]]:
         peak_flops_f16=_sig(matmul / 1e12),
         peak_flops_dot_f32=_sig(matmul / 1e12),
         special_rate=_sig(special / 1e12),
+        step_cost=round(step * 1e6, 2),
         launch_cost=round(launch * 1e6, 1),
         resolution=RESOLUTION,
     )
     return figures, spread
 
 
-def overhead(repeat: int, spread: dict[str, float]) -> float:
+def per_step_op(repeat: int, spread: dict[str, float]) -> float:
+    """Seconds per operation of a loop step: a kernel whose map loop doubles one 16-element block
+    of X per step, timed for 1 and for `STEPS` steps, over the operations the cost model
+    counts for each."""
+    def kernel(steps: int) -> tuple[float, float]:
+        p = parse_block_program(f"dim r = 16\ndim c = {16 * steps} / 16\ninput X[r, c] : f32\n"
+                                f"output Y[r, c] : f32\nkernel [r]:\n"
+                                f"  Y[r, c] = load(X[r, c]) * 2.0\n").program
+        module = numpy_gen.load(p)
+        x = np.ones((16, 16 * steps), np.float32)
+        best, median = timed(lambda: module.run(X=x), repeat * 5)
+        spread[f"steps {steps}"] = median / best - 1
+        return best, sum(k.step_ops for k in cost_program(p, get_target("cpu")).kernels)
+    (one, ops_one), (many, ops_many) = kernel(1), kernel(STEPS)
+    return max(0.0, many - one) / (ops_many - ops_one)
+
+
+def per_kernel(repeat: int, spread: dict[str, float]) -> float:
     """Seconds per kernel of a generated numpy module whose kernels do almost nothing: a chain
     of `KERNELS` elementwise kernels on one 16-element block."""
     lines = ["dim m = 16", "input X0[m] : f32"]

@@ -146,6 +146,38 @@ def test_unit_fields_are_read_in_their_units(tmp_path):
     assert (t.peak_flops_dot_f32, t.special_rate, t.resolution) == (15e12, 0.25e12, 0.04)
 
 
+def test_step_cost_is_read_in_microseconds_and_defaults_to_nothing(tmp_path):
+    (tmp_path / "old.toml").write_text(BASE)
+    assert get_target(str(tmp_path / "old.toml")).step_cost == 0.0
+    (tmp_path / "numpy.toml").write_text(BASE + "step_cost = 1.5\n")
+    assert get_target(str(tmp_path / "numpy.toml")).step_cost == 1.5e-6
+    assert H100.step_cost == get_target("h200").step_cost == 0.0
+    assert get_target("cpu").step_cost > 0
+
+
+def row_sum(rows: int, columns: int, target: Target = get_target("cpu")) -> KernelCost:
+    """The kernel of Y[m] = sum[k] X[m, k] * 2, in blocks of 64 on both axes."""
+    p = lower(parse_program(f"dim m = {rows} / 64\ndim k = {columns} / 64\n"
+                            f"input X[m, k] : f32\nY[m] = sum[k] X[m, k] * 2\noutput Y"))
+    (k,) = cost_program(p, target).kernels
+    return k
+
+
+def test_a_loop_step_s_operations_are_counted_once_for_the_whole_grid():
+    # Each step of the loop over k loads a tile of X, doubles it and sums it into the state:
+    # the same operations however many rows the grid covers, twice as many for twice the
+    # steps, and priced at step_cost each on top of the kernel's other time.
+    k = row_sum(256, 512)
+    assert k.step_ops > 0 and k.step_ops % (512 // 64) == 0
+    assert row_sum(1024, 512).step_ops == k.step_ops
+    assert row_sum(256, 1024).step_ops == 2 * k.step_ops
+    cpu = get_target("cpu")
+    free = row_sum(256, 512, dataclasses.replace(cpu, step_cost=0.0))
+    assert k.time - free.time == pytest.approx(k.step_ops * cpu.step_cost, rel=1e-9)
+    # A kernel without loops has no steps.
+    assert unary("exp").kernels[0].step_ops == 0
+
+
 def test_the_shipped_a100_gives_every_unit():
     a100 = get_target(str(REPO / "targets" / "a100.toml"))
     assert (a100.peak_flops_dot_f32, a100.resolution) == (156e12, 0.03)
