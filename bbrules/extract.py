@@ -311,7 +311,8 @@ class Extractor:
 
     def retile(self, order: Callable[[ProgramCost], tuple], n: int) -> None:
         """Launch the `n` best candidates in `order` again, now also trying grid axes in
-        coarser blocks where that reads less (`group_kernels`' `coarser`).
+        coarser blocks where that reads less and loop axes in coarser blocks where that is
+        faster (`group_kernels`' `coarser`).
 
         Coarser blocks are where a matmul's operands stop being re-read for every block of
         output rows, but each candidate would price a handful of new kernels for them (the

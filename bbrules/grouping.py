@@ -22,6 +22,10 @@ the cheapest of:
 - *Coarser blocks*: one grid axis in blocks twice as large, where the kernel then reads less.
   A matmul whose output rows come in blocks of 64 reads the other operand once per 64 rows;
   in blocks of 256, a quarter as often, for as long as the tiles fit local memory.
+- *Coarser steps*: one loop axis in blocks twice as large, where the kernel then takes less
+  time for no more traffic.  A loop pays its combines (an online softmax rescales its output
+  tile) and, on a target with a `step_cost`, its operations once per step: half the steps
+  pay half of that, for as long as the tiles fit.
 
 Then, where a kernel's grid leaves processors idle, the cheapest of two more kinds, until
 none is cheaper:
@@ -49,6 +53,7 @@ from typing import Callable, Iterable, Iterator
 
 from .cost import KernelCost, ProgramCost, cost_kernel
 from .ir import BlockProgram, Kernel, Load, Reduce, Store, postorder
+from .plan import kernel_uses
 from .splitting import Splitter, may_pay
 from .targets import Target
 
@@ -119,9 +124,8 @@ def _coarser(p: BlockProgram, make: Make, target: Target,
     ks = p.kernels
     for i, k in enumerate(ks):
         if k not in seen:
-            kc = cost_kernel(p, k, target)
-            rereads = kc.bytes_read > _once(p, k)
-            seen[k] = tuple(_tilings(p, k, kc, make, target, coarser=True)) if rereads else ()
+            seen[k] = tuple(_tilings(p, k, cost_kernel(p, k, target), make, target,
+                                     coarser=True))
         for coarser in seen[k]:
             yield replace(p, kernels=ks[:i] + (coarser,) + ks[i + 1:])
 
@@ -129,19 +133,28 @@ def _coarser(p: BlockProgram, make: Make, target: Target,
 def _tilings(p: BlockProgram, k: Kernel, kc: KernelCost, make: Make, target: Target,
              coarser: bool) -> Iterator[Kernel]:
     """`k` with one grid axis in blocks twice as large (`coarser`) or half as large (not
-    below the target's granularity), blocks that still divide the axis.
+    below the target's granularity), blocks that still divide the axis; and, `coarser`,
+    one loop axis in blocks twice as large.
 
-    Coarser blocks are offered only where the kernel then reads less: a matmul's output
+    Coarser grid blocks are offered only where the kernel then reads less: a matmul's output
     block twice as tall reads the other operand half as often, at the price of half the
     grid points and tiles twice as large (illegal, so infinitely slow, once they no longer
-    fit local memory).  Finer blocks are offered only where they read nothing more: finer
-    blocks that re-read operands (a matmul's, the keys of attention) are a trade of traffic
-    for parallelism that these moves leave alone."""
+    fit local memory).  Coarser loop blocks are offered only where the kernel is then
+    faster and reads no more (fewer steps, each with its combines).  A loop axis the program
+    itself blocks by one element (a split's chunk axis) keeps its blocks: a fold over it may
+    rely on them (`reduce(c, sum, bmax(c, x))` combines each chunk's maximum).  Finer blocks
+    are offered only where they read nothing more: finer blocks that re-read operands (a
+    matmul's, the keys of attention) are a trade of traffic for parallelism that these
+    moves leave alone."""
     own = p.in_kernel(k)
     folded = frozenset().union(*map(_reduced, k.stores))
-    for a in k.grid:
-        if a in folded:
-            continue  # each block would fold over all of the axis again
+    grid = [a for a in k.grid if a not in folded]  # else each block folds all of it again
+    loops = []
+    if coarser:
+        if kc.bytes_read <= _once(p, k):
+            grid = []  # it reads each tensor once already
+        loops = [a for a in _loop_axes(k) if p.block(a) > 1]
+    for a in grid + loops:
         block = own.block(a) * 2 if coarser else own.block(a) // 2
         if (block < target.block_granularity or block > own.extent(a)
                 or own.extent(a) % block or own.dims[a].ragged):
@@ -150,9 +163,18 @@ def _tilings(p: BlockProgram, k: Kernel, kc: KernelCost, make: Make, target: Tar
         own_blocks = tuple((x, blocks[x]) for x in p.dims
                            if x in blocks and blocks[x] != p.block(x))
         tiled = make(k.grid, k.stores, own_blocks)
-        traffic = cost_kernel(p, tiled, target).traffic
-        if traffic < kc.traffic if coarser else traffic <= kc.traffic:
+        tc = cost_kernel(p, tiled, target)
+        if a in loops:
+            if tc.traffic <= kc.traffic and tc.time < kc.time:
+                yield tiled
+        elif tc.traffic < kc.traffic if coarser else tc.traffic <= kc.traffic:
             yield tiled
+
+
+def _loop_axes(k: Kernel) -> list[str]:
+    """The axes `k` loops over: every axis it uses outside its grid, in a fixed order."""
+    axes, _ = kernel_uses(k)
+    return sorted(axes - frozenset(k.grid))
 
 
 def _once(p: BlockProgram, k: Kernel) -> int:

@@ -192,3 +192,29 @@ def test_a_kernel_s_own_loop_blocks_run_alike_in_every_backend():
     default = replace(p, kernels=(replace(p.kernels[0], blocks=(("m", 32),)),))
     assert footprint < cost_program(default, H100).kernels[0].footprint
     assert_computes_a_times_b(p, 64, 64, 64, seed=1)
+
+
+def test_a_fold_takes_coarser_loop_blocks_where_the_kernel_then_works_less(pack):
+    # Flash attention rescales its running output tile once per key block.  On the cpu
+    # target that vector work is a visible share of the kernel, so key blocks larger than
+    # the program's 64 are faster, for the same traffic, as long as the tiles fit.
+    cpu = get_target("cpu")
+    p = lower(load_program(EXAMPLES / "attention.bbp"))
+    r = fuse(p, pack, cpu)
+    (kernel,) = r.program.kernels  # the scores are never stored
+    q = r.program.in_kernel(kernel)
+    assert q.block("k") > p.block("k") and r.after.legal
+    declared = replace(kernel, blocks=tuple((a, b) for a, b in kernel.blocks if a != "k"))
+    at_declared = cost_program(replace(r.program, kernels=(declared,)), cpu)
+    assert at_declared.traffic == r.after.traffic and at_declared.time > r.after.time
+    # One more doubling of the key block is slower or no longer fits.
+    coarser = replace(kernel, blocks=tuple({**dict(kernel.blocks), "k": 2 * q.block("k")}
+                                           .items()))
+    assert not cost_program(replace(r.program, kernels=(coarser,)), cpu).time < r.after.time
+    rng = np.random.default_rng(2)
+    inputs = {n: rng.standard_normal((4096, 64), dtype=np.float32) for n in "QKV"}
+    s = inputs["Q"].astype(np.float64) @ inputs["K"].astype(np.float64).T * 0.125
+    e = np.exp(s - s.max(axis=1, keepdims=True))
+    want = e / e.sum(axis=1, keepdims=True) @ inputs["V"].astype(np.float64)
+    np.testing.assert_allclose(numpy_gen.run(r.program, inputs)["O"], want, rtol=1e-4,
+                               atol=1e-5)
