@@ -117,7 +117,8 @@ def main() -> int:
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--vocab", type=int, default=1024)
-    ap.add_argument("--target", default="h100")
+    ap.add_argument("--target", help="what fusion prices the program on (default: h100, or "
+                                     "cpu with --cpu, the machine the numpy backend runs on)")
     ap.add_argument("--seconds", type=float, default=Budget.seconds,
                     help="the fusion budget, the same whatever the layer count")
     ap.add_argument("--check", action="store_true")
@@ -125,7 +126,8 @@ def main() -> int:
                     help="time the fused model through the numpy backend against onnxruntime "
                          "(when installed) on the same input, medians of 9")
     args = ap.parse_args()
-    target, pack = get_target(args.target), load_packs([])
+    target = get_target(args.target or ("cpu" if args.cpu else "h100"))
+    pack = load_packs([])
     print("| layers | statements | kernels | traffic | modeled time | candidates (distinct) "
           "| import | fusion |")
     print("|---|---|---|---|---|---|---|---|")

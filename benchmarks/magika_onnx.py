@@ -8,7 +8,7 @@ the model's own weights through the numpy backend on random byte sequences and c
 onnxruntime on the same inputs; reports kernels, traffic and modeled time, the largest
 difference and whether the predicted labels agree, and CPU times.
 
-    python benchmarks/magika_onnx.py [--model PATH] [--batch 1]
+    python benchmarks/magika_onnx.py [--model PATH] [--batch 1] [--target cpu]
 
 Without --model the wheel is fetched with `pip download --no-deps magika` (a package index
 must be reachable).  Needs onnxruntime.  Nothing is asserted: this measures.
@@ -68,7 +68,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", help="magika's model.onnx (default: fetched)")
     ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--target", default="h100")
+    ap.add_argument("--target", default="cpu",
+                    help="what fusion prices the program on (default: cpu, where it is timed)")
     args = ap.parse_args()
     import onnxruntime
     with tempfile.TemporaryDirectory() as tmp:
