@@ -8,7 +8,7 @@ the model's own weights through the numpy backend on random byte sequences and c
 onnxruntime on the same inputs; reports kernels, traffic and modeled time, the largest
 difference and whether the predicted labels agree, and CPU times.
 
-    python benchmarks/magika_onnx.py [--model PATH] [--batch 1] [--target cpu]
+    python benchmarks/magika_onnx.py [--model PATH] [--batch 1] [--target h100]
 
 Without --model the wheel is fetched with `pip download --no-deps magika` (a package index
 must be reachable).  Needs onnxruntime.  Nothing is asserted: this measures.
@@ -68,8 +68,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", help="magika's model.onnx (default: fetched)")
     ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--target", default="cpu",
-                    help="what fusion prices the program on (default: cpu, where it is timed)")
+    ap.add_argument("--target", default="h100",
+                    help="what fusion prices the program on (default: h100; the cpu target "
+                         "prices the one-hot contractions that the numpy backend runs as "
+                         "gathers as the products they are written as, and its program ran "
+                         "15.1 ms against 11.5 ms for h100's on 2026-12-05)")
     args = ap.parse_args()
     import onnxruntime
     with tempfile.TemporaryDirectory() as tmp:
