@@ -91,10 +91,11 @@ def measure(repeat: int) -> tuple[Figures, dict[str, float]]:
         spread[name] = median / best - 1
         return work / best
 
-    big = np.ones(32 << 20, np.float32)  # 128 MiB
-    copy = np.empty_like(big)
-    bandwidth = rate("copy", 2 * big.nbytes, lambda: np.copyto(copy, big))
-    del big, copy
+    def copied() -> float:
+        big = np.ones(32 << 20, np.float32)  # 128 MiB, freed on return
+        copy = np.empty_like(big)
+        return rate("copy", 2 * big.nbytes, lambda: np.copyto(copy, big))
+    bandwidth = copied()
 
     tiles = 256
     a = np.random.default_rng(0).standard_normal((tiles, TILE, TILE), np.float32)
