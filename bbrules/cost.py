@@ -20,9 +20,11 @@ Work per execution, by the unit that does it (`Work`).  Unary/binary: elements o
 tile x the operator's flops (`bbrules.ops`), of which its special functions (exp, log, rsqrt,
 ...) are special-function work and the rest vector work; in-tile reduction: elements of its
 input, vector work; dot: 2 x elements of the result x the contracted block, matrix work at the
-rate for its operands: 16-bit when an operand is a load of a 16-bit tensor (the other,
-if computed, rounded to that format, as FlashAttention rounds P and as the Triton backend
-does), f32 when both are computed or the two formats differ.  A loop pays each reduction's
+rate for its operands: 16-bit when an operand is a load of a 16-bit tensor (the other, if
+computed, rounded to that format, as FlashAttention rounds P and as the Triton backend does),
+f32 when both are computed or the two formats differ.  On a target that `gathers`, a dot by a
+one-hot (`bbrules.onehot`) is instead one copy per pick of each element of its result, vector
+work.  A loop pays each reduction's
 monoid `combine` once per iteration and its `finalize` once per completion, both evaluated on
 the state tiles (distinct subexpressions once), split by operator like any elementwise work.
 Recomputation inside fused kernels is therefore counted as it happens.  `flops` is the total
@@ -61,6 +63,7 @@ from .ir import (ELEMENTWISE_KINDS, BlockProgram, BlockReduce, Const, Dim, Dot, 
                  KindTable, Load, Monoid, Node, Pos, Reduce, TensorDecl, Tuple, Var,
                  is_elementwise, operator, postorder)
 from .masking import visited_share
+from .onehot import one_hot
 from .plan import LoopPlan, Op, Value, WritePlan, kernel_uses, plan_once
 from .plan import clear_cache as _clear_plans
 from .targets import Target
@@ -408,6 +411,8 @@ def _(n: BlockReduce, c: _KernelCoster, v: Value, runs: int) -> Work:
 
 @FLOPS.on(Dot)
 def _(n: Dot, c: _KernelCoster, v: Value, runs: int) -> Work:
+    if c.target.gathers and (hot := one_hot(n)) is not None:
+        return Work(vector=c.elements(v.shape) * len(hot[1]))  # one copy per pick
     f = 2 * c.elements(v.shape) * c.dims[n.axis].block
     narrow = {c.tensors[x.tensor].dtype for x in (n.x, n.y)
               if isinstance(x, Load) and c.tensors[x.tensor].itemsize == 2}

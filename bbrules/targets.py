@@ -16,7 +16,10 @@ step of a kernel's loops (a load, an elementwise step, a contraction, a combine)
 per step for the whole grid: the numpy backend runs a step as one numpy call per operation
 over every grid point at once, and a call costs microseconds whatever its size, so many
 small steps are slow there.  GPU targets leave it at 0: a thread block's steps overlap other
-blocks' work, and their cost is the work itself.  `resolution` is how far apart two modeled times must be
+blocks' work, and their cost is the work itself.  `gathers` says the backend runs a
+contraction by a one-hot (an embedding lookup, a convolution's shifts: `bbrules.onehot`) as a
+gather, one copied element per picked element of the result, as the numpy backend does; the
+GPU backends contract it like any other operand, and their targets price it so.  `resolution` is how far apart two modeled times must be
 for the model to tell them apart: closer, they count as a tie and the one with less global
 traffic wins (`ProgramCost.key`).
 
@@ -36,6 +39,8 @@ User targets are TOML files with the same fields, in the units people quote them
     launch_cost = 4               # µs per kernel
     step_cost = 1.9               # µs per operation in a step of a kernel's loops, once per
                                   #   step for the whole grid; optional, default 0
+    gathers = true                # the backend runs a contraction by a one-hot as a gather;
+                                  #   optional, default false
     resolution = 0.03             # fraction; optional, default 0 (times compared exactly)
     block_granularity = 16        # elements; optional, default 16 (the matrix units' tile
                                   #   side): the smallest block extraction gives a kernel
@@ -77,6 +82,7 @@ class Target:
     resolution: float = 0.0  # modeled times closer than this fraction are a tie
     block_granularity: int = 16  # the smallest block a kernel may choose for itself
     step_cost: float = 0.0  # seconds per operation in a loop step, once for the whole grid
+    gathers: bool = False  # contractions by a one-hot run as gathers (`bbrules.onehot`)
 
     def __post_init__(self) -> None:
         for name in ("peak_flops_dot_f32", "special_rate"):
@@ -102,7 +108,8 @@ BUILTIN_TARGETS: dict[str, Target] = {
                "batched 64x64 f32 matmul 59.7 GFLOP/s (also the f16 rate: numpy computes "
                "in f32), exp 0.773e9/s, multiply 6.46 GFLOP/s, 1.8 µs per generated kernel; "
                "modeled times within 5% tie; 1.9 µs per operation of a loop step (measured "
-               "2026-12-05)", 59.7e9, 0.773e9, 0.05, step_cost=1.9e-6),
+               "2026-12-05); one-hot contractions are gathers", 59.7e9, 0.773e9, 0.05,
+               step_cost=1.9e-6, gathers=True),
     )
 }
 
@@ -141,6 +148,7 @@ _DEFAULTED: dict[str, _Field] = {
     "step_cost": _Field(float, lambda us: us / 1e6),
 }
 _OPTIONAL = {"name", "doc"}
+_FLAGS = {"gathers"}  # optional booleans, default false
 
 
 def get_target(name_or_path: str) -> Target:
@@ -170,9 +178,9 @@ def load_target(path: Path) -> Target:
 
     numeric = {**_FIELDS, **_DEFAULTED}
     for key in data:
-        if key not in numeric and key not in _OPTIONAL:
+        if key not in numeric and key not in _OPTIONAL and key not in _FLAGS:
             raise error(key, f"unknown target field '{key}' (fields: "
-                             f"{', '.join([*_OPTIONAL, *numeric])})")
+                             f"{', '.join([*_OPTIONAL, *numeric, *_FLAGS])})")
     missing = [k for k in _FIELDS if k not in data]
     if missing:
         raise error(None, f"target file lacks {', '.join(missing)}")
@@ -194,6 +202,10 @@ def load_target(path: Path) -> Target:
     for key in _OPTIONAL:
         if key in data and not isinstance(data[key], str):
             raise error(key, f"'{key}' must be a string")
+    for key in _FLAGS & data.keys():
+        if not isinstance(data[key], bool):
+            raise error(key, f"'{key}' must be true or false")
+        values[key] = data[key]
     return Target(name=data.get("name", path.stem), doc=data.get("doc", ""), **values)
 
 

@@ -15,6 +15,7 @@ Each figure is what the numpy backend does on this machine, timed as it does it:
   run through the generated module's `run`, per kernel;
 - local_capacity: the per-core L2 cache size the OS reports (1 MiB if it reports none);
 - processors: the cores this process may use;
+- gathers: true, not measured: the numpy backend runs a contraction by a one-hot as a gather;
 - resolution: 0.05, not measured: a numpy program's time has overheads (Python loops over
   blocks, temporaries) that the model does not see, so it resolves less than on a GPU (0.03).
   The run-to-run spread of each timing (median over best) is printed beside the figures.
@@ -179,6 +180,7 @@ def toml_text(f: Figures, date: str) -> str:
              f"targets/a100.toml.",
              'name = "cpu-measured"', f"doc = {json.dumps(doc)}"]
     lines += [f"{k} = {v}" for k, v in asdict(f).items()]
+    lines.append("gathers = true  # the numpy backend runs one-hot contractions as gathers")
     return "\n".join(lines) + "\n"
 
 

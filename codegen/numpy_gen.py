@@ -87,6 +87,7 @@ from bbrules.ir import (ELEMENTWISE_KINDS, Axis, Binary, BlockProgram, BlockRedu
                         postorder, rebuild, show_kernel, tile_type, transform, type_of, validate)
 from bbrules.ops import ELEMENTWISE, TILE_REDUCE, OpInfo
 from bbrules.masking import NumpyAlgebra, may_hold, skip_predicate
+from bbrules.onehot import Pick, mentions, one_hot
 from bbrules.plan import loop_predicate, plan_for
 from bbrules.schedule import Compute, Loop, Step, Write, walk_steps
 from bbrules.targets import Target, get_target
@@ -1273,7 +1274,7 @@ def _kernel_work(kp: BlockProgram, k: Kernel) -> list[_NodeWork]:
     for n in list(nodes.values()):
         if isinstance(n, Dot) and (hot := one_hot(n)) is not None:
             for m in postorder(n.y if hot[0] is n.x else n.x):
-                if _mentions(m, n.axis):
+                if mentions(m, n.axis):
                     nodes.pop(id(m), None)
     work = []
     for n in nodes.values():
@@ -1344,81 +1345,11 @@ def _split_axis(kp: BlockProgram, k: Kernel) -> Axis:
 COARSE_TILE = 1 << 22
 
 
-@dataclass(frozen=True)
-class Pick:
-    """Where a one-hot operand is 1: at position `at - offset` of the contracted axis
-    (`at` an expression of other positions or of loaded values), where every guard holds."""
-
-    at: Node
-    offset: float
-    guards: tuple[Node, ...] = ()
-
-
-def one_hot(n: Dot) -> tuple[Node, tuple[Pick, ...]] | None:
-    """(the other operand, the picks) when one operand of the contraction `n` is 1 where `c`
-    holds and 0 elsewhere (`_indicator`) and `c` pins the contracted position: an equality
-    `pos(k) + b == e`, with `and` of conditions free of k, and `or` of such.  Then `sum_k [k = e] Y[k]` is `Y[e]`: an
-    embedding lookup (Gather) or a convolution's shift, which a matmul by a matrix of zeros
-    computes at the cost of a contraction."""
-    for hot, values in ((n.x, n.y), (n.y, n.x)):
-        if isinstance(hot, Where) and hot.y == Const(0.0) and isinstance(values, Where) \
-                and values.c == hot.c and values.y == Const(0.0):
-            hot = hot.x  # a mask both operands share (a ragged axis'): the values carry it
-        if (c := _indicator(hot)) is not None and (picks := _picks(c, n.axis)):
-            return values, picks
-    return None
-
-
-def _indicator(n: Node) -> Node | None:
-    """The condition under which `n` is 1, where it is 0 elsewhere: `where(c, 1, 0)`, or a
-    comparison or logical operator, whose values are 1 and 0."""
-    if isinstance(n, Where) and n.x == Const(1.0) and n.y == Const(0.0):
-        return n.c
-    return n if isinstance(n, Binary) and n.op in ("eq", "and", "or") else None
-
-
-def _picks(c: Node, axis: Axis) -> tuple[Pick, ...] | None:
-    if not isinstance(c, Binary):
-        return None
-    if c.op == "or":
-        left, right = _picks(c.x, axis), _picks(c.y, axis)
-        return left + right if left and right else None
-    if c.op == "and":
-        for pinned, guard in ((c.x, c.y), (c.y, c.x)):
-            picks = _picks(pinned, axis)
-            if picks and not _mentions(guard, axis):
-                return tuple(Pick(p.at, p.offset, (*p.guards, guard)) for p in picks)
-        return None
-    if c.op == "eq":
-        for side, other in ((c.x, c.y), (c.y, c.x)):
-            offset = _shifted_position(side, axis)
-            if offset is not None and not _mentions(other, axis):
-                return (Pick(other, offset),)
-    return None
-
-
-def _shifted_position(n: Node, axis: Axis) -> float | None:
-    """b where `n` is `pos(axis) + b` (or `- b`, or `b + pos(axis)`)."""
-    if isinstance(n, Pos):
-        return 0.0 if n.axis == axis else None
-    if isinstance(n, Binary) and n.op in ("add", "sub"):
-        if isinstance(n.x, Pos) and n.x.axis == axis and isinstance(n.y, Const):
-            return n.y.value if n.op == "add" else -n.y.value
-        if n.op == "add" and isinstance(n.y, Pos) and n.y.axis == axis and isinstance(n.x, Const):
-            return n.x.value
-    return None
-
-
 def _gathers(r: Reduce) -> bool:
     """Is `r` a sum of a one-hot contraction over its own axis (a gather per block)?  Its
     loop need not skip blocks: a larger block gathers as much in fewer calls."""
     return (r.monoid.name == "sum" and isinstance(r.x, Dot) and r.x.axis == r.axis
             and one_hot(r.x) is not None)
-
-
-def _mentions(n: Node, axis: Axis) -> bool:
-    t = type_of(n)
-    return isinstance(t, TileType) and axis in t.shape | t.deps
 
 
 def gather_one_hot(values: np.ndarray, axis: int,
@@ -1562,7 +1493,7 @@ def coarsened(p: BlockProgram, k: Kernel, capacity: int) -> Kernel:
                 fixed.add(n.axis)
     free = [a for a in dict.fromkeys(loop.axis for loop in loops) if a not in fixed]
     unmade = {id(m) for n in nodes if isinstance(n, Dot) and (hot := one_hot(n)) is not None
-              for m in postorder(n.y if hot[0] is n.x else n.x) if _mentions(m, n.axis)}
+              for m in postorder(n.y if hot[0] is n.x else n.x) if mentions(m, n.axis)}
     types = [t for n in nodes if isinstance(t := type_of(n), TileType) and id(n) not in unmade]
     blocks = {a: kp.block(a) for a in free}
 

@@ -178,6 +178,38 @@ def test_a_loop_step_s_operations_are_counted_once_for_the_whole_grid():
     assert unary("exp").kernels[0].step_ops == 0
 
 
+def embedding(target: Target) -> KernelCost:
+    """X[t, e] = sum[v] where(IDS[t] == v, 1, 0) * E[v, e]: a lookup of E's rows by id."""
+    p = lower(parse_program("dim t = 64 / 16\ndim v = 256 / 64\ndim e = 32\n"
+                            "input IDS[t], E[v, e] : f32\n"
+                            "X[t, e] = sum[v] where(IDS[t] == v, 1, 0) * E[v, e]\noutput X\n"))
+    (k,) = cost_program(p, target).kernels
+    return k
+
+
+def test_a_one_hot_contraction_is_a_copy_where_the_backend_gathers():
+    # Each of the 4 x 4 steps (row blocks x vocabulary blocks) contracts a 16 x 64 one-hot
+    # with a 64 x 32 tile of E: 2 x 16 x 32 x 64 matrix flops where the backend multiplies,
+    # one copied element per element of the 16 x 32 result where it gathers.
+    steps = 4 * 4
+    gathers = dataclasses.replace(machine(), gathers=True)
+    assert embedding(machine()).work.matrix_f32 == steps * 2 * 16 * 32 * 64
+    copied = embedding(gathers).work
+    assert copied.matrix_f32 == copied.matrix_f16 == 0
+    assert copied.vector - embedding(machine()).work.vector == steps * 16 * 32
+    assert get_target("cpu").gathers and not H100.gathers
+
+
+def test_gathers_is_a_boolean_target_field(tmp_path):
+    (tmp_path / "numpy.toml").write_text(BASE + "gathers = true\n")
+    assert get_target(str(tmp_path / "numpy.toml")).gathers
+    (tmp_path / "old.toml").write_text(BASE)
+    assert not get_target(str(tmp_path / "old.toml")).gathers
+    (tmp_path / "bad.toml").write_text(BASE + "gathers = 1\n")
+    with pytest.raises(SourceError, match="'gathers' must be true or false"):
+        get_target(str(tmp_path / "bad.toml"))
+
+
 def test_the_shipped_a100_gives_every_unit():
     a100 = get_target(str(REPO / "targets" / "a100.toml"))
     assert (a100.peak_flops_dot_f32, a100.resolution) == (156e12, 0.03)
@@ -340,3 +372,4 @@ def test_the_cpu_measurement_writes_a_target_file_that_loads(tmp_path, capsys, m
     assert t.global_bandwidth == pytest.approx(figures["global_bandwidth"] * 1e9)
     assert t.special_rate == pytest.approx(figures["special_rate"] * 1e12)
     assert t.launch_cost == pytest.approx(figures["launch_cost"] * 1e-6)
+    assert t.step_cost == pytest.approx(figures["step_cost"] * 1e-6) and t.gathers
