@@ -19,9 +19,9 @@ small steps are slow there.  GPU targets leave it at 0: a thread block's steps o
 blocks' work, and their cost is the work itself.  `gathers` says the backend runs a
 contraction by a one-hot (an embedding lookup, a convolution's shifts: `bbrules.onehot`) as a
 gather, one copied element per picked element of the result, as the numpy backend does; the
-GPU backends contract it like any other operand, and their targets price it so.  `resolution` is how far apart two modeled times must be
-for the model to tell them apart: closer, they count as a tie and the one with less global
-traffic wins (`ProgramCost.key`).
+GPU backends contract it like any other operand, and their targets price it so.
+`resolution` is how far apart two modeled times must be for the model to tell them apart:
+closer, they count as a tie and the one with less global traffic wins (`ProgramCost.key`).
 
 User targets are TOML files with the same fields, in the units people quote them in:
 
