@@ -137,6 +137,19 @@ def test_rmsnorm_then_q_k_v_stores_no_norm_and_k_and_v_share_each_input_tile(pac
     assert r.after.traffic < fixed.after.traffic and r.after.time <= fixed.after.time
 
 
+def test_where_a_row_fits_one_kernel_reads_the_input_once_per_row_block(pack):
+    # At width 256 a row block of X (64 x 256) fits local memory beside the projections'
+    # tiles, and 256 row blocks fill the chip: Q, K and V share one kernel over the rows,
+    # which reads each row block of X once and the weights once per row block.
+    dims = {"t": (16384, 64), "e": (256, 64), "q": (256, 128), "k": (128, 128)}
+    r = fused(EXAMPLES / "rmsnorm_qkv.bbp", pack, dims)
+    (kernel,) = r.program.kernels
+    assert set(kernel.tensors) == {"Q", "K", "V"} and kernel.grid == ("t",)
+    rows = r.program.in_kernel(kernel).blocks("t")
+    weights = rows * sum(nbytes(r, w) for w in ("G", "WQ", "WK", "WV"))
+    assert r.after.bytes_read == nbytes(r, "X") + weights
+
+
 def test_at_the_example_size_q_stays_apart_for_parallelism(pack):
     # 64 row blocks would fill under half of the 132 processors: Q, whose weights are 4x the
     # others', keeps a grid over its columns; K and V still share one launch.
