@@ -26,9 +26,9 @@ class Pick:
 def one_hot(n: Dot) -> tuple[Node, tuple[Pick, ...]] | None:
     """(the other operand, the picks) when one operand of the contraction `n` is 1 where `c`
     holds and 0 elsewhere (`indicator`) and `c` pins the contracted position: an equality
-    `pos(k) + b == e`, with `and` of conditions free of k, and `or` of such.  Then `sum_k [k = e] Y[k]` is `Y[e]`: an
-    embedding lookup (Gather) or a convolution's shift, which a matmul by a matrix of zeros
-    computes at the cost of a contraction."""
+    `pos(k) + b == e`, with `and` of conditions free of k, and `or` of such.  Then
+    `sum_k [k = e] Y[k]` is `Y[e]`: an embedding lookup (Gather) or a convolution's shift,
+    which a matmul by a matrix of zeros computes at the cost of a contraction."""
     for hot, values in ((n.x, n.y), (n.y, n.x)):
         if isinstance(hot, Where) and hot.y == Const(0.0) and isinstance(values, Where) \
                 and values.c == hot.c and values.y == Const(0.0):
@@ -79,5 +79,6 @@ def _shifted_position(n: Node, axis: Axis) -> float | None:
 
 
 def mentions(n: Node, axis: Axis) -> bool:
+    """Does `n` vary along `axis`: in its tile's shape, or through a position it depends on?"""
     t = type_of(n)
     return isinstance(t, TileType) and axis in t.shape | t.deps
