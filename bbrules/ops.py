@@ -127,7 +127,28 @@ PREDICATES: dict[str, str] = {"lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq"
                               "ne": "!=", "and": "and", "or": "or"}
 
 def _where(c: np.ndarray, x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    return np.where(c != 0, x, y)
+    """x where c is nonzero, else y; laid out in memory as x (else y) is.
+
+    Where its operands' memory orders disagree, `np.where` writes its result in C order,
+    reading the others across the grain: the numpy backend's attention scores are computed
+    column-major (`codegen.numpy_gen`), and a causal mask (a C-order block of positions)
+    over them took 2.3 times as long and left every later step on the scores working on the
+    transposed layout.  Permuting every operand so that the value's largest strides come
+    first makes its layout C order, which `np.where` keeps; the inverse permutation gives the
+    result back its axes."""
+    like = x if isinstance(x, np.ndarray) and x.ndim > 1 else y
+    if not isinstance(like, np.ndarray) or like.ndim < 2 or like.flags.c_contiguous or \
+            max(np.ndim(c), np.ndim(x), np.ndim(y)) > like.ndim:
+        return np.where(c != 0, x, y)
+    order = sorted(range(like.ndim), key=lambda i: -abs(like.strides[i]))
+
+    def permuted(a: np.ndarray) -> np.ndarray:
+        a = np.asarray(a)
+        return a if a.ndim == 0 else a.reshape((1,) * (like.ndim - a.ndim) + a.shape
+                                               ).transpose(order)
+
+    out = np.where(permuted(c) != 0, permuted(x), permuted(y))
+    return out.transpose(np.argsort(order))
 
 
 # Operators of three operands; the CUDA template reads them as {x}, {y}, {z}.

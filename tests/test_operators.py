@@ -18,6 +18,7 @@ from bbrules import dense, interp
 from bbrules.codegen import cuda_gen, numpy_gen
 from bbrules.frontend import parse_program
 from bbrules.lower import lower
+from bbrules.ops import ELEMENTWISE
 
 from cuda_emu import emulate
 
@@ -75,3 +76,23 @@ def test_named_constants_scalar_results_and_output_dtypes():
     for got in outputs(text, {"X": X}):  # Y within a bf16 rounding where it is stored so
         np.testing.assert_allclose(got["LOSS"], loss, rtol=1e-6)
         np.testing.assert_allclose(got["Y"], X.astype(np.float64) * loss, rtol=2 ** -8)
+
+
+@pytest.mark.parametrize("order", [(0, 1, 2), (0, 2, 1), (2, 1, 0), (1, 0, 2)])
+def test_where_is_laid_out_as_its_value(order):
+    """`where` selects what np.where selects, in the memory order of its first value operand:
+    the numpy backend's attention scores are column-major, and a mask over them written in C
+    order made every later step read across the grain.  Operands of fewer dimensions, scalars
+    and a float64 operand broadcast and promote as they do for np.where."""
+    where = ELEMENTWISE["where"].numpy
+    rng = np.random.default_rng(7)
+    x = np.ascontiguousarray(rng.standard_normal((3, 5, 4)).astype(np.float32)
+                             .transpose(order)).transpose(np.argsort(order))
+    mask = np.asarray(np.arange(5)[:, None] <= np.arange(4)[None, :], dtype=np.float32)
+    y = np.float32(-np.inf) + x
+    for c, a, b in [(mask, x, y), (mask, x, np.float32(0)), (x > 0, x, np.float64(2.5)),
+                    (mask[None], x, rng.standard_normal(4))]:
+        got = where(c, a, b)
+        want = np.where(np.asarray(c) != 0, a, b)
+        assert got.dtype == want.dtype and np.array_equal(got, want)
+        assert np.argsort([-s for s in got.strides]).tolist() == list(order)
