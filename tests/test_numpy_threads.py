@@ -100,6 +100,10 @@ def test_fused_causal_attention_on_threads(monkeypatch):
                      "for k0 in {32: range(32, 48, 16), 48: range(48, 64, 16)}[q_start]:"]
     second = code[code.index(loops[1]):code.index(loops[2])]
     assert "elementwise_le" not in second and "elementwise_le" in code[code.index(loops[2]):]
+    # the parts that visit most key blocks start first (4, 3, then 2 blocks): in query order,
+    # the heaviest part would start last and run alone
+    assert re.search(r"run_parts\(\[\(kernel_O_q1, 48\), \(kernel_O_q1, 32\), "
+                     r"\(kernel_O_q2, 0\)\]", code)
     inputs = random_inputs(ast, seed=4)
     whole = assert_threads_agree(p, inputs)
     want = dense.evaluate(ast, inputs, dtype=np.float64)
