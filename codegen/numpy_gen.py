@@ -1480,6 +1480,25 @@ def _unrollable(p: BlockProgram, loop: Loop) -> bool:
                                if isinstance(n, Pos))
 
 
+def _in_matmul(n: BlockReduce, p: BlockProgram) -> list[Node]:
+    """The nodes below `n` that the matmul of `_summed_contraction` computes without holding
+    them (the contraction and the sums down to it), where `n` sums a contraction over axes both
+    its operands span; else none.  Their tiles span the summed axes, the matmul's result not:
+    counted, a head-grouped projection's sum over the group kept blocks of one."""
+    axes, bottom = _summed_chain(n, p)
+    if not isinstance(bottom, Dot) or one_hot(bottom) is not None:
+        return []
+    x, y = type_of(bottom.x), type_of(bottom.y)
+    if not isinstance(x, TileType) or not isinstance(y, TileType) or \
+            any(a not in x.shape or a not in y.shape for a in axes if a != bottom.axis):
+        return []
+    inside, m = [], n.x
+    while m is not bottom:
+        inside.append(m)
+        m = m.x
+    return [*inside, bottom]
+
+
 def coarsened(p: BlockProgram, k: Kernel, capacity: int) -> Kernel:
     """`k` with each axis that its plan walks only in reduction loops of `_SAME_IN_BLOCKS`
     folds (skipping nothing, or gathering; not a loop to unroll) given the largest block, its
@@ -1506,6 +1525,7 @@ def coarsened(p: BlockProgram, k: Kernel, capacity: int) -> Kernel:
     free = [a for a in dict.fromkeys(loop.axis for loop in loops) if a not in fixed]
     unmade = {id(m) for n in nodes if isinstance(n, Dot) and (hot := one_hot(n)) is not None
               for m in postorder(n.y if hot[0] is n.x else n.x) if mentions(m, n.axis)}
+    unmade |= {id(m) for n in nodes if isinstance(n, BlockReduce) for m in _in_matmul(n, kp)}
     types = [t for n in nodes if isinstance(t := type_of(n), TileType) and id(n) not in unmade]
     blocks = {a: kp.block(a) for a in free}
 

@@ -447,6 +447,29 @@ def test_a_contraction_loop_runs_in_blocks_as_large_as_the_tiles_allow(monkeypat
     assert_close(numpy_gen.run(p, inputs)["C"], want, "four blocks")
 
 
+def test_axes_summed_into_one_matmul_count_only_its_result(monkeypatch):
+    """An output projection of grouped heads sums over (heads, group, d), the group in
+    blocks of one.  The sums within a block and the contraction are one matmul whose result
+    spans neither the heads nor the group, so the group's block may grow as the heads' did:
+    one matmul over all 512 contracted elements and no loop, where the product's own tile
+    (all heads and groups at once) had kept a loop over the group of matmuls half as deep."""
+    source = ("dim t = 512 / 64\ndim h = 4 / 1\ndim g = 2 / 1\ndim d = 64\ndim n = 512 / 64\n"
+              "input A[h, g, t, d], W[h, g, d, n] : f32\n"
+              "Y[t, n] = sum[h, g, d] A[h, g, t, d] * W[h, g, d, n]\noutput Y\n")
+    ast = parse_program(source)
+    p = lower(ast)
+    monkeypatch.setattr(numpy_gen, "COARSE_TILE", 1 << 20)  # 4 x 2 x 512 x 512 would not fit
+    k = numpy_gen.summed_inward(p, p.kernels[0])
+    assert dict(numpy_gen.coarsened(p, k, H100.local_capacity).blocks) == {"h": 4, "g": 2}
+    code = numpy_gen.generate(p)
+    assert python_loops(code) == 0 and code.count("np.matmul") == 1
+    assert ".reshape(512, 512)" in code
+    inputs = random_inputs(ast, seed=5)
+    want = np.einsum("hgtd,hgdn->tn", inputs["A"].astype(np.float64),
+                     inputs["W"].astype(np.float64))
+    assert_close(numpy_gen.run(p, inputs)["Y"], want, "vs numpy")
+
+
 @pytest.mark.parametrize("vocab, hot", [
     (256, "where(IDS[t] == v, 1, 0)"),
     (256, "where(IDS[t] == v or IDS[t] == v - 256, 1, 0)"),
