@@ -179,7 +179,11 @@ def toml_text(f: Figures, date: str) -> str:
     lines = [f"# Measured by benchmarks/measure_cpu_target.py on {date}; units as in "
              f"targets/a100.toml.",
              'name = "cpu-measured"', f"doc = {json.dumps(doc)}"]
-    lines += [f"{k} = {v}" for k, v in asdict(f).items()]
+    # a step cost that rounds to nothing is left out: the field is optional, meaning none, and
+    # a target file must give a positive figure where it gives one
+    lines += [f"{k} = {v}" for k, v in asdict(f).items() if k != "step_cost" or v > 0]
+    if f.step_cost <= 0:
+        lines.append("# step_cost: more steps took no longer; left out (none)")
     lines.append("gathers = true  # the numpy backend runs one-hot contractions as gathers")
     return "\n".join(lines) + "\n"
 

@@ -373,3 +373,17 @@ def test_the_cpu_measurement_writes_a_target_file_that_loads(tmp_path, capsys, m
     assert t.special_rate == pytest.approx(figures["special_rate"] * 1e12)
     assert t.launch_cost == pytest.approx(figures["launch_cost"] * 1e-6)
     assert t.step_cost == pytest.approx(figures["step_cost"] * 1e-6) and t.gathers
+
+
+def test_a_step_cost_measured_as_nothing_is_left_out_of_the_target_file(tmp_path, monkeypatch):
+    """A target file refuses a step cost of 0 (figures must be positive); where more steps
+    took no longer (a quieter second run), the measurement omits the optional field."""
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    import measure_cpu_target
+
+    figures = measure_cpu_target.Figures(17.7, 512, 2, 0.00646, 0.0597, 0.0597, 0.000773,
+                                         0.0, 1.8, 0.05)
+    out = tmp_path / "measured.toml"
+    out.write_text(measure_cpu_target.toml_text(figures, "2026-12-05"))
+    t = get_target(str(out))
+    assert t.step_cost == 0 and t.launch_cost == pytest.approx(1.8e-6) and t.gathers
