@@ -451,8 +451,9 @@ def test_axes_summed_into_one_matmul_count_only_its_result(monkeypatch):
     """An output projection of grouped heads sums over (heads, group, d), the group in
     blocks of one.  The sums within a block and the contraction are one matmul whose result
     spans neither the heads nor the group, so the group's block may grow as the heads' did:
-    one matmul over all 512 contracted elements and no loop, where the product's own tile
-    (all heads and groups at once) had kept a loop over the group of matmuls half as deep."""
+    one matmul over all 512 contracted elements and no loop, where counting the product's
+    own tile (all heads and groups at once) had kept a loop over the group: two matmuls half
+    as deep, added in a pass of their own."""
     source = ("dim t = 512 / 64\ndim h = 4 / 1\ndim g = 2 / 1\ndim d = 64\ndim n = 512 / 64\n"
               "input A[h, g, t, d], W[h, g, d, n] : f32\n"
               "Y[t, n] = sum[h, g, d] A[h, g, t, d] * W[h, g, d, n]\noutput Y\n")
