@@ -519,7 +519,7 @@ class _KernelWriter:
         self.known: dict[Node, float] = {}
         self.unrolling = False
         self.folding: set[Axis] = set()  # axes of the enclosing loops that only fold
-        # blocks the loops whose visits depend on the part visit, by the part's offset
+        # by part offset: the blocks visited by the loops whose visits depend on the part
         self.part_visits: Counter[int] = Counter()
 
     # ---------------------------------------------------------------- names and lookup
