@@ -45,7 +45,8 @@ Why it looks the way it does:
   core; only matmul uses BLAS threads.  Where some kernel has elementwise work enough to gain
   from sharing it (`_parts_pay`; a program of products alone runs whole, BLAS threading
   them), a kernel with enough work (`MIN_CALL_FLOPS` per numpy call of a part, by the cost
-  model's count) is split along its grid axis of the most blocks into *parts*,
+  model's count, a one-hot contraction counted as the gather it is here) is split along its
+  grid axis of the most blocks into *parts*,
   `PARTS_PER_THREAD` per thread: a part is a function for a contiguous run of that axis'
   blocks, the same code at a smaller grid, reading its inputs and writing its stores at the
   run's offset (`q_start`), into arrays allocated before the parts start.
@@ -75,7 +76,7 @@ import types
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from math import prod
 from typing import AbstractSet, Callable, Iterator, Mapping, Sequence, Union
 
@@ -1253,7 +1254,9 @@ def split_kernel(p: BlockProgram, k: Kernel, threads: int, target: Target
     schedule = plan_for(kp, k, target.local_capacity).schedule
     calls = sum(prod(kp.blocks(loop.axis) for loop in loops)
                 for _, loops in walk_steps(schedule.body))
-    flops = cost_kernel(p, k, target).flops  # fractional where a mask skips blocks
+    # fractional where a mask skips blocks; a contraction by a one-hot is a gather here, its
+    # result's elements copied, however `target` prices it
+    flops = cost_kernel(p, k, replace(target, gathers=True)).flops
     skips = any(isinstance(n, Pos) and n.axis == axis
                 for _, loops in walk_steps(schedule.body) for loop in loops
                 if (pred := loop_predicate(loop)) is not None for n in postorder(pred))
