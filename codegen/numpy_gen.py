@@ -46,22 +46,21 @@ Why it looks the way it does:
   from sharing it (`_parts_pay`; a program of products alone runs whole, BLAS threading
   them), a kernel with enough work (`MIN_CALL_FLOPS` per numpy call of a part, by the cost
   model's count, a one-hot contraction counted as the gather it is here) is split along its
-  grid axis of the most blocks into *parts*,
-  `PARTS_PER_THREAD` per thread: a part is a function for a contiguous run of that axis'
-  blocks, the same code at a smaller grid, reading its inputs and writing its stores at the
-  run's offset (`q_start`), into arrays allocated before the parts start.
-  `run_parts` runs them `threads` at a time (numpy releases the GIL in ufuncs and matmul),
-  with numpy's OpenBLAS limited to one thread meanwhile: parts each calling a BLAS that runs
-  a thread per core oversubscribe the cores and run slower than the whole kernel; and with
-  each of its threads bound to a core of its own, since threads the scheduler wakes after a
-  pause may share one core for a whole kernel (`_cores_to_bind`).  Two parts per thread
-  hold half the grid's tiles at once, so peak memory stays under the whole kernel's even
-  with the stores allocated first.  A part computes what the whole kernel
-  computes for its grid blocks, but BLAS may block a smaller matmul differently, so results
-  agree to float rounding, not bit for bit.  The number of threads is `threads=` (`load`,
-  `run`), else `$BBRULES_THREADS`, else the cores this process may run on where numpy's BLAS
-  thread count can be set (`default_threads`); `generate` defaults to one thread, so the text
-  it writes does not depend on the machine.
+  grid axis of the most blocks into *parts*, `PARTS_PER_THREAD` per thread: a part is a
+  function for a contiguous run of that axis' blocks, the same code at a smaller grid,
+  reading its inputs and writing its stores at the run's offset (`q_start`), into arrays
+  allocated before the parts start.  `run_parts` runs them `threads` at a time (numpy
+  releases the GIL in ufuncs and matmul), with numpy's OpenBLAS limited to one thread
+  meanwhile (parts each calling a BLAS that runs a thread per core oversubscribe the cores
+  and run slower than the whole kernel) and each of its threads bound to a core of its own
+  (threads the scheduler wakes after a pause may share one core for a whole kernel:
+  `_cores_to_bind`).  Two parts per thread hold half the grid's tiles at once, so peak memory
+  stays under the whole kernel's even with the stores allocated first.  A part computes what
+  the whole kernel computes for its grid blocks, but BLAS may block a smaller matmul
+  differently, so results agree to float rounding, not bit for bit.  The number of threads is
+  `threads=` (`load`, `run`), else `$BBRULES_THREADS`, else the cores this process may run on
+  where numpy's BLAS thread count can be set (`default_threads`); `generate` defaults to one
+  thread, so the text it writes does not depend on the machine.
 """
 
 from __future__ import annotations
