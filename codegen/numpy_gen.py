@@ -1309,14 +1309,17 @@ def _kernel_work(kp: BlockProgram, k: Kernel) -> list[_NodeWork]:
     return work
 
 
-# What decides whether a kernel's parts beat the whole kernel, measured on the 2-core CPU
-# (`benchmarks/bench_cpu.py`, the imported LLaMA layers at 128 and 2048 tokens, magika):
+# What decides whether a kernel's parts beat the whole kernel, measured on a 2-core AMD EPYC
+# (AVX2; `benchmarks/bench_cpu.py`, the imported LLaMA layers at 128 and 2048 tokens, magika):
 # numpy's elementwise work runs on one core at about 4 elements a nanosecond (a special
 # function, exp or tanh, costs about 8 of those); BLAS threads a whole kernel's products over
 # every core itself, at about 45 multiply-adds a nanosecond each, and products split into
 # parts of one BLAS thread each run about 10% slower; starting parts on the pool's threads and
 # waiting for them took 95 microseconds for parts that do nothing, and parts that compute also
-# trade the GIL between their numpy calls: 150 is the figure taken.
+# trade the GIL between their numpy calls: 150 is the figure taken.  On a 2-core Xeon with
+# AVX-512, where `exp` costs about what a multiply does, BLAS runs twice as fast and empty
+# parts took 107 microseconds, the same programs split alike; only the RMSNorm + FFN alone
+# would run faster whole there (29.9 against 34.5 ms).
 NUMPY_ELEMENTS_PER_NS = 4
 SPECIAL_ELEMENTS = 8
 BLAS_MACS_PER_NS = 45
