@@ -74,7 +74,7 @@ import threading
 import types
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor, wait
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field, replace
 from math import prod
 from typing import AbstractSet, Callable, Iterator, Mapping, Sequence, Union
@@ -1846,7 +1846,8 @@ def run_parts(parts: Sequence[tuple[Callable[..., None], int]], threads: int,
 
     def work(cores: AbstractSet[int] | None) -> None:
         if cores is not None:
-            os.sched_setaffinity(0, cores)
+            with suppress(OSError):  # binding only speeds the parts up; they run unbound
+                os.sched_setaffinity(0, cores)
         # numpy's error state is per thread (a context variable): a worker starts from the default
         with np.errstate(all="ignore"):
             while True:
@@ -1868,7 +1869,8 @@ def run_parts(parts: Sequence[tuple[Callable[..., None], int]], threads: int,
             work(cores[0])
         finally:
             if bound:
-                os.sched_setaffinity(0, own)
+                with suppress(OSError):
+                    os.sched_setaffinity(0, own)
             wait(futures)
         for future in futures:
             future.result()

@@ -330,6 +330,23 @@ def test_parts_run_on_cores_of_their_own_unless_another_call_overlaps():
     assert overlapped and all(cores == own for cores in overlapped.values())
 
 
+@pytest.mark.skipif(not BINDABLE, reason="binds threads to cores: needs Linux and 2 cores")
+def test_parts_run_where_their_threads_cannot_be_bound(monkeypatch):
+    """Binding a thread to a core may be refused (a container's CPU set changed meanwhile):
+    the parts run unbound, every one of them."""
+    def refused(pid: int, cores: object) -> None:
+        raise PermissionError("not allowed")
+
+    monkeypatch.setattr(os, "sched_setaffinity", refused)
+    out = np.zeros(4, np.float32)
+
+    def part(out: np.ndarray, start: int) -> None:
+        out[start] = start + 1
+
+    numpy_gen.run_parts([(part, i) for i in range(4)], 2, out)
+    assert out.tolist() == [1, 2, 3, 4]
+
+
 def test_parts_do_not_raise_peak_memory():
     n, d, bk = 2048, 16, 128
     p = flash(n, d, 64, bk)
