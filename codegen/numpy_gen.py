@@ -52,9 +52,9 @@ Why it looks the way it does:
   allocated before the parts start.  `run_parts` runs them `threads` at a time (numpy
   releases the GIL in ufuncs and matmul), with numpy's OpenBLAS limited to one thread
   meanwhile (parts each calling a BLAS that runs a thread per core oversubscribe the cores
-  and run slower than the whole kernel) and each of its threads bound to a core of its own
-  (threads the scheduler wakes after a pause may share one core for a whole kernel:
-  `_cores_to_bind`).  Two parts per thread hold half the grid's tiles at once, so peak memory
+  and run slower than the whole kernel) and, where they take every core, each of its threads
+  bound to a core of its own (threads the scheduler wakes after a pause may share one core
+  for a whole kernel: `_cores_to_bind`).  Two parts per thread hold half the grid's tiles at once, so peak memory
   stays under the whole kernel's even with the stores allocated first.  A part computes what
   the whole kernel computes for its grid blocks, but BLAS may block a smaller matmul
   differently, so results agree to float rounding, not bit for bit.  The number of threads is
@@ -1787,15 +1787,18 @@ def _running_parts() -> Iterator[bool]:
 
 
 def _cores_to_bind(allowed: AbstractSet[int] | None, threads: int) -> list[int] | None:
-    """One core per thread running parts, from those the calling thread may run on
-    (`allowed`); None where there are fewer, or no way to bind a thread (not Linux: None).
+    """The cores the threads running parts are bound to, one each: every core the calling
+    thread may run on (`allowed`), where the threads are as many; else None, leaving them to
+    the scheduler (None too where `allowed` is: off Linux no thread can be bound).
 
     Threads left to the scheduler share a core when they wake after a pause: on the 2 cores
     this was measured on, a call made 0.25 s after the last took 48 ms, against 27 ms back to
-    back, its two parts running on one core at half speed each.  Bound, it took 26-27 ms."""
-    if allowed is None or len(allowed) < threads:
+    back, its two parts running on one core at half speed each.  Bound, it took 26-27 ms.
+    With fewer threads than cores, which to take is the scheduler's call: processes that each
+    bound their threads to the first cores they may use would all share those."""
+    if allowed is None or len(allowed) != threads:
         return None
-    return sorted(allowed)[:threads]
+    return sorted(allowed)
 
 
 def default_threads() -> int:
@@ -1835,9 +1838,9 @@ def run_parts(parts: Sequence[tuple[Callable[..., None], int]], threads: int,
               *arrays: np.ndarray) -> None:
     """Run a kernel's parts, `threads` at a time: part(*arrays, start) for each (function,
     start), in order, taken by the calling thread and `threads` - 1 of the pool's as each
-    becomes free; numpy's BLAS on one thread meanwhile.  Where no other call's parts overlap
-    them, each of these threads is bound to a core of its own (`_cores_to_bind`), the calling
-    thread only until the parts are done.
+    becomes free; numpy's BLAS on one thread meanwhile.  Where these threads take every core
+    the caller may run on and no other call's parts overlap them, each is bound to a core of
+    its own (`_cores_to_bind`), the calling thread only until the parts are done.
 
     Returns when every part has finished; an exception a part raised is raised here."""
     todo = iter(parts)

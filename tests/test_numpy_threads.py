@@ -290,44 +290,58 @@ def test_parts_run_threads_at_a_time_and_report_their_errors():
 BINDABLE = hasattr(os, "sched_setaffinity") and len(os.sched_getaffinity(0)) >= 2
 
 
+def test_threads_are_bound_only_where_they_take_every_core():
+    """With fewer threads than cores, which to take is the scheduler's call: processes that
+    each bound their threads to the first cores they may use would all share those."""
+    assert numpy_gen._cores_to_bind({3, 1}, 2) == [1, 3]
+    assert numpy_gen._cores_to_bind({0, 1, 2, 3}, 2) is None
+    assert numpy_gen._cores_to_bind({0}, 2) is None
+    assert numpy_gen._cores_to_bind(None, 2) is None
+
+
 @pytest.mark.skipif(not BINDABLE, reason="binds threads to cores: needs Linux and 2 cores")
 def test_parts_run_on_cores_of_their_own_unless_another_call_overlaps():
-    """Two threads running parts are bound to two different cores the caller may run on; the
-    caller's own cores are restored after.  A call overlapping one that runs leaves its
-    threads on the caller's cores: binding both would put their parts on the same cores."""
-    own = os.sched_getaffinity(0)
-    out = np.zeros(2, np.float32)
-    both = threading.Barrier(2, timeout=10)  # the two parts run at once, on two threads
-    seen: dict[int, set[int]] = {}
+    """Two threads running parts for a caller that may run on two cores are bound one to
+    each; the caller's own cores are restored after.  A call overlapping one that runs leaves
+    its threads on the caller's cores: binding both would put their parts on the same cores."""
+    everywhere = os.sched_getaffinity(0)
+    own = set(sorted(everywhere)[:2])
+    os.sched_setaffinity(0, own)
+    try:
+        out = np.zeros(2, np.float32)
+        both = threading.Barrier(2, timeout=10)  # the two parts run at once, on two threads
+        seen: dict[int, set[int]] = {}
 
-    def part(out: np.ndarray, start: int) -> None:
-        both.wait()
-        seen[start] = os.sched_getaffinity(0)
+        def part(out: np.ndarray, start: int) -> None:
+            both.wait()
+            seen[start] = os.sched_getaffinity(0)
 
-    numpy_gen.run_parts([(part, 0), (part, 1)], 2, out)
-    assert all(len(cores) == 1 and cores <= own for cores in seen.values())
-    assert seen[0] != seen[1]
-    assert os.sched_getaffinity(0) == own
+        numpy_gen.run_parts([(part, 0), (part, 1)], 2, out)
+        assert all(len(cores) == 1 and cores <= own for cores in seen.values())
+        assert seen[0] != seen[1]
+        assert os.sched_getaffinity(0) == own
 
-    running = threading.Barrier(3, timeout=10)  # the first call's two parts and this thread
-    released = threading.Event()
-    overlapped: dict[int, set[int]] = {}
+        running = threading.Barrier(3, timeout=10)  # the first call's two parts and this one
+        released = threading.Event()
+        overlapped: dict[int, set[int]] = {}
 
-    def holding(out: np.ndarray, start: int) -> None:
+        def holding(out: np.ndarray, start: int) -> None:
+            running.wait()
+            released.wait(10)
+
+        def overlapping(out: np.ndarray, start: int) -> None:
+            overlapped[start] = os.sched_getaffinity(0)
+            released.set()
+
+        first = threading.Thread(target=numpy_gen.run_parts,
+                                 args=([(holding, 0), (holding, 1)], 2, out))
+        first.start()
         running.wait()
-        released.wait(10)
-
-    def overlapping(out: np.ndarray, start: int) -> None:
-        overlapped[start] = os.sched_getaffinity(0)
-        released.set()
-
-    first = threading.Thread(target=numpy_gen.run_parts,
-                             args=([(holding, 0), (holding, 1)], 2, out))
-    first.start()
-    running.wait()
-    numpy_gen.run_parts([(overlapping, 0), (overlapping, 1)], 2, out)
-    first.join(10)
-    assert overlapped and all(cores == own for cores in overlapped.values())
+        numpy_gen.run_parts([(overlapping, 0), (overlapping, 1)], 2, out)
+        first.join(10)
+        assert overlapped and all(cores == own for cores in overlapped.values())
+    finally:
+        os.sched_setaffinity(0, everywhere)
 
 
 @pytest.mark.skipif(not BINDABLE, reason="binds threads to cores: needs Linux and 2 cores")
