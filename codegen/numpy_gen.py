@@ -54,13 +54,13 @@ Why it looks the way it does:
   meanwhile (parts each calling a BLAS that runs a thread per core oversubscribe the cores
   and run slower than the whole kernel) and, where they take every core, each of its threads
   bound to a core of its own (threads the scheduler wakes after a pause may share one core
-  for a whole kernel: `_cores_to_bind`).  Two parts per thread hold half the grid's tiles at once, so peak memory
-  stays under the whole kernel's even with the stores allocated first.  A part computes what
-  the whole kernel computes for its grid blocks, but BLAS may block a smaller matmul
-  differently, so results agree to float rounding, not bit for bit.  The number of threads is
-  `threads=` (`load`, `run`), else `$BBRULES_THREADS`, else the cores this process may run on
-  where numpy's BLAS thread count can be set (`default_threads`); `generate` defaults to one
-  thread, so the text it writes does not depend on the machine.
+  for a whole kernel: `_cores_to_bind`).  Two parts per thread hold half the grid's tiles at
+  once, so peak memory stays under the whole kernel's even with the stores allocated first.
+  A part computes what the whole kernel computes for its grid blocks, but BLAS may block a
+  smaller matmul differently, so results agree to float rounding, not bit for bit.  The
+  number of threads is `threads=` (`load`, `run`), else `$BBRULES_THREADS`, else the cores
+  this process may run on where numpy's BLAS thread count can be set (`default_threads`);
+  `generate` defaults to one thread, so the text it writes does not depend on the machine.
 """
 
 from __future__ import annotations
