@@ -1566,6 +1566,17 @@ class _Code:
     threads: int = 1  # how many parts run at once
 
 
+@dataclass(frozen=True)
+class Generated:
+    """A generated module's text, and for each kernel of the program, in order, the names of
+    the functions it defines for it: the whole kernel's, or one per length of its parts (which
+    `run` hands to `run_parts`), with how many parts it runs in (1: whole)."""
+
+    source: str
+    functions: tuple[tuple[str, ...], ...]
+    parts: tuple[int, ...]
+
+
 def generate(p: BlockProgram, target: Target | str | None = None, threads: int = 1) -> str:
     """The numpy module for `p`: one function per kernel and `run(**inputs) -> outputs`.
 
@@ -1573,6 +1584,12 @@ def generate(p: BlockProgram, target: Target | str | None = None, threads: int =
     decides only which inputs are resident, not the loops).  With `threads` > 1, where some
     kernel's parts pay (`_parts_pay`), kernels with enough work are split into parts run at
     once (`split_kernel`, `run_parts`)."""
+    return generate_module(p, target, threads).source
+
+
+def generate_module(p: BlockProgram, target: Target | str | None = None, threads: int = 1
+                    ) -> Generated:
+    """`generate`'s module, with the functions it defines for each kernel."""
     validate(p)
     if target is None or isinstance(target, str):
         target = get_target(target or "h100")
@@ -1642,7 +1659,10 @@ def generate(p: BlockProgram, target: Target | str | None = None, threads: int =
         out += ["# " + line for line in show_kernel(code.kernel).splitlines()]
         out += code.lines
     out += ["", "", *_run_function(p, names, kernels)]
-    return "\n".join(out) + "\n"
+    functions = tuple((c.whole,) if c.whole is not None else tuple(dict.fromkeys(
+        fn for fn, _ in c.parts)) for c in kernels)
+    return Generated("\n".join(out) + "\n", functions,
+                     tuple(len(c.parts) or 1 for c in kernels))
 
 
 _INPUT_HELPER = [
@@ -1713,7 +1733,13 @@ def load(p: BlockProgram, threads: int | None = None) -> types.ModuleType:
     `threads` defaults to `default_threads()`.  The source is registered with `linecache`, so
     tracebacks and `inspect` show generated lines.
     """
-    source = generate(p, threads=default_threads() if threads is None else threads)
+    return module_from_source(generate(p, threads=default_threads() if threads is None
+                                       else threads))
+
+
+def module_from_source(source: str) -> types.ModuleType:
+    """Execute generated source into a fresh module object, its text registered with
+    `linecache` under a name of its own."""
     filename = f"<bbrules-numpy-{abs(hash(source)):x}>"
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
     module = types.ModuleType("bbrules_generated")

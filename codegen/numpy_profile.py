@@ -1,0 +1,129 @@
+"""Where a program's time goes on the CPU: each kernel of its generated numpy module timed over
+repeated runs, beside the time and share the cost model gives it.
+
+The modeled figures are a target's (a GPU's, unless the program was fused for `cpu`), so the
+shares are what compare: a kernel that takes much more of the measured time than of the
+modeled one is where numpy does worse than the model assumes (elementwise work on one core,
+a gather, a copy into a matmul's order) or where a fusion that the model prices well does not
+pay here.
+
+Each kernel is timed where the module's `run` calls it: its whole function, or `run_parts`
+for a kernel split into parts.  The runs follow each other with no pause, as a program called
+in a loop would; what `run` does between kernels (views of the inputs and stores) is the
+difference between the kernels' sum and the whole run's time.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable, Mapping
+
+import numpy as np
+
+from bbrules.codegen.numpy_gen import default_threads, generate_module, module_from_source
+from bbrules.cost import ProgramCost, fmt_time
+from bbrules.ir import BlockProgram
+
+# Runs before the timed ones: the first allocates the pool's threads and warms the caches.
+WARMUP_RUNS = 2
+
+
+@dataclass(frozen=True)
+class KernelTime:
+    """One kernel: the tensors it stores, how many parts it runs in (1: whole) and the median
+    of its time over the runs."""
+
+    tensors: tuple[str, ...]
+    parts: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Medians over `runs` runs of the generated module on `threads` threads: of each kernel,
+    in program order, and of the whole run."""
+
+    threads: int
+    runs: int
+    seconds: float
+    kernels: tuple[KernelTime, ...]
+
+    def table(self, modeled: ProgramCost) -> str:
+        """One row per kernel: parts, measured time and share, modeled time and share."""
+        head = ("kernel", "parts", "measured", "share", f"modeled ({modeled.target.name})",
+                "share")
+        rows = [head]
+        measured = sum(k.seconds for k in self.kernels)
+        for k, m in zip(self.kernels, modeled.kernels):
+            rows.append((",".join(k.tensors), str(k.parts), fmt_time(k.seconds),
+                         _percent(k.seconds, measured), fmt_time(m.time),
+                         _percent(m.time, modeled.time)))
+        rows.append(("kernels", "", fmt_time(measured), "", fmt_time(modeled.time), ""))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+        lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                           for i, (c, w) in enumerate(zip(r, widths))).rstrip() for r in rows]
+        lines.insert(1, "-" * len(lines[0]))
+        lines.insert(-1, "-" * len(lines[0]))
+        lines.append(f"whole run {fmt_time(self.seconds)} (medians of {self.runs} runs on "
+                     f"{self.threads} thread{'s' * (self.threads != 1)})")
+        return "\n".join(lines)
+
+    def to_json(self, modeled: ProgramCost) -> dict:
+        """Plain data for `--json`: seconds, and the modeled seconds on `modeled`'s target
+        (null for an illegal kernel)."""
+        return {
+            "threads": self.threads,
+            "runs": self.runs,
+            "seconds": self.seconds,
+            "target": modeled.target.name,
+            "kernels": [{"tensors": list(k.tensors), "parts": k.parts, "seconds": k.seconds,
+                         "modeled_seconds": m.time if np.isfinite(m.time) else None}
+                        for k, m in zip(self.kernels, modeled.kernels)],
+        }
+
+
+def _percent(part: float, whole: float) -> str:
+    return f"{100 * part / whole:.1f}%" if whole > 0 and np.isfinite(whole) else ""
+
+
+def profile(p: BlockProgram, inputs: Mapping[str, np.ndarray], runs: int = 10,
+            threads: int | None = None) -> Profile:
+    """Run `p`'s generated numpy module `WARMUP_RUNS` + `runs` times on `threads` threads
+    (default: `default_threads()`), timing every kernel of the last `runs`."""
+    threads = default_threads() if threads is None else threads
+    generated = generate_module(p, threads=threads)
+    module = module_from_source(generated.source)
+    spent = [0.0] * len(p.kernels)
+    kernel_of = {fn: i for i, fns in enumerate(generated.functions) for fn in fns}
+
+    def timed(fn: Callable[..., object], kernel: Callable[..., int]) -> Callable[..., object]:
+        def call(*args: object) -> object:
+            start = time.perf_counter()
+            try:
+                return fn(*args)
+            finally:
+                spent[kernel(*args)] += time.perf_counter() - start
+        return call
+
+    for fns, count in zip(generated.functions, generated.parts):
+        if count == 1:
+            i = kernel_of[fns[0]]
+            setattr(module, fns[0], timed(getattr(module, fns[0]), lambda *_, i=i: i))
+    if hasattr(module, "run_parts"):
+        module.run_parts = timed(module.run_parts,
+                                 lambda parts, *_: kernel_of[parts[0][0].__name__])
+    per_kernel: list[list[float]] = [[] for _ in p.kernels]
+    totals = []
+    for n in range(WARMUP_RUNS + runs):
+        spent[:] = [0.0] * len(spent)
+        start = time.perf_counter()
+        module.run(**inputs)
+        if n >= WARMUP_RUNS:
+            totals.append(time.perf_counter() - start)
+            for times, s in zip(per_kernel, spent):
+                times.append(s)
+    return Profile(threads, runs, statistics.median(totals), tuple(
+        KernelTime(tuple(k.tensors), count, statistics.median(times))
+        for k, count, times in zip(p.kernels, generated.parts, per_kernel)))

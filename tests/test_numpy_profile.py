@@ -1,0 +1,101 @@
+"""Timing each kernel of the generated numpy code (`bbrules.codegen.numpy_profile`)."""
+
+from __future__ import annotations
+
+import itertools
+import re
+from types import SimpleNamespace
+
+import pytest
+
+from bbrules.codegen import numpy_gen, numpy_profile
+from bbrules.cost import cost_program
+from bbrules.frontend import parse_program
+from bbrules.inputs import random_inputs
+from bbrules.lower import lower
+from bbrules.targets import get_target
+
+from test_numpy_threads import parts_in
+
+
+@pytest.fixture
+def split_small(monkeypatch):
+    """Let the small programs here split into parts (as `test_numpy_threads` does)."""
+    monkeypatch.setattr(numpy_gen, "PARTS_START_NS", -float("inf"))
+    monkeypatch.setattr(numpy_gen, "MIN_CALL_FLOPS", 1)
+
+
+# Unfused attention and a total of its row sums: kernels of a grid that split into parts, and
+# one of no grid that runs whole.
+ATTENTION = """\
+dim q = 64 / 8
+dim k = 64 / 16
+dim d = 8
+
+input Q[q, d], K[k, d], V[k, d] : f32
+
+S[q, k] = sum[d] Q[q, d] * K[k, d] * 0.125
+M[q]    = max[k] S[q, k]
+E[q, k] = exp(S[q, k] - M[q])
+L[q]    = sum[k] E[q, k]
+O[q, d] = sum[k] E[q, k] * V[k, d] / L[q]
+T[]     = sum[q] L[q]
+
+output O, T
+"""
+
+
+def attention():
+    p = lower(parse_program(ATTENTION, "<test>"))
+    return p, random_inputs(p, seed=0)
+
+
+@pytest.mark.usefixtures("split_small")
+def test_each_kernel_is_timed_once_a_run_whether_whole_or_in_parts(monkeypatch):
+    """On a clock that ticks once per reading, every kernel call measures one tick: a kernel
+    timed twice a run, or another's parts counted as its own, reads 2 (and that one 0)."""
+    p, inputs = attention()
+    ticks = itertools.count()
+    monkeypatch.setattr(numpy_profile, "time", SimpleNamespace(perf_counter=lambda: next(ticks)))
+    got = numpy_profile.profile(p, inputs, runs=3, threads=2)
+    generated = numpy_gen.generate_module(p, threads=2)
+    assert parts_in(generated.source) >= 2, "nothing split: the test checks no parts"
+    assert [k.tensors for k in got.kernels] == [tuple(k.tensors) for k in p.kernels]
+    assert [k.parts for k in got.kernels] == list(generated.parts)
+    assert any(k.parts > 1 for k in got.kernels) and any(k.parts == 1 for k in got.kernels)
+    assert [k.seconds for k in got.kernels] == [1] * len(p.kernels)
+    assert got.seconds == 2 * len(p.kernels) + 1  # the run's own two readings around them
+    assert (got.runs, got.threads) == (3, 2)
+
+
+def test_parts_in_the_module_match_what_run_hands_to_run_parts(split_small):
+    p, _ = attention()
+    generated = numpy_gen.generate_module(p, threads=2)
+    for fns, count in zip(generated.functions, generated.parts):
+        if count > 1:
+            line = next(line for line in generated.source.splitlines()
+                        if "run_parts(" in line and fns[0] in line)
+            assert len(re.findall(r"\(kernel_\w+, \d+\)", line)) == count
+            assert set(re.findall(r"\((kernel_\w+), \d+\)", line)) == set(fns)
+        else:
+            assert re.search(rf" = {fns[0]}\(", generated.source)
+
+
+def test_no_kernel_takes_longer_than_the_run_it_is_part_of():
+    """A kernel's time is within each run's, so its median is at most the runs' median."""
+    p, inputs = attention()
+    got = numpy_profile.profile(p, inputs, runs=5, threads=1)
+    assert all(0 < k.seconds <= got.seconds for k in got.kernels)
+
+
+def test_the_report_puts_measured_and_modeled_shares_side_by_side():
+    p, inputs = attention()
+    got = numpy_profile.profile(p, inputs, runs=2, threads=1)
+    modeled = cost_program(p, get_target("cpu"))
+    table = got.table(modeled)
+    assert "modeled (cpu)" in table and "medians of 2 runs on 1 thread)" in table
+    for k in p.kernels:
+        assert any(line.startswith(",".join(k.tensors) + " ") for line in table.splitlines())
+    data = got.to_json(modeled)
+    assert data["target"] == "cpu" and len(data["kernels"]) == len(p.kernels)
+    assert [k["modeled_seconds"] for k in data["kernels"]] == [k.time for k in modeled.kernels]
