@@ -296,6 +296,10 @@ def _run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--values", metavar="FILE.npz",
                    help="values of inputs by name (the weights `bbrules import -o` writes); "
                         "the other inputs are random")
+    p.add_argument("--profile", type=_integer(1), metavar="RUNS",
+                   help="with --backend numpy: after the checked run, time RUNS more (back to "
+                        "back) and print each kernel's median time and share beside its "
+                        "modeled time and share on --target")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
 
 
@@ -364,6 +368,9 @@ def _finite(x: float) -> float | None:
                 "with the dense evaluation", _run_args,
          epilog=TOLERANCE_HELP)
 def cmd_run(args: argparse.Namespace) -> int:
+    if args.profile and args.backend != "numpy":
+        raise UsageError(f"--profile times the kernels of the generated numpy code; add "
+                         f"--backend numpy (not {args.backend})")
     ast, program = _program_to_run(args)
     need = run_bytes(program, ast)
     if need > args.memory:
@@ -379,8 +386,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     outputs = execute(program, inputs)
     elapsed = time.perf_counter() - start
+    profiled = _profile(args, program, inputs) if args.profile else {}
     if ast is None:
-        return _report_checksums(args, program, outputs, elapsed)
+        return _report_checksums(args, program, outputs, elapsed, profiled)
     reference = dense.evaluate(ast, inputs, dtype=np.float64)
     plain = dense.evaluate(ast, inputs, dtype=np.float32)
     for name in program.outputs:
@@ -398,16 +406,40 @@ def cmd_run(args: argparse.Namespace) -> int:
             "time_s": elapsed, "compared": True, "rule": TOLERANCE_RULE,
             "ok": ok,
             "outputs": {n: r.to_json() for n, r in results.items()},
+            **profiled,
         }, indent=2))
     else:
         for name, r in results.items():
             print(r.line(name))
         print(f"{args.backend} time: {elapsed:.3f} s")
+        _print_profile(profiled)
     return 0 if ok else 1
 
 
+def _profile(args: argparse.Namespace, program: BlockProgram,
+             inputs: dict[str, np.ndarray]) -> dict[str, object]:
+    """`--profile`: the kernels' times over the runs, as JSON data under "profile", and as
+    the table the text report prints under "table"."""
+    from .codegen.numpy_profile import profile
+
+    progress = _progress(args)
+    if progress:
+        progress(f"timing {args.profile} runs of the numpy code")
+    measured = profile(program, inputs, args.profile)
+    modeled = cost_program(program, get_target(args.target))
+    return {"profile": measured.to_json(modeled)} if args.json else \
+        {"table": measured.table(modeled)}
+
+
+def _print_profile(profiled: dict[str, object]) -> None:
+    if "table" in profiled:
+        print()
+        print(profiled["table"])
+
+
 def _report_checksums(args: argparse.Namespace, program: BlockProgram,
-                      outputs: dict[str, np.ndarray], elapsed: float) -> int:
+                      outputs: dict[str, np.ndarray], elapsed: float,
+                      profiled: dict[str, object]) -> int:
     note = "the block program records no source program: nothing was compared"
     sums = {n: (float(np.sum(outputs[n], dtype=np.float64)),
                 float(np.sum(np.abs(outputs[n]), dtype=np.float64))) for n in program.outputs}
@@ -419,12 +451,14 @@ def _report_checksums(args: argparse.Namespace, program: BlockProgram,
             "note": note,
             "outputs": {n: {"sum": _finite(s), "abs_sum": _finite(a)}
                         for n, (s, a) in sums.items()},
+            **profiled,
         }, indent=2))
     else:
         for name, (s, a) in sums.items():
             print(f"{name}: sum {s:.6g}, sum of |x| {a:.6g}")
         print(f"{args.backend} time: {elapsed:.3f} s")
         print(f"note: {note}")
+        _print_profile(profiled)
     return 0
 
 

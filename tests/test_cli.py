@@ -141,6 +141,37 @@ def test_run_block_file_without_source_prints_checksums(tmp_path, capsys):
     np.testing.assert_allclose(report["outputs"]["B"]["abs_sum"], np.abs(want).sum(), rtol=1e-5)
 
 
+def test_run_profile_times_each_kernel_of_the_numpy_code(tmp_path, capsys):
+    path = write(tmp_path, "attention.bbp", ATTENTION)
+    status, out, _ = run_cli(capsys, "run", path, "--no-fuse", "--backend", "numpy",
+                             "--profile", "3", "--target", "cpu", "--json")
+    report = json.loads(out)
+    assert status == 0 and report["ok"]
+    profile = report["profile"]
+    assert profile["runs"] == 3 and profile["target"] == "cpu"
+    assert [k["tensors"] for k in profile["kernels"]] == [[t] for t in "SMELPO"]
+    assert all(0 < k["seconds"] <= profile["seconds"] and k["modeled_seconds"] > 0
+               for k in profile["kernels"])
+
+
+def test_run_profile_prints_a_table_after_the_comparison(tmp_path, capsys):
+    path = bbk(tmp_path, "scale.bbk", SCALE.format(factor=2.0), source=None)
+    status, out, _ = run_cli(capsys, "run", path, "--backend", "numpy", "--profile", "2")
+    assert status == 0
+    lines = out.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.startswith("kernel "))
+    assert "note: " in "\n".join(lines[:head]) and "modeled (h100)" in lines[head]
+    assert lines[head + 2].startswith("B ") and lines[-1].startswith("whole run ")
+
+
+def test_run_profile_needs_the_numpy_backend(tmp_path, capsys):
+    path = write(tmp_path, "attention.bbp", ATTENTION)
+    status, _, err = run_cli(capsys, "run", path, "--profile", "2")
+    assert status == 2 and "--profile times the kernels of the generated numpy code" in err
+    status, _, err = run_cli(capsys, "run", path, "--backend", "numpy", "--profile", "0")
+    assert status == 2 and "must be at least 1" in err
+
+
 def test_cost_prints_a_table_and_json(tmp_path, capsys):
     path = write(tmp_path, "attention.bbp", ATTENTION)
     status, table, _ = run_cli(capsys, "cost", path)
