@@ -35,7 +35,9 @@ Why it looks the way it does:
   loop over chunks of one element that selects by its position (a slice's, a concatenation's,
   RoPE's halves) is written once per chunk, its selections folded away; a product whose
   columns are the block of a loop that folds across them (attention's scores) is computed
-  column-major and viewed transposed, so the fold's row maxima and sums read contiguous memory.
+  column-major and viewed transposed, so the fold's row maxima and sums read contiguous memory;
+  a computed operand that must be copied into a matmul's order is copied keeping its outer
+  dimensions outer and handed to BLAS transposed where that order is the transposed one.
   Statements whose results no one reads (the one-hot a gather replaced) are dropped.
 - *Monoids are data.*  Identity, combine and finalize are emitted from the monoid's expressions,
   never special-cased by name, so online softmax and Welford need no code of their own.
@@ -313,7 +315,7 @@ def _from_layout(code: str, have: Sequence[int], groups: Sequence[Sequence[int]]
     order = sorted(full, key=lambda g: g[0])
     if order == full and [p for g in full for p in g] == kept:
         return _reshape(code, have, target)
-    if [p for g in order for p in g] == kept:
+    if _consecutive(have, full):
         merged = [prod(have[p] for p in g) for g in order]
         out = _transpose(_reshape(code, have, merged), [order.index(g) for g in full])
         cur = [prod(have[p] for p in g) for g in full]
@@ -323,6 +325,34 @@ def _from_layout(code: str, have: Sequence[int], groups: Sequence[Sequence[int]]
                          [kept.index(p) for p in wanted])
         cur = [have[p] for p in wanted]
     return _reshape(out, cur, target)
+
+
+def _operand(code: str, have: Sequence[int], batch: Sequence[int], rows: Sequence[int],
+             cols: Sequence[int], computed: bool) -> str:
+    """A matmul operand from its tile in the kernel layout: dimensions `batch`, then `rows`,
+    then `cols`, as layout positions.
+
+    Where a computed tile's layout puts every column dimension before every row dimension and
+    the regrouping copies (groups that interleave, as a gathered window's taps and channels
+    do), it copies into columns by rows and passes the transposed view, which BLAS reads as it
+    is: that copy keeps the outer dimensions outer, where a copy into rows by columns reads
+    across the whole tile for every row (a convolution's 1280 x 512 window operand took 3.9
+    ms that way).  A loaded tile is a view of its global array, whose own order the
+    contraction already follows (`dot`)."""
+    batched = [[i] for i in batch]
+    rows_, cols_ = [p for p in rows if have[p] > 1], [p for p in cols if have[p] > 1]
+    if computed and rows_ and cols_ and max(cols_) < min(rows_) and \
+            not _consecutive(have, batched + [list(rows), list(cols)]):
+        return f"{_from_layout(code, have, batched + [list(cols), list(rows)])}.swapaxes(-1, -2)"
+    return _from_layout(code, have, batched + [list(rows), list(cols)])
+
+
+def _consecutive(have: Sequence[int], groups: Sequence[Sequence[int]]) -> bool:
+    """Does each group cover layout dimensions in order, next to each other (those of size 1
+    aside), so that `_from_layout` regroups them by a view?"""
+    full = [g for g in ([p for p in g if have[p] > 1] for g in groups) if g]
+    return [p for g in sorted(full, key=lambda g: g[0]) for p in g] == \
+        sorted(p for g in full for p in g)
 
 
 def _shape_text(s: Sequence[int]) -> str:
@@ -713,8 +743,8 @@ class _KernelWriter:
             x = _from_layout(self.tile(n.x), xs, [[i] for i in batch] + [cs, xfree])
             y = _from_layout(self.tile(n.y), ys, [[i] for i in batch] + [yfree, cs])
             return _to_layout(f"np.matmul({y}, {x}).swapaxes(-1, -2)", parts, dims)
-        x = _from_layout(self.tile(n.x), xs, [[i] for i in batch] + [xfree, cs])
-        y = _from_layout(self.tile(n.y), ys, [[i] for i in batch] + [cs, yfree])
+        x = _operand(self.tile(n.x), xs, batch, xfree, cs, computed=not isinstance(n.x, Load))
+        y = _operand(self.tile(n.y), ys, batch, cs, yfree, computed=not isinstance(n.y, Load))
         return _to_layout(f"np.matmul({x}, {y})", parts, dims)
 
     def gather(self, n: Dot, values: Node, picks: tuple[Pick, ...]) -> str | None:

@@ -651,6 +651,34 @@ def test_taps_in_blocks_of_one_are_walked_at_once_not_one_by_one():
     assert_close(numpy_gen.run(p, inputs)["Y"], want, "vs numpy")
 
 
+def test_a_gathered_window_is_copied_with_its_positions_outer(monkeypatch):
+    """The gathered window is laid out (position, tap, channel); the weights W[m, c, s] are
+    contracted in their own order (c, s), so the window must be regrouped.  Copied as
+    (position, channel x tap) and passed to the matmul transposed, the copy keeps its
+    positions outer; copied as (channel x tap, position) it would read across the whole
+    window for every element of a row (3.9 ms for magika's 1280 x 512, against 0.3 ms)."""
+    source = ("dim o = 60 / 30\ndim s = 5 / 1\ndim j = 64\ndim c = 256 / 64\ndim m = 32\n"
+              "input X[j, c], W[m, c, s] : f32\n"
+              "Y[o, m] = sum[s, c] W[m, c, s] * sum[j] where(j == o + s, 1, 0) * X[j, c]\n"
+              "output Y\n")
+    ast = parse_program(source)
+    module, operands = numpy_gen.load(lower(ast), threads=1), []
+
+    def matmul(a, b):
+        operands.append((a, b))
+        return np.matmul(a, b)
+    monkeypatch.setattr(module, "np", type("numpy", (), {**vars(np),
+                                                         "matmul": staticmethod(matmul)}))
+    inputs = random_inputs(ast, seed=7)
+    got = module.run(**inputs)["Y"]
+    [(weights, window)] = operands
+    assert np.shares_memory(weights, inputs["W"]), "W copied"
+    assert window.shape == (1280, 60) and window.T.flags.c_contiguous
+    x, w = inputs["X"].astype(np.float64), inputs["W"].astype(np.float64)
+    want = np.einsum("osc,mcs->om", np.stack([x[o:o + 5] for o in range(60)]), w)
+    assert_close(got, want, "vs numpy")
+
+
 @pytest.mark.parametrize("values, index, axis", [
     ((1, 2, 1, 64, 40), (3, 1, 5, 1, 1), 4),  # disjoint dimensions: rows taken at once
     ((3, 2, 1, 40), (3, 1, 7, 1), 3),  # a dimension both span: numpy's own take_along_axis
