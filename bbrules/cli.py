@@ -420,7 +420,7 @@ def _profile(args: argparse.Namespace, program: BlockProgram,
              inputs: dict[str, np.ndarray]) -> dict[str, object]:
     """`--profile`: the kernels' times over the runs, as JSON data under "profile", and as
     the table the text report prints under "table"."""
-    from .codegen.numpy_profile import profile
+    from .codegen.numpy_timing import profile
 
     progress = _progress(args)
     if progress:

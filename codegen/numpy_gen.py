@@ -1617,9 +1617,11 @@ def generate(p: BlockProgram, target: Target | str | None = None, threads: int =
     return generate_module(p, target, threads).source
 
 
-def generate_module(p: BlockProgram, target: Target | str | None = None, threads: int = 1
-                    ) -> Generated:
-    """`generate`'s module, with the functions it defines for each kernel."""
+def generate_module(p: BlockProgram, target: Target | str | None = None, threads: int = 1,
+                    split: bool | None = None) -> Generated:
+    """`generate`'s module, with the functions it defines for each kernel.  `split`: whether
+    kernels with enough work run in parts on `threads` > 1 threads; by default, where some
+    kernel's parts pay (`_parts_pay`)."""
     validate(p)
     if target is None or isinstance(target, str):
         target = get_target(target or "h100")
@@ -1630,7 +1632,7 @@ def generate_module(p: BlockProgram, target: Target | str | None = None, threads
     taken = set(names.values())
     kernels: list[_Code] = []
     ks = [coarsened(p, summed_inward(p, k), target.local_capacity) for k in p.kernels]
-    if not any(_parts_pay(p.in_kernel(k), k) for k in ks):
+    if not (any(_parts_pay(p.in_kernel(k), k) for k in ks) if split is None else split):
         threads = 1
     for k in ks:
         params = _kernel_params(p, k, names)

@@ -1,28 +1,39 @@
-"""Where a program's time goes on the CPU: each kernel of its generated numpy module timed over
-repeated runs, beside the time and share the cost model gives it.
+"""Timing generated numpy modules: where a program's time goes, kernel by kernel (`profile`),
+and whether it runs faster in parts or whole on this machine and these inputs (`tune`).
 
-The modeled figures are a target's (a GPU's, unless the program was fused for `cpu`), so the
-shares are what compare: a kernel that takes much more of the measured time than of the
-modeled one is where numpy does worse than the model assumes (elementwise work on one core,
-a gather, a copy into a matmul's order) or where a fusion that the model prices well does not
-pay here.
+`profile` times each kernel of a program's generated numpy module over repeated runs, beside
+the time and share the cost model gives it.  The modeled figures are a target's (a GPU's,
+unless the program was fused for `cpu`), so the shares are what compare: a kernel that takes
+much more of the measured time than of the modeled one is where numpy does worse than the
+model assumes (elementwise work on one core, a gather, a copy into a matmul's order) or where
+a fusion that the model prices well does not pay here.  Each kernel is timed where the
+module's `run` calls it: its whole function, or `run_parts` for a kernel split into parts.  The
+runs follow each other with no pause, as a program called in a loop would; what `run` does
+between kernels (views of the inputs and stores) is the difference between the kernels' sum
+and the whole run's time.
 
-Each kernel is timed where the module's `run` calls it: its whole function, or `run_parts`
-for a kernel split into parts.  The runs follow each other with no pause, as a program called
-in a loop would; what `run` does between kernels (views of the inputs and stores) is the
-difference between the kernels' sum and the whole run's time.
+`tune` settles by the clock what `numpy_gen._parts_pay` estimates from rates measured on one
+machine: whether a program's kernels run in parts on every core, or whole with BLAS threading
+their products.  Which is faster depends on the machine's caches as much as on the work: on a
+2-core Xeon whose cores read each other's data slowly, a chain of elementwise operations on
+arrays of 1 MiB ran slower in two parts (330 µs) than whole (214 µs), and faster only on
+arrays of 4 MiB and more (962 against 1464 µs); magika ran in 4.5-5.0 ms whole against 5.2-5.9
+ms in parts, where the estimate, from a machine with five times slower exponentials, chose
+parts.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
+import types
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
 import numpy as np
 
-from bbrules.codegen.numpy_gen import default_threads, generate_module, module_from_source
+from bbrules.codegen.numpy_gen import (default_threads, generate, generate_module,
+                                       module_from_source)
 from bbrules.cost import ProgramCost, fmt_time
 from bbrules.ir import BlockProgram
 
@@ -127,3 +138,48 @@ def profile(p: BlockProgram, inputs: Mapping[str, np.ndarray], runs: int = 10,
     return Profile(threads, runs, statistics.median(totals), tuple(
         KernelTime(tuple(k.tensors), count, statistics.median(times))
         for k, count, times in zip(p.kernels, generated.parts, per_kernel)))
+
+
+@dataclass(frozen=True)
+class Tuned:
+    """The faster of a program's modules on some inputs (`tune`): whether it runs kernels in
+    parts, and the median seconds of each module timed ("parts", "whole")."""
+
+    module: types.ModuleType
+    parts: bool
+    seconds: Mapping[str, float]
+
+
+def tune(p: BlockProgram, inputs: Mapping[str, np.ndarray], threads: int | None = None,
+         runs: int = 5) -> Tuned:
+    """The faster on `inputs` of `p`'s module with every kernel of enough work in parts on
+    `threads` threads (default: `default_threads()`) and its module of whole kernels, BLAS
+    threading their products; each run once, then `runs` times in alternation.  A program
+    with no kernel to split, or one thread, has one module, which is not timed."""
+    threads = default_threads() if threads is None else threads
+    modules = {"whole": module_from_source(generate(p, threads=1))}
+    split = generate_module(p, threads=threads, split=True) if threads > 1 else None
+    if split is not None and any(n > 1 for n in split.parts):
+        modules["parts"] = module_from_source(split.source)
+    if len(modules) == 1:
+        return Tuned(modules["whole"], False, {})
+    seconds = _median_runs(modules, inputs, runs)
+    best = min(seconds, key=seconds.__getitem__)
+    return Tuned(modules[best], best == "parts", seconds)
+
+
+def _median_runs(modules: Mapping[str, types.ModuleType], inputs: Mapping[str, np.ndarray],
+                 runs: int) -> dict[str, float]:
+    """Each module's median run time over `runs` rounds of one run each, the order of the
+    modules alternating between rounds (so that load coming and going weighs on each alike),
+    after a first run each."""
+    for module in modules.values():
+        module.run(**inputs)
+    times: dict[str, list[float]] = {name: [] for name in modules}
+    names = list(modules)
+    for n in range(runs):
+        for name in names if n % 2 == 0 else names[::-1]:
+            start = time.perf_counter()
+            modules[name].run(**inputs)
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}

@@ -1,4 +1,4 @@
-"""Timing each kernel of the generated numpy code (`bbrules.codegen.numpy_profile`)."""
+"""Timing the generated numpy code (`bbrules.codegen.numpy_timing`): each kernel, and parts against whole."""
 
 from __future__ import annotations
 
@@ -6,9 +6,10 @@ import itertools
 import re
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
-from bbrules.codegen import numpy_gen, numpy_profile
+from bbrules.codegen import numpy_gen, numpy_timing
 from bbrules.cost import cost_program
 from bbrules.frontend import parse_program
 from bbrules.inputs import random_inputs
@@ -56,8 +57,8 @@ def test_each_kernel_is_timed_once_a_run_whether_whole_or_in_parts(monkeypatch):
     timed twice a run, or another's parts counted as its own, reads 2 (and that one 0)."""
     p, inputs = attention()
     ticks = itertools.count()
-    monkeypatch.setattr(numpy_profile, "time", SimpleNamespace(perf_counter=lambda: next(ticks)))
-    got = numpy_profile.profile(p, inputs, runs=3, threads=2)
+    monkeypatch.setattr(numpy_timing, "time", SimpleNamespace(perf_counter=lambda: next(ticks)))
+    got = numpy_timing.profile(p, inputs, runs=3, threads=2)
     generated = numpy_gen.generate_module(p, threads=2)
     assert parts_in(generated.source) >= 2, "nothing split: the test checks no parts"
     assert [k.tensors for k in got.kernels] == [tuple(k.tensors) for k in p.kernels]
@@ -84,13 +85,13 @@ def test_parts_in_the_module_match_what_run_hands_to_run_parts(split_small):
 def test_no_kernel_takes_longer_than_the_run_it_is_part_of():
     """A kernel's time is within each run's, so its median is at most the runs' median."""
     p, inputs = attention()
-    got = numpy_profile.profile(p, inputs, runs=5, threads=1)
+    got = numpy_timing.profile(p, inputs, runs=5, threads=1)
     assert all(0 < k.seconds <= got.seconds for k in got.kernels)
 
 
 def test_the_report_puts_measured_and_modeled_shares_side_by_side():
     p, inputs = attention()
-    got = numpy_profile.profile(p, inputs, runs=2, threads=1)
+    got = numpy_timing.profile(p, inputs, runs=2, threads=1)
     modeled = cost_program(p, get_target("cpu"))
     table = got.table(modeled)
     assert "modeled (cpu)" in table and "medians of 2 runs on 1 thread)" in table
@@ -99,3 +100,47 @@ def test_the_report_puts_measured_and_modeled_shares_side_by_side():
     data = got.to_json(modeled)
     assert data["target"] == "cpu" and len(data["kernels"]) == len(p.kernels)
     assert [k["modeled_seconds"] for k in data["kernels"]] == [k.time for k in modeled.kernels]
+
+
+@pytest.mark.parametrize("faster", ["parts", "whole"])
+def test_tune_keeps_the_module_that_ran_faster(split_small, monkeypatch, faster):
+    p, inputs = attention()
+    slower = {"parts": "whole", "whole": "parts"}[faster]
+    monkeypatch.setattr(numpy_timing, "_median_runs",
+                        lambda modules, *_: {faster: 1.0, slower: 2.0} if set(modules) ==
+                        {"parts", "whole"} else pytest.fail(f"modules {set(modules)}"))
+    tuned = numpy_timing.tune(p, inputs, threads=2)
+    assert tuned.parts == (faster == "parts") and tuned.seconds[faster] == 1.0
+    assert hasattr(tuned.module, "run_parts") == tuned.parts
+    want = numpy_gen.run(p, inputs, threads=1)
+    got = tuned.module.run(**inputs)
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-6)
+
+
+def test_tune_times_a_module_in_parts_even_where_the_estimate_runs_it_whole(monkeypatch):
+    """The estimate (`_parts_pay`) would run the program whole: tuning still times parts."""
+    p, inputs = attention()
+    monkeypatch.setattr(numpy_gen, "PARTS_START_NS", float("inf"))
+    monkeypatch.setattr(numpy_gen, "MIN_CALL_FLOPS", 1)
+    assert parts_in(numpy_gen.generate(p, threads=2)) == 0
+    tuned = numpy_timing.tune(p, inputs, threads=2, runs=3)
+    assert set(tuned.seconds) == {"parts", "whole"} and all(
+        s > 0 for s in tuned.seconds.values())
+
+
+def test_a_program_with_nothing_to_split_is_not_timed():
+    p, inputs = attention()
+    for threads in (1, 2):  # on 2 threads, no kernel of this size has enough work for parts
+        tuned = numpy_timing.tune(p, inputs, threads=threads)
+        assert tuned.seconds == {} and not tuned.parts
+
+
+def test_candidates_are_run_once_then_timed_in_alternating_order():
+    calls = []
+
+    class Module:
+        def __init__(self, name):
+            self.run = lambda **_: calls.append(name)
+    seconds = numpy_timing._median_runs({"a": Module("a"), "b": Module("b")}, {}, runs=3)
+    assert calls == ["a", "b", "a", "b", "b", "a", "a", "b"] and set(seconds) == {"a", "b"}
