@@ -8,7 +8,8 @@ script builds the model with `onnx.helper`, imports it, fuses it (by candidates 
 threshold) and reports per layer count: statements, kernels before and after, modeled time
 and traffic, the candidates (and how many distinct ones were fused), wall time of import
 plus fusion; with `--check`, the fused program's outputs against
-ONNX's reference evaluator on random inputs.
+ONNX's reference evaluator on random inputs; with `--cpu`, its numpy code's time (in parts or
+whole, whichever `numpy_timing.tune` timed faster) against onnxruntime's.
 
     python benchmarks/llama_onnx.py [--layers 1,4,32] [--tokens 128] [--width 256]
                                     [--vocab 1024] [--check] [--cpu]
@@ -30,6 +31,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from bbrules.codegen import numpy_gen
+from bbrules.codegen.numpy_timing import tune
 from bbrules.cost import fmt_bytes, fmt_time
 from bbrules.engine import Budget
 from bbrules.candidates import DEFAULT_THRESHOLD, fuse_candidates, select_candidates
@@ -175,11 +177,13 @@ def token_ids(args, seed: int) -> dict[str, np.ndarray]:
 
 
 def cpu_times(model: onnx.ModelProto, imported, program, args) -> str:
-    """Median wall times on this machine: the fused program's generated numpy code against
-    onnxruntime's CPU session of the same model, on the same input."""
+    """Median wall times on this machine: the fused program's generated numpy code (in parts
+    or whole, whichever `tune` timed faster) against onnxruntime's CPU session of the same
+    model, on the same input."""
     feed = token_ids(args, seed=2)
-    runner = numpy_gen.load(program).run
     inputs = imported.bbp_inputs(feed)
+    tuned = tune(program, inputs)
+    runner = tuned.module.run
 
     def median(fn) -> float:
         # after a pause: runtimes' worker threads (OpenBLAS's behind numpy, onnxruntime's) spin
@@ -194,14 +198,15 @@ def cpu_times(model: onnx.ModelProto, imported, program, args) -> str:
             times.append(time.perf_counter() - start)
         return statistics.median(times)
     ours = median(lambda: runner(**inputs))
+    how = "in parts" if tuned.parts else "whole"
     try:
         import onnxruntime
     except ImportError:
-        return f"numpy backend {ours * 1e3:.1f} ms (onnxruntime is not installed)"
+        return f"numpy backend {ours * 1e3:.1f} ms {how} (onnxruntime is not installed)"
     session = onnxruntime.InferenceSession(model.SerializeToString(),
                                            providers=["CPUExecutionProvider"])
     theirs = median(lambda: session.run(None, feed))
-    return (f"numpy backend {ours * 1e3:.1f} ms, onnxruntime {theirs * 1e3:.1f} ms "
+    return (f"numpy backend {ours * 1e3:.1f} ms {how}, onnxruntime {theirs * 1e3:.1f} ms "
             f"({ours / theirs:.2f}x)")
 
 

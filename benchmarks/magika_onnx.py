@@ -6,7 +6,8 @@ Imports it for a batch size, fuses it as `bbrules apply` does (by candidates; if
 no program that fits the target, says why and goes on with the unfused program), runs it with
 the model's own weights through the numpy backend on random byte sequences and compares with
 onnxruntime on the same inputs; reports kernels, traffic and modeled time, the largest
-difference and whether the predicted labels agree, and CPU times.
+difference and whether the predicted labels agree, and CPU times (the fused program in parts
+or whole, whichever `numpy_timing.tune` timed faster).
 
     python benchmarks/magika_onnx.py [--model PATH] [--batch 1] [--target h100]
 
@@ -29,6 +30,7 @@ import numpy as np
 
 from bbrules.candidates import DEFAULT_THRESHOLD, PackSource, fuse_candidates, select_candidates
 from bbrules.codegen import numpy_gen
+from bbrules.codegen.numpy_timing import tune
 from bbrules.cost import cost_program, fmt_bytes, fmt_time
 from bbrules.extract import NoCandidate
 from bbrules.frontend import parse_program
@@ -98,15 +100,17 @@ def main() -> int:
     x = np.random.default_rng(0).integers(0, 257, size=(args.batch, 2048)).astype(np.int32)
     want = session.run(None, {"bytes": x})[0]
     unfused = numpy_gen.load(lower(ast)).run
-    runner = numpy_gen.load(program).run
     inputs = imported.bbp_inputs({"bytes": x})
+    tuned = tune(program, inputs)
+    runner = tuned.module.run
     got = imported.onnx_outputs(runner(**inputs))["target_label"]
     print(f"largest difference from onnxruntime {np.abs(got - want).max():.2e}; labels agree: "
           f"{bool((got.argmax(-1) == want.argmax(-1)).all())}")
     ours = median_seconds(lambda: runner(**inputs))
     plain = median_seconds(lambda: unfused(**inputs))
     theirs = median_seconds(lambda: session.run(None, {"bytes": x}))
-    print(f"CPU: numpy backend {ours * 1e3:.1f} ms fused, {plain * 1e3:.1f} ms unfused; "
+    how = "in parts" if tuned.parts else "whole"
+    print(f"CPU: numpy backend {ours * 1e3:.1f} ms fused ({how}), {plain * 1e3:.1f} ms unfused; "
           f"onnxruntime {theirs * 1e3:.2f} ms (fused {ours / theirs:.1f}x its time)")
     return 0
 
