@@ -33,9 +33,10 @@ Why it looks the way it does:
   matmul over both; an online softmax rescales its output in the dying contribution's buffer;
   a skipping loop's blocks where the predicate holds everywhere run without the mask; a short
   loop over chunks of one element that selects by its position (a slice's, a concatenation's,
-  RoPE's halves) is written once per chunk, its selections folded away; a product whose
-  columns are the block of a loop that folds across them (attention's scores) is computed
-  column-major and viewed transposed, so the fold's row maxima and sums read contiguous memory;
+  RoPE's halves) is written once per chunk, its selections folded away (a grid axis of such
+  chunks is walked by that loop, not vectorised: `ungridded`); a product whose columns are
+  the block of a loop that folds across them (attention's scores) is computed column-major
+  and viewed transposed, so the fold's row maxima and sums read contiguous memory;
   a computed operand that must be copied into a matmul's order is copied keeping its outer
   dimensions outer and handed to BLAS transposed where that order is the transposed one.
   Statements whose results no one reads (the one-hot a gather replaced) are dropped.
@@ -1536,6 +1537,25 @@ def _in_matmul(n: BlockReduce, p: BlockProgram) -> list[Node]:
     return [*inside, bottom]
 
 
+def ungridded(p: BlockProgram, k: Kernel) -> Kernel:
+    """`k` with each grid axis of at most `UNROLLED_BLOCKS` blocks of one element whose
+    position a selection reads (RoPE's pair of halves, a concatenation's chunks), and which
+    every store spans, walked by a map loop instead: `_KernelWriter.unrolled` writes that loop
+    once per block with the position known, its selections folded away, where over the
+    vectorised grid each selection is a `where` over whole tiles."""
+    kp = p.in_kernel(k)
+    nodes = [n for s in k.stores for n in postorder(s.value)]
+    gathered = {m for n in nodes if isinstance(n, Dot) and (hot := one_hot(n)) is not None
+                for m in postorder(n.y if hot[0] is n.x else n.x)}
+    selected = {m.axis for n in nodes if isinstance(n, Where) and n not in gathered
+                for m in postorder(n.c) if isinstance(m, Pos)}
+    walked = [a for a in k.grid if a in selected and kp.dims[a].block == 1
+              and kp.blocks(a) <= UNROLLED_BLOCKS and all(a in s.axes for s in k.stores)]
+    if not walked:
+        return k
+    return Kernel(tuple(a for a in k.grid if a not in walked), k.stores, k.blocks)
+
+
 def coarsened(p: BlockProgram, k: Kernel, capacity: int) -> Kernel:
     """`k` with each axis that its plan walks only in reduction loops of `_SAME_IN_BLOCKS`
     folds (skipping nothing, or gathering; not a loop to unroll) given the largest block, its
@@ -1631,7 +1651,8 @@ def generate_module(p: BlockProgram, target: Target | str | None = None, threads
     fns = _Functions()
     taken = set(names.values())
     kernels: list[_Code] = []
-    ks = [coarsened(p, summed_inward(p, k), target.local_capacity) for k in p.kernels]
+    ks = [coarsened(p, ungridded(p, summed_inward(p, k)), target.local_capacity)
+          for k in p.kernels]
     if not (any(_parts_pay(p.in_kernel(k), k) for k in ks) if split is None else split):
         threads = 1
     for k in ks:

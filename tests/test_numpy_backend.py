@@ -651,6 +651,33 @@ def test_taps_in_blocks_of_one_are_walked_at_once_not_one_by_one():
     assert_close(numpy_gen.run(p, inputs)["Y"], want, "vs numpy")
 
 
+def test_a_grid_axis_of_chunks_a_selection_reads_is_written_once_per_chunk():
+    """A concatenation over a grid axis of blocks of one, as ONNX's Concat of RoPE's halves
+    imports: vectorised over the grid, `where(p == 0, ...)` is a mask over every element; walked
+    by a loop written once per chunk, each chunk is one of the two values, no mask computed.
+    An axis of larger blocks stays in the grid."""
+    source = ("dim t = 64 / 16\ndim p = 2 / 1\ndim i = 32 / {i}\ninput A[t, i], B[t, i] : f32\n"
+              "Y[t, p, i] = where(p == 0, A[t, i], 0 - B[t, i]) * where(i < 8, 2, 1)\n"
+              "output Y\n")
+    ast = parse_program(source.format(i=1))
+    p = lower(ast)
+    (kernel,) = p.kernels
+    assert set(kernel.grid) == {"t", "p", "i"}
+    assert numpy_gen.ungridded(p, kernel).grid == ("t", "i")
+    code = numpy_gen.generate(p)
+    body = code[code.index("def kernel_Y"):code.index("def _input")]
+    assert "for p0 in (0,):" in body and "for p0 in (1,):" in body, body
+    assert "elementwise_eq" not in body, body
+    inputs = random_inputs(ast, seed=3)
+    got = numpy_gen.run(p, inputs)["Y"]
+    scale = np.where(np.arange(32) < 8, 2, 1)
+    np.testing.assert_allclose(got[:, 0], inputs["A"] * scale, rtol=1e-6)
+    np.testing.assert_allclose(got[:, 1], -inputs["B"] * scale, rtol=1e-6)
+    assert_close(got, interp.run(p, inputs)["Y"], "vs interpreter")
+    wide = lower(parse_program(source.format(i=1).replace("dim p = 2 / 1", "dim p = 2 / 2")))
+    assert numpy_gen.ungridded(wide, wide.kernels[0]).grid == wide.kernels[0].grid
+
+
 def test_a_gathered_window_is_copied_with_its_positions_outer(monkeypatch):
     """The gathered window is laid out (position, tap, channel); the weights W[m, c, s] are
     contracted in their own order (c, s), so the window must be regrouped.  Copied as
