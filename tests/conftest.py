@@ -1,10 +1,11 @@
 """Suite-wide settings: soundness verdicts are cached in a directory of the test session, never
-in the user's cache."""
+in the user's cache; and fixtures that several test files use."""
 
 from __future__ import annotations
 
 import pytest
 
+from bbrules.codegen import numpy_gen
 from bbrules.soundness import CACHE_ENV
 
 
@@ -13,3 +14,11 @@ def _soundness_cache(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(CACHE_ENV, str(tmp_path_factory.mktemp("bbrules-cache")))
         yield
+
+
+@pytest.fixture
+def split_small(monkeypatch):
+    """Let kernels of any work split, so small programs exercise the numpy backend's parts:
+    parts cost nothing to start, and each numpy call of a part has work enough."""
+    monkeypatch.setattr(numpy_gen, "PARTS_START_NS", -float("inf"))
+    monkeypatch.setattr(numpy_gen, "MIN_CALL_FLOPS", 1)

@@ -5,7 +5,8 @@ float64 dense evaluation or the reference interpreter, on programs that exercise
 must get right: Flash Attention (a fold over keys), causal attention (positions of the split
 axis and key blocks skipped by a predicate), a ragged split axis, kernels of several stores
 with map loops, split folds over views (decode attention), and random programs.  These
-programs are small, so the thresholds are lowered to let them split (`split_small`).
+programs are small, so the thresholds are lowered to let them split (`split_small`, in
+conftest.py).
 """
 
 from __future__ import annotations
@@ -40,14 +41,6 @@ from test_numpy_backend import assert_close, flash
 EXAMPLES = Path(__file__).parent.parent / "examples"
 MULTI = sorted((Path(__file__).parent / "programs" / "multi").glob("*.bbk"))
 H100 = get_target("h100")
-
-
-@pytest.fixture
-def split_small(monkeypatch):
-    """Let kernels of any work split, so small programs exercise the parts: parts cost
-    nothing to start, and each numpy call of a part has work enough."""
-    monkeypatch.setattr(numpy_gen, "PARTS_START_NS", -float("inf"))
-    monkeypatch.setattr(numpy_gen, "MIN_CALL_FLOPS", 1)
 
 
 def parts_in(source: str) -> int:

@@ -16,38 +16,17 @@ from bbrules.inputs import random_inputs
 from bbrules.lower import lower
 from bbrules.targets import get_target
 
+from test_cli import ATTENTION
 from test_numpy_threads import parts_in
-
-
-@pytest.fixture
-def split_small(monkeypatch):
-    """Let the small programs here split into parts (as `test_numpy_threads` does)."""
-    monkeypatch.setattr(numpy_gen, "PARTS_START_NS", -float("inf"))
-    monkeypatch.setattr(numpy_gen, "MIN_CALL_FLOPS", 1)
 
 
 # Unfused attention and a total of its row sums: kernels of a grid that split into parts, and
 # one of no grid that runs whole.
-ATTENTION = """\
-dim q = 64 / 8
-dim k = 64 / 16
-dim d = 8
-
-input Q[q, d], K[k, d], V[k, d] : f32
-
-S[q, k] = sum[d] Q[q, d] * K[k, d] * 0.125
-M[q]    = max[k] S[q, k]
-E[q, k] = exp(S[q, k] - M[q])
-L[q]    = sum[k] E[q, k]
-O[q, d] = sum[k] E[q, k] * V[k, d] / L[q]
-T[]     = sum[q] L[q]
-
-output O, T
-"""
+ATTENTION_AND_TOTAL = ATTENTION.replace("output O", "T[] = sum[q] L[q]\n\noutput O, T")
 
 
 def attention():
-    p = lower(parse_program(ATTENTION, "<test>"))
+    p = lower(parse_program(ATTENTION_AND_TOTAL, "<test>"))
     return p, random_inputs(p, seed=0)
 
 
