@@ -20,7 +20,7 @@ from typing import Callable
 import numpy as np
 
 from . import __version__, dense, gpukit, interp
-from .codegen import cuda_gen, numpy_gen, triton_gen
+from .codegen import cuda_gen, numpy_gen, numpy_timing, triton_gen
 from .blockfile import BlockFile, load_block_program
 from .cost import ProgramCost, cost_program, fmt_bytes, fmt_flops, fmt_time
 from .engine import Budget, run_checks
@@ -386,7 +386,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     outputs = execute(program, inputs)
     elapsed = time.perf_counter() - start
-    profiled = _profile(args, program, inputs) if args.profile else {}
+    profiled = _profile(args, program, inputs) if args.profile else None
     if ast is None:
         return _report_checksums(args, program, outputs, elapsed, profiled)
     reference = dense.evaluate(ast, inputs, dtype=np.float64)
@@ -406,7 +406,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             "time_s": elapsed, "compared": True, "rule": TOLERANCE_RULE,
             "ok": ok,
             "outputs": {n: r.to_json() for n, r in results.items()},
-            **profiled,
+            **_profile_json(profiled),
         }, indent=2))
     else:
         for name, r in results.items():
@@ -416,30 +416,32 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
-def _profile(args: argparse.Namespace, program: BlockProgram,
-             inputs: dict[str, np.ndarray]) -> dict[str, object]:
-    """`--profile`: the kernels' times over the runs, as JSON data under "profile", and as
-    the table the text report prints under "table"."""
-    from .codegen.numpy_timing import profile
+# `--profile`'s report: the kernels' times, and the program's cost on --target beside them.
+Profiled = tuple[numpy_timing.Profile, ProgramCost]
 
+
+def _profile(args: argparse.Namespace, program: BlockProgram,
+             inputs: dict[str, np.ndarray]) -> Profiled:
     progress = _progress(args)
     if progress:
         progress(f"timing {args.profile} runs of the numpy code")
-    measured = profile(program, inputs, args.profile)
-    modeled = cost_program(program, get_target(args.target))
-    return {"profile": measured.to_json(modeled)} if args.json else \
-        {"table": measured.table(modeled)}
+    return (numpy_timing.profile(program, inputs, args.profile),
+            cost_program(program, get_target(args.target)))
 
 
-def _print_profile(profiled: dict[str, object]) -> None:
-    if "table" in profiled:
+def _profile_json(profiled: Profiled | None) -> dict[str, object]:
+    return {"profile": profiled[0].to_json(profiled[1])} if profiled else {}
+
+
+def _print_profile(profiled: Profiled | None) -> None:
+    if profiled:
         print()
-        print(profiled["table"])
+        print(profiled[0].table(profiled[1]))
 
 
 def _report_checksums(args: argparse.Namespace, program: BlockProgram,
                       outputs: dict[str, np.ndarray], elapsed: float,
-                      profiled: dict[str, object]) -> int:
+                      profiled: Profiled | None) -> int:
     note = "the block program records no source program: nothing was compared"
     sums = {n: (float(np.sum(outputs[n], dtype=np.float64)),
                 float(np.sum(np.abs(outputs[n]), dtype=np.float64))) for n in program.outputs}
@@ -451,7 +453,7 @@ def _report_checksums(args: argparse.Namespace, program: BlockProgram,
             "note": note,
             "outputs": {n: {"sum": _finite(s), "abs_sum": _finite(a)}
                         for n, (s, a) in sums.items()},
-            **profiled,
+            **_profile_json(profiled),
         }, indent=2))
     else:
         for name, (s, a) in sums.items():
