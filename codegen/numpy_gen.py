@@ -1508,14 +1508,20 @@ def _unrollable(p: BlockProgram, loop: Loop) -> bool:
     if d.block != 1 or d.blocks > UNROLLED_BLOCKS:
         return False
     nodes = list(_body_nodes(loop))
-    gathered = {m for n in nodes if isinstance(n, Dot) and (hot := one_hot(n)) is not None
-                for m in postorder(n.y if hot[0] is n.x else n.x)}
+    gathered = _one_hot_operands(nodes)
     if not any(isinstance(n, Where) and n not in gathered and Pos(loop.axis) in postorder(n.c)
                for n in nodes):
         return False
     skip = loop_predicate(loop)
     return skip is None or all(n.axis == loop.axis for n in postorder(skip)
                                if isinstance(n, Pos))
+
+
+def _one_hot_operands(nodes: Sequence[Node]) -> set[Node]:
+    """The nodes of the one-hot operands of the contractions among `nodes`: a gather's picks,
+    computed by no numpy step of their own."""
+    return {m for n in nodes if isinstance(n, Dot) and (hot := one_hot(n)) is not None
+            for m in postorder(n.y if hot[0] is n.x else n.x)}
 
 
 def _in_matmul(n: BlockReduce, p: BlockProgram) -> list[Node]:
@@ -1545,8 +1551,7 @@ def ungridded(p: BlockProgram, k: Kernel) -> Kernel:
     vectorised grid each selection is a `where` over whole tiles."""
     kp = p.in_kernel(k)
     nodes = [n for s in k.stores for n in postorder(s.value)]
-    gathered = {m for n in nodes if isinstance(n, Dot) and (hot := one_hot(n)) is not None
-                for m in postorder(n.y if hot[0] is n.x else n.x)}
+    gathered = _one_hot_operands(nodes)
     selected = {m.axis for n in nodes if isinstance(n, Where) and n not in gathered
                 for m in postorder(n.c) if isinstance(m, Pos)}
     walked = [a for a in k.grid if a in selected and kp.dims[a].block == 1

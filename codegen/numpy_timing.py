@@ -17,9 +17,9 @@ machine: whether a program's kernels run in parts on every core, or whole with B
 their products.  Which is faster depends on the machine's caches as much as on the work: on a
 2-core Xeon whose cores read each other's data slowly, a chain of elementwise operations on
 arrays of 1 MiB ran slower in two parts (330 µs) than whole (214 µs), and faster only on
-arrays of 4 MiB and more (962 against 1464 µs); magika ran in 4.5-5.0 ms whole against 5.2-5.9
-ms in parts, where the estimate, from a machine with five times slower exponentials, chose
-parts.
+arrays of 4 MiB and more (962 against 1464 µs); magika ran in 4.5-5.0 ms whole against
+5.2-5.9 ms in parts (one round 7.2), where the estimate, from a machine with five times
+slower exponentials, chose parts.
 """
 
 from __future__ import annotations
