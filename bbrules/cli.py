@@ -166,8 +166,9 @@ def _dims(overrides: list[str]) -> DimOverrides:
     return dims
 
 
-def _integer(least: int) -> Callable[[str], int]:
-    """An argparse type: an integer at least `least` (a mistake is a usage error, exit 2)."""
+def _integer(least: int, most: int | None = None) -> Callable[[str], int]:
+    """An argparse type: an integer at least `least` and at most `most` (a count of runs or
+    trials, which nothing else bounds); a mistake is a usage error, exit 2."""
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -175,8 +176,15 @@ def _integer(least: int) -> Callable[[str], int]:
             raise argparse.ArgumentTypeError(f"expected an integer, got '{text}'") from None
         if value < least:
             raise argparse.ArgumentTypeError(f"must be at least {least}, got {value}")
+        if most is not None and value > most:
+            raise argparse.ArgumentTypeError(f"must be at most {most}, got {value}")
         return value
     return parse
+
+
+# The most runs `run --profile` times and trials `check` draws per rule: each takes real time,
+# which no budget bounds (a median needs far fewer).
+MAX_REPEATS = 10_000
 
 
 def _seconds(text: str) -> float:
@@ -296,7 +304,7 @@ def _run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--values", metavar="FILE.npz",
                    help="values of inputs by name (the weights `bbrules import -o` writes); "
                         "the other inputs are random")
-    p.add_argument("--profile", type=_integer(1), metavar="RUNS",
+    p.add_argument("--profile", type=_integer(1, MAX_REPEATS), metavar="RUNS",
                    help="with --backend numpy: after the checked run, time RUNS more (back to "
                         "back) and print each kernel's median time and share beside its "
                         "modeled time and share on --target")
@@ -810,7 +818,7 @@ def _check_args(p: argparse.ArgumentParser) -> None:
                         "installed packs (default: check the standard and installed packs)")
     p.add_argument("--no-installed", action="store_true",
                    help="load the PACKs alone, not on top of the standard and installed packs")
-    p.add_argument("--trials", type=_integer(1), default=20,
+    p.add_argument("--trials", type=_integer(1, MAX_REPEATS), default=20,
                    help="random instantiations per rule in the soundness check")
     p.add_argument("--seed", type=_integer(0), default=0)
     p.add_argument("--json", action="store_true", help="print the results as JSON")

@@ -201,6 +201,9 @@ def test_an_empty_block_file(tmp_path, capsys, command, text):
 @pytest.mark.parametrize("argv, message", [
     (["run", "{p}", "--seed", "-1"], "argument --seed: must be at least 0, got -1"),
     (["check", "--trials", "0"], "argument --trials: must be at least 1, got 0"),
+    (["check", "--trials", "10001"], "argument --trials: must be at most 10000, got 10001"),
+    (["run", "{p}", "--backend", "numpy", "--profile", "99999999999999999999"],
+     "argument --profile: must be at most 10000"),
     (["apply", "{p}", "--nodes", "-5"], "argument --nodes: must be at least 1"),
     (["apply", "{p}", "--iterations", "-1"], "argument --iterations: must be at least 1"),
     (["apply", "{p}", "--max-kernels", "0"], "argument --max-kernels: must be at least 1"),
