@@ -3,6 +3,7 @@ graphs regroup heads without copies, and what cannot be imported is refused clea
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -274,10 +275,8 @@ def test_ramp_of_refuses_what_is_not_a_ramp(arr):
     assert ramp_of(arr) is None
 
 
-def test_a_one_hot_against_a_constant_range_is_a_gather(tmp_path):
-    # magika's byte embedding: Equal(bytes, [0 .. 256]) cast to floats, times a table.  The
-    # constant range is the position it compares with, so the product is a lookup of rows.
-    rng = np.random.default_rng(4)
+def _byte_embedding(rng: np.random.Generator) -> onnx.ModelProto:
+    """magika's byte embedding: Equal(bytes, [0 .. 256]) cast to floats, times a table."""
     table = numpy_helper.from_array(rng.standard_normal((257, 16)).astype(np.float32), "table")
     classes = numpy_helper.from_array(np.arange(257, dtype=np.int32), "classes")
     axes = numpy_helper.from_array(np.array([1], np.int64), "axes")
@@ -289,7 +288,14 @@ def test_a_one_hot_against_a_constant_range_is_a_gather(tmp_path):
         [helper.make_tensor_value_info("ids", TensorProto.INT32, [64])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [64, 16])],
         [table, classes, axes])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+
+
+def test_a_one_hot_against_a_constant_range_is_a_gather(tmp_path):
+    # The constant range is the position the ids are compared with, so the product is a
+    # lookup of rows.
+    rng = np.random.default_rng(4)
+    model = _byte_embedding(rng)
     onnx.save(model, str(tmp_path / "embed.onnx"))
     imported = import_onnx(tmp_path / "embed.onnx")
     assert re.search(r"^input classes\[", imported.text, re.M) is None, imported.text
@@ -386,6 +392,18 @@ def test_cli_import_writes_program_and_weights_and_runs(tmp_path):
     assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
     r = bbrules("cost", str(tmp_path / "block.onnx"), "--dim", "batch=2", "--json")
     assert r.returncode == 0, r.stderr
+
+
+def test_run_draws_the_ids_of_a_lookup_as_ids(tmp_path):
+    """`bbrules run model.onnx` draws its own inputs: the byte ids, which the one-hot compares
+    with positions 0 .. 256, are drawn as whole numbers below 257, so the lookup picks rows
+    and the check compares real numbers (drawn as real numbers, no id would equal a position,
+    every output would be 0 and the check would hold vacuously)."""
+    onnx.save(_byte_embedding(np.random.default_rng(4)), str(tmp_path / "embed.onnx"))
+    r = bbrules("run", str(tmp_path / "embed.onnx"), "--no-fuse", "--json")
+    assert r.returncode == 0, r.stderr
+    result = json.loads(r.stdout)
+    assert result["ok"] and result["outputs"]["y"]["worst"]["expected"] != 0, result
 
 
 def test_unsupported_operator_names_node_and_position(tmp_path):
