@@ -7,9 +7,11 @@ with a message instead of failing inside numpy, or swapping the machine to a hal
 The estimate is an upper bound of the order of magnitude, not an accounting: every global
 tensor of the block program (float32, as the backends hold them), every tensor of the dense
 reference (float64) and of the plain float32 evaluation the verdict's baseline comes from,
-with the four float64 arrays per output its comparison makes, and per
-kernel the tiles a backend holds at once (every grid block, one block of each other axis:
-`TILES_LIVE` of them).
+with the four float64 arrays per output its comparison makes, and the tiles a backend holds at
+once: `TILES_LIVE` of a kernel's largest, a node's tile over every grid block (a contraction's
+operands and product, never all their axes at once: magika's convolution was estimated at 16
+GiB that way), or of the numpy backend's coarsened tiles (`COARSE_TILE` elements), whichever
+is larger.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from __future__ import annotations
 import os
 from math import prod
 
-from .ir import BlockProgram, Load, postorder
+from .codegen.numpy_gen import COARSE_TILE
+from .ir import BlockProgram, TileType, postorder, type_of
 from .program import Program
 
 TILES_LIVE = 4  # tiles of a kernel's full grid a backend holds at once, at most (a guess)
@@ -41,16 +44,15 @@ def run_bytes(program: BlockProgram, reference: Program | None) -> int:
                      for t in reference.tensors.values())
         total += sum(4 * 8 * _elements(program.dims, program.tensors[o].axes)
                      for o in program.outputs)
-    tiles = 0
+    tiles = 4 * COARSE_TILE
     for kernel in program.kernels:
         blocked = program.in_kernel(kernel)
-        for k in kernel.stores:
-            others = {a for n in postorder(k.value) if isinstance(n, Load) for a in n.axes}
-            others -= set(k.axes)
-            tile = prod(blocked.extent(a) for a in k.axes) * \
-                prod(blocked.block(a) for a in others)
-            tiles = max(tiles, TILES_LIVE * 4 * tile)
-    return total + tiles
+        for n in {n for k in kernel.stores for n in postorder(k.value)}:
+            if isinstance(t := type_of(n), TileType):  # a grid axis' blocks all at once
+                tile = prod((blocked.blocks(a) if a in t.deps and a in kernel.grid else 1) *
+                            (blocked.block(a) if a in t.shape else 1) for a in t.deps | t.shape)
+                tiles = max(tiles, 4 * tile)
+    return total + TILES_LIVE * tiles
 
 
 def _elements(dims: dict, axes: tuple[str, ...]) -> int:

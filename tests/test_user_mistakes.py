@@ -358,6 +358,27 @@ def test_the_memory_estimate_bounds_what_run_allocates(capsys, example, backend)
     assert peak <= run_bytes(lower(program), program)
 
 
+def test_a_convolution_is_estimated_by_the_tiles_it_makes(tmp_path, capsys):
+    """A convolution as models import it (magika's shape): the sum over input positions of a
+    one-hot window times the input, inside the sum over taps and channels.  Estimated as if
+    one tile spanned the output and every summed axis at once it needed 85 GB, and `run`
+    refused it; its nodes' tiles are what a backend holds, and the run stays under them."""
+    conv = write(tmp_path / "conv.bbp", (
+        "dim o = 508 / 64\ndim s = 5\ndim j = 512 / 64\ndim c = 256 / 64\ndim m = 512 / 64\n"
+        "input X[j, c], W[m, c, s] : f32\n"
+        "Y[o, m] = sum[s, c] W[m, c, s] * sum[j] where(j == o + s, 1, 0) * X[j, c]\n"
+        "output Y\n"))
+    program = load_program(conv)
+    estimate = run_bytes(lower(program), program)
+    assert estimate < 256 << 20
+    tracemalloc.start()
+    status = main(["run", str(conv), "--no-fuse", "--memory", "256M"])
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert status == 0 and "Y: norm-wise error" in capsys.readouterr().out
+    assert peak <= estimate
+
+
 # Long expressions ------------------------------------------------------------------------------
 # No pass recurses once per level of an expression, so a program thousands of terms deep goes
 # through every command (Python's default recursion limit is 1,000 frames).
