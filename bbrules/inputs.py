@@ -7,8 +7,8 @@ from typing import Any, Callable, Iterator, Protocol
 
 import numpy as np
 
-from .ir import Binary, Dim, Load, Pos, TensorDecl, children, postorder
-from .program import Apply, Position, Program, Ref, operands
+from .ir import Binary, Dim, Load, TensorDecl, children, postorder, tile_type
+from .program import Apply, Program, Ref, free_axes, operands
 
 
 class HasTensors(Protocol):
@@ -60,7 +60,7 @@ def index_inputs(p: HasTensors) -> dict[str, int]:
 class _Syntax:
     """What `_reads` needs of a program's expressions: the nodes under a root, each one's
     operands, the tensor a node reads (else None), whether it is an equality, and the axes
-    of the tensors and positions under it."""
+    its value spans."""
 
     nodes: Callable[[Any], Iterator[Any]]
     operands: Callable[[Any], tuple[Any, ...]]
@@ -79,14 +79,11 @@ def _tree(root: Any) -> Iterator[Any]:
 
 _PROGRAM = _Syntax(
     _tree, operands, lambda e: e.tensor if isinstance(e, Ref) else None,
-    lambda e: isinstance(e, Apply) and e.op == "eq",
-    lambda e: tuple(a for x in _tree(e) for a in (
-        x.axes if isinstance(x, Ref) else (x.axis,) if isinstance(x, Position) else ())))
+    lambda e: isinstance(e, Apply) and e.op == "eq", lambda e: tuple(free_axes(e)))
 _BLOCKS = _Syntax(
     postorder, children, lambda n: n.tensor if isinstance(n, Load) else None,
     lambda n: isinstance(n, Binary) and n.op == "eq",
-    lambda n: tuple(a for x in postorder(n) for a in (
-        x.axes if isinstance(x, Load) else (x.axis,) if isinstance(x, Pos) else ())))
+    lambda n: tuple(tile_type(n).deps | tile_type(n).shape))
 
 
 def _reads(p: HasTensors) -> Iterator[tuple[str, tuple[str, ...]]]:
