@@ -18,7 +18,7 @@ from bbrules import dense, interp
 from bbrules.codegen import cuda_gen, numpy_gen
 from bbrules.frontend import parse_program
 from bbrules.lower import lower
-from bbrules.ops import ELEMENTWISE
+from bbrules.ops import ELEMENTWISE, ROWS_BY_INDEX, TILE_REDUCE
 
 from cuda_emu import emulate
 
@@ -96,3 +96,23 @@ def test_where_is_laid_out_as_its_value(order):
         want = np.where(np.asarray(c) != 0, a, b)
         assert got.dtype == want.dtype and np.array_equal(got, want)
         assert np.argsort([-s for s in got.strides]).tolist() == list(order)
+
+
+@pytest.mark.parametrize("op", ["max", "min"])
+def test_tile_extremes_are_numpys_on_every_float(op):
+    """The in-tile max and min, which reduce contiguous rows through argmax / argmin, give
+    what np.max / np.min give over every axis, with keepdims or not, in either memory order:
+    NaN propagates, infinities are kept, rows past `ROWS_BY_INDEX` and small arrays too."""
+    reduce, want_fn = TILE_REDUCE[op].numpy, getattr(np, op)
+    rng = np.random.default_rng(3)
+    for shape in [(512, 128), (2, 3, 64, 40), (4096, 1), (3, ROWS_BY_INDEX + 1), (5,), (4, 3)]:
+        x = rng.standard_normal(shape).astype(np.float32)
+        x.flat[rng.integers(0, x.size, 3)] = [np.nan, np.inf, -np.inf]
+        x[..., -1:] = np.float32(np.inf if op == "min" else -np.inf)  # each row's own infinity
+        for a in (x, np.asfortranarray(x), x.astype(np.float64)):
+            for axis in range(x.ndim):
+                for keepdims in (True, False):
+                    got = reduce(a, axis=axis, keepdims=keepdims)
+                    want = want_fn(a, axis=axis, keepdims=keepdims)
+                    assert got.shape == want.shape and got.dtype == want.dtype
+                    assert np.array_equal(got, want, equal_nan=True), (shape, axis)
