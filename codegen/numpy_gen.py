@@ -466,6 +466,54 @@ def summed_inward(p: BlockProgram, k: Kernel) -> Kernel:
     return k if stores == k.stores else Kernel(k.grid, stores, k.blocks)
 
 
+def masks_as_offsets(k: Kernel) -> Kernel:
+    """`k` with each selection between a value and the value plus a constant, `where(c, x,
+    x + a)` (an additive mask distributed over the sum, as ONNX's causal attention imports),
+    written `x - where(c, 0, -a)`.  The selection then spans only the condition's axes (a
+    block of query and key positions, not every head's scores), and numpy makes one pass over
+    the scores instead of two (the sum, then `np.where` broadcasting the condition): LLaMA's
+    causal scores kernel at 128 tokens, 4 x 128 x 128, took 165 µs against 203.  Every value
+    is kept exactly, a zero's sign included (-0 - 0 is -0, where -0 + 0 would be +0)."""
+    def offset(n: Node, kids: tuple[Node, ...]) -> Node:
+        n = rebuild(n, kids)
+        if not isinstance(n, Where):
+            return n
+        for shifted, kept, other in ((n.y, n.x, False), (n.x, n.y, True)):
+            if isinstance(shifted, Binary) and shifted.op == "add":
+                a = _constant_addend(shifted, kept)
+                if a is not None:
+                    mask = (Where(n.c, Const(-a), Const(0.0)) if other
+                            else Where(n.c, Const(0.0), Const(-a)))
+                    return Binary("sub", kept, mask)
+        return n
+
+    stores = tuple(Store(s.tensor, s.axes, transform(s.value, offset)) for s in k.stores)
+    return k if stores == k.stores else Kernel(k.grid, stores, k.blocks)
+
+
+def _constant_addend(total: Binary, x: Node) -> float | None:
+    """`a` where `total` is `x + a` or `a + x` for a constant `a` (`-inf` is `neg(inf)`),
+    else None."""
+    for c, rest in ((total.x, total.y), (total.y, total.x)):
+        if rest == x and (a := _constant_value(c)) is not None:
+            return a
+    return None
+
+
+def _constant_value(n: Node) -> float | None:
+    """The value of `n` where it is elementwise operators over constants (in f32, as the
+    generated code computes it), else None."""
+    if isinstance(n, Const):
+        return n.value
+    if not is_elementwise(n) or not children(n):
+        return None
+    args = [_constant_value(c) for c in children(n)]
+    if None in args:
+        return None
+    with np.errstate(all="ignore"):
+        return float(np.float32(operator(n).numpy(*map(np.float32, args))))
+
+
 def _summed_contraction(n: BlockReduce, w: _KernelWriter) -> tuple[Dot, tuple[Axis, ...]] | None:
     """`n` as a contraction and the axes it is summed over besides its own, where `n` sums a
     contraction within blocks, through sums over one block of an axis (each its block's own
@@ -1656,8 +1704,8 @@ def generate_module(p: BlockProgram, target: Target | str | None = None, threads
     fns = _Functions()
     taken = set(names.values())
     kernels: list[_Code] = []
-    ks = [coarsened(p, ungridded(p, summed_inward(p, k)), target.local_capacity)
-          for k in p.kernels]
+    ks = [coarsened(p, ungridded(p, summed_inward(p, masks_as_offsets(k))),
+                    target.local_capacity) for k in p.kernels]
     if not (any(_parts_pay(p.in_kernel(k), k) for k in ks) if split is None else split):
         threads = 1
     for k in ks:

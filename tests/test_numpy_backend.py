@@ -778,3 +778,28 @@ output Z
     want = x[:, [2]] * w[2] + x[:, [1]] * w[1] + (2 * np.arange(4.0)) @ w
     np.testing.assert_allclose(numpy_gen.run(r.program, inputs)["Z"], want, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(interp.run(r.program, inputs)["Z"], want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_mask_added_to_a_value_is_subtracted_where_the_condition_fails():
+    """`where(c, x, x + a)` is computed as `x - where(c, 0, -a)`, the selection over the
+    condition's axes only, and both orientations give the interpreter's values bit for bit:
+    infinities, NaN, and the sign of a zero that the mask keeps."""
+    source = """
+dim h = 3
+dim q = 8 / 4
+dim k = 8 / 4
+input X[h, q, k] : f32
+A[h, q, k] = where(k <= q, X[h, q, k], X[h, q, k] + -inf)
+B[h, q, k] = where(k == q, X[h, q, k] + 2.5, X[h, q, k])
+output A, B
+"""
+    p = lower(parse_program(source))
+    x = rand(3, 8, 8, seed=4)
+    x[0, 0, 0], x[1, 5, 2], x[2, 3, 3], x[0, 7, 1] = -0.0, np.inf, np.nan, -np.inf
+    code = numpy_gen.generate(p)
+    assert re.search(r"elementwise_where\(\w+, f32\(0\.0\), f32\(\"inf\"\)\)", code)
+    assert re.search(r"elementwise_where\(\w+, f32\(-2\.5\), f32\(0\.0\)\)", code)
+    got, want = numpy_gen.run(p, {"X": x}), interp.run(p, {"X": x})
+    for name in ("A", "B"):
+        assert np.array_equal(got[name], want[name], equal_nan=True), name
+        assert np.array_equal(np.signbit(got[name]), np.signbit(want[name])), name
