@@ -32,7 +32,7 @@ from .candidates import (DEFAULT_THRESHOLD, PackSource, StitchedResult, fuse_can
 from .fuse import FuseResult, fuse
 from .onnx_import import import_onnx
 from .inputs import random_inputs
-from .ir import BlockProgram, show_program
+from .ir import WHOLE_DTYPES, BlockProgram, check_whole, show_program
 from .lower import lower
 from .memory import default_budget, run_bytes
 from .options import Meter, Options
@@ -364,6 +364,14 @@ def _load_values(path: str, program: BlockProgram) -> dict[str, np.ndarray]:
         if x.shape != shape:
             raise UsageError(f"--values {path}: '{name}' has shape {list(x.shape)}, the "
                              f"program declares {list(shape)}")
+        if x.dtype.kind not in "biuf":
+            raise UsageError(f"--values {path}: '{name}' holds {x.dtype} values, not real "
+                             f"numbers")
+        if decl.dtype in WHOLE_DTYPES:
+            try:
+                check_whole(name, x)
+            except ValueError as e:
+                raise UsageError(f"--values {path}: {e}") from None
     return {name: x.astype(np.float32) for name, x in values.items()}
 
 

@@ -27,7 +27,7 @@ from lark.exceptions import UnexpectedInput, VisitError
 from lark.visitors import Transformer_NonRecursive
 
 from .errors import SourceError, Span, UsageError, read_source, syntax_error
-from .ir import DTYPE_BYTES, AxisSet, Dim, DimError, TensorDecl, checked_dim
+from .ir import DTYPE_BYTES, WHOLE_DTYPES, AxisSet, Dim, DimError, TensorDecl, checked_dim
 from .ops import ELEMENTWISE, PREDICATES, UNARY
 from .program import Apply, Expr, Number, Position, Program, Reduction, Ref, Statement, fold
 
@@ -320,7 +320,9 @@ class _Checker:
                                  f"computed by statements")
             if name not in self.defined:
                 raise self.error(span, f"output '{name}' is never defined")
-        out_dtype = next(iter(self.inputs.values())).dtype if self.inputs else "f32"
+        # outputs are stored as the first input of real numbers is, unless declared otherwise
+        out_dtype = next((t.dtype for t in self.inputs.values() if t.dtype not in WHOLE_DTYPES),
+                         "f32")
         tensors = dict(self.inputs)
         for s in self.statements:
             role = "output" if s.target in self.outputs else "temp"
@@ -389,6 +391,9 @@ class _Checker:
 
     def output(self, decl: _OutputDecl) -> None:
         dtype = None if decl.dtype is None else self.dtype(decl.dtype)
+        if dtype in WHOLE_DTYPES:
+            raise self.error(decl.dtype.span, f"outputs cannot be {dtype}: values are computed "
+                             f"in f32, and only inputs may declare whole numbers")
         for n in decl.names:
             if n.name in self.outputs:
                 raise self.error(n.span, f"'{n.name}' is already listed as an output")

@@ -7,7 +7,7 @@ from typing import Any, Callable, Iterator, Protocol
 
 import numpy as np
 
-from .ir import Binary, Dim, Load, TensorDecl, children, postorder, tile_type
+from .ir import WHOLE_DTYPES, Binary, Dim, Load, TensorDecl, children, postorder, tile_type
 from .program import Apply, Program, Ref, free_axes, operands
 
 
@@ -18,9 +18,14 @@ class HasTensors(Protocol):
     tensors: dict[str, TensorDecl]
 
 
+# Whole numbers an i32 input that indexes nothing is drawn below.
+WHOLE_DRAWN = 256
+
+
 def random_inputs(p: HasTensors, seed: int = 0) -> dict[str, np.ndarray]:
     """Standard-normal float32 arrays for every input tensor, the same for the same seed; for
-    an input of indices (`index_inputs`), whole numbers below the extent it indexes.
+    an input of indices (`index_inputs`), whole numbers below the extent it indexes; for
+    another input declared whole (i32), whole numbers below `WHOLE_DRAWN`.
 
     Each tensor draws from its own stream (seeded by the seed and the tensor's position), so
     adding an input to a program does not change the values of the ones before it.
@@ -31,8 +36,9 @@ def random_inputs(p: HasTensors, seed: int = 0) -> dict[str, np.ndarray]:
     for i, t in enumerate(inputs):
         rng = np.random.default_rng([seed, i])
         shape = [p.dims[a].extent for a in t.axes]
-        if t.name in indices:
-            out[t.name] = rng.integers(0, indices[t.name], shape).astype(np.float32)
+        if t.name in indices or t.dtype in WHOLE_DTYPES:
+            below = indices.get(t.name, WHOLE_DRAWN)
+            out[t.name] = rng.integers(0, below, shape).astype(np.float32)
         else:
             out[t.name] = rng.standard_normal(shape, dtype=np.float32)
     return out

@@ -28,9 +28,10 @@ from typing import Callable
 
 import numpy as np
 
-from .ir import (ELEMENTWISE_KINDS, Axis, BlockProgram, BlockReduce, Const, Dot, Get, IRError,
-                 KindTable, Load, Monoid, Node, Pos, Reduce, Store, Tuple, Var, children,
-                 is_elementwise, operator, postorder, sched_deps, validate)
+from .ir import (ELEMENTWISE_KINDS, WHOLE_DTYPES, Axis, BlockProgram, BlockReduce, Const, Dot,
+                 Get, IRError, KindTable, Load, Monoid, Node, Pos, Reduce, Store, Tuple, Var,
+                 check_whole, children, is_elementwise, operator, postorder, sched_deps,
+                 validate)
 from .ops import TILE_REDUCE
 
 F32 = np.float32
@@ -281,6 +282,8 @@ def _check_inputs(program: BlockProgram, inputs: dict[str, np.ndarray]) -> None:
         if np.shape(inputs[name]) != want:
             raise ValueError(f"input '{name}' has shape {np.shape(inputs[name])}, "
                              f"the program declares {want}")
+        if program.tensors[name].dtype in WHOLE_DTYPES:
+            check_whole(name, inputs[name])
 
 
 def run(program: BlockProgram, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

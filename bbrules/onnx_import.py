@@ -35,6 +35,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from .errors import UsageError
+from .ir import check_whole
 
 DEFAULT_SYMBOLIC_EXTENT = 1
 _KEYWORDS = {"dim", "input", "output", "sum", "max", "min", "mean", "inf", "and", "or", "not"}
@@ -94,9 +95,11 @@ class Imported:
     inputs: dict[str, tuple[str, tuple[int, ...]]]
     outputs: dict[str, tuple[str, tuple[int, ...]]]
     symbolic: dict[str, int] = field(default_factory=dict)
+    whole: frozenset[str] = frozenset()  # the inputs of integers, declared i32
 
     def bbp_inputs(self, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """The program's inputs: the weights, and `arrays` (by ONNX name) reshaped."""
+        """The program's inputs: the weights, and `arrays` (by ONNX name) reshaped; integers
+        past what f32 holds exactly are refused."""
         out = dict(self.weights)
         for name, (tensor, shape) in self.inputs.items():
             if name not in arrays:
@@ -105,6 +108,11 @@ class Imported:
             if tuple(x.shape) != shape:
                 raise UsageError(f"input '{name}' has shape {list(x.shape)}, the model "
                                  f"wants {list(shape)}")
+            if name in self.whole:
+                try:
+                    check_whole(name, x)
+                except ValueError as e:
+                    raise UsageError(str(e)) from None
             out[tensor] = x.astype(np.float32).reshape(_squeezed(shape))
         return out
 
@@ -571,6 +579,7 @@ class Importer:
         for init in graph.initializer:
             self.consts[init.name] = _array(init)
         inputs: dict[str, tuple[str, tuple[int, ...]]] = {}
+        whole: set[str] = set()  # the inputs of integers
         for inp in graph.input:
             if inp.name in self.consts:
                 continue  # an initializer listed as an input (older exporters): its default
@@ -579,7 +588,10 @@ class Importer:
             if elem not in _NUMBERS:
                 raise self.error(f"graph input '{inp.name}' is not a tensor of numbers "
                                  f"(ONNX element type {elem})")
-            v = self.declare(inp.name, shape, _DTYPES.get(elem, "f32"))
+            if elem in _INTEGERS:
+                whole.add(inp.name)
+            v = self.declare(inp.name, shape,
+                             "i32" if elem in _INTEGERS else _DTYPES.get(elem, "f32"))
             self.values[inp.name] = v
             inputs[inp.name] = (v.tensor, shape)
         for i, node in enumerate(graph.node):
@@ -595,7 +607,8 @@ class Importer:
             outputs[out.name] = (v.tensor, v.shape)
         if not outputs:
             raise self.error("the graph has no outputs")
-        return Imported(self.text(outputs), self.weights, inputs, outputs, self.symbolic)
+        return Imported(self.text(outputs), self.weights, inputs, outputs, self.symbolic,
+                        frozenset(whole))
 
     def shape_of(self, info) -> tuple[int, ...]:
         """A graph input's shape; a symbolic dimension takes its `--dim` extent (default 1)."""

@@ -67,7 +67,7 @@ import numpy as np
 from bbrules.errors import UsageError
 from bbrules.ir import (ELEMENTWISE_KINDS, BlockProgram, BlockReduce, Const, Dot, Get, IRError,
                         KindTable, Load, Node, Pos, Reduce, Tuple, Unary, Var, Where, children,
-                        is_elementwise, operator, postorder, validate)
+                        is_elementwise, operator, postorder, validate, whole_inputs_as_f32)
 from bbrules.masking import CAlgebra, may_hold
 from bbrules.ops import BINARY, TILE_REDUCE
 from bbrules.plan import (MAX_THREADS, Accumulation, BlockIndex, Buffer, KernelPlan, LoopPlan,
@@ -188,6 +188,7 @@ def generate(p: BlockProgram, target: Target | str | None = None) -> CudaModule:
     """CUDA C for every kernel of `p`, refusing kernels whose tiles exceed `target`'s shared
     memory (default: the H100's 227 KiB)."""
     validate(p)
+    p = whole_inputs_as_f32(p)
     if target is None or isinstance(target, str):
         target = get_target(target or "h100")
     kernels, bodies = [], []

@@ -86,10 +86,11 @@ import numpy as np
 
 from bbrules.cost import cost_kernel
 from bbrules.errors import UsageError
-from bbrules.ir import (ELEMENTWISE_KINDS, Axis, Binary, BlockProgram, BlockReduce, Const, Dim,
-                        Dot, Get, IRError, Kernel, KindTable, Load, Node, Pos, Reduce, Store,
-                        TileType, Tuple, Unary, Var, Where, children, is_elementwise, operator,
-                        postorder, rebuild, show_kernel, tile_type, transform, type_of, validate)
+from bbrules.ir import (ELEMENTWISE_KINDS, WHOLE_DTYPES, Axis, Binary, BlockProgram, BlockReduce,
+                        Const, Dim, Dot, Get, IRError, Kernel, KindTable, Load, Node, Pos, Reduce,
+                        Store, TileType, Tuple, Unary, Var, Where, children, is_elementwise,
+                        operator, postorder, rebuild, show_kernel, tile_type, transform, type_of,
+                        validate)
 from bbrules.ops import ELEMENTWISE, TILE_REDUCE, OpInfo
 from bbrules.masking import NumpyAlgebra, may_hold, skip_predicate
 from bbrules.onehot import Pick, mentions, one_hot
@@ -101,8 +102,8 @@ _INFIX = {"add": "+", "sub": "-", "mul": "*", "div": "/"}
 # Names generated code uses besides its own locals: the module's globals, the operator aliases
 # (`_Functions.ref`) and Python's builtins (loops call `range`).  A tensor named like one of
 # them is renamed.
-_RESERVED = {"np", "f32", "run", "inputs", "_input", "run_parts", "gather_one_hot", "ELEMENTWISE",
-             "TILE_REDUCE",
+_RESERVED = {"np", "f32", "run", "inputs", "_input", "run_parts", "gather_one_hot",
+             "check_whole", "ELEMENTWISE", "TILE_REDUCE",
              *(f"elementwise_{op}" for op in ELEMENTWISE),
              *(f"tile_reduce_{op}" for op in TILE_REDUCE),
              *dir(builtins)}
@@ -1758,6 +1759,8 @@ def generate_module(p: BlockProgram, target: Target | str | None = None, threads
     runtime = sorted(fns.runtime | ({"run_parts"} if any(c.parts for c in kernels) else set()))
     if runtime:
         out[-1:] = [f"from bbrules.codegen.numpy_gen import {', '.join(runtime)}", ""]
+    if any(p.tensors[t].dtype in WHOLE_DTYPES for t in p.inputs):
+        out[-1:] = ["from bbrules.ir import check_whole", ""]
     out.append("f32 = np.float32")
     out += [f"{name} = {ref}" for name, ref in sorted(fns.aliases.items())]
     for code in kernels:
@@ -1805,6 +1808,8 @@ def _run_function(p: BlockProgram, names: Mapping[str, str], kernels: list[_Code
         shape = tuple(p.extent(a) for a in p.tensors[t].axes)
         padded = tuple(p.padded(a) for a in p.tensors[t].axes)
         lines.append(f"    {names[t]} = _input(inputs, {t!r}, {shape!r}, {padded!r})")
+        if p.tensors[t].dtype in WHOLE_DTYPES:
+            lines.append(f"    check_whole({t!r}, inputs[{t!r}])")
     bind_views(set(p.inputs), "    ")
     lines.append('    with np.errstate(all="ignore"):')
     for code in kernels:

@@ -65,7 +65,8 @@ from bbrules.codegen.cuda_gen import TensorInfo
 from bbrules.errors import UsageError
 from bbrules.ir import (ELEMENTWISE_KINDS, Binary, BlockProgram, BlockReduce, Const, Dot, Get,
                         IRError, KindTable, Load, Node, Pos, Reduce, Tuple, Unary, Var, Where,
-                        children, is_elementwise, operator, postorder, validate)
+                        children, is_elementwise, operator, postorder, validate,
+                        whole_inputs_as_f32)
 from bbrules.masking import Algebra, NumpyAlgebra, may_hold
 from bbrules.plan import Accumulation, BlockIndex, KernelPlan, LoopPlan, Op, Value, WritePlan, \
     plan_for
@@ -233,6 +234,7 @@ def generate(p: BlockProgram, target: Target | str | None = None,
         raise UsageError(f"unknown precision '{precision}': choose one of "
                          f"{', '.join(PRECISIONS)}")
     validate(p)
+    p = whole_inputs_as_f32(p)
     if target is None or isinstance(target, str):
         target = get_target(target or "h100")
     kernels, bodies = [], []

@@ -167,6 +167,8 @@ output B[q] : f32
     ("dim q = 8 / 16\n", 1, 13, "block size 16 is larger than the extent 8 of 'q'"),
     ("dim q = 8\ninput A[q, p] : f32\n", 2, 12, "unknown axis 'p'"),
     ("dim q = 8\ninput A[q] : f64\n", 2, 14, "unknown dtype 'f64'"),
+    ("dim q = 8\ninput A[q] : i32\noutput B[q] : i32\nkernel B[q]:\n  B[q] = load(A[q])\n",
+     4, 8, "output 'B' is i32: only inputs hold whole numbers"),
     ("dim q = 8\ninput A[q] f32\n", 2, 12, "unexpected 'f32'; expected ':'"),
     ("dim q = 8\noutput A[q] : f32\n", 2, 1, "output 'A' is never stored"),
     ("dim q = 8\nmonoid two(m, l)\n  identity = (0.0)\n  combine = (a.m, b.l)\n"

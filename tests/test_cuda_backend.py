@@ -194,6 +194,23 @@ def test_small_examples_have_several_blocks_per_axis_and_non_square_blocks():
     assert "attention" in non_square and len(non_square) >= len(EXAMPLES) // 2
 
 
+# An embedding lookup of token ids declared i32, scaled by a whole-number input.
+WHOLE_IDS = ("dim t = 24 / 8\ndim v = 40 / 16\ndim e = 32 / 16\ninput IDS[t], N[t] : i32\n"
+             "input E[v, e] : f32\n"
+             "X[t, e] = sum[v] where(IDS[t] == v, 1, 0) * E[v, e] * N[t]\noutput X\n")
+
+
+@needs_cxx
+def test_i32_inputs_are_passed_to_the_kernels_as_f32():
+    """The launcher takes the caller's integers and the kernels read them as f32, exactly."""
+    p = fuse(lower(parse_program(WHOLE_IDS)), load_packs([]), get_target("h100")).program
+    module = check_emulated(p)
+    assert {module.tensors[t].dtype for t in ("IDS", "N")} == {"f32"}
+    inputs = random_inputs(p, seed=1)
+    given = {**inputs, "IDS": inputs["IDS"].astype(np.int32), "N": inputs["N"].astype(np.int64)}
+    assert_matches(emulate(module, given), interp.run(p, inputs))
+
+
 @needs_cxx
 def test_flash_attention_in_one_kernel_for_any_thread_count():
     p = FUSED["flash_attention"]()

@@ -68,7 +68,7 @@ CASES = [
     ("wrong arity, binary", "Y[n] = max(B[n])\noutput Y", 5, 8,
      "function 'max' takes 2 arguments, got 1"),
     ("unknown dtype", "input C[m] : f64\nY[n] = B[n]\noutput Y", 5, 14,
-     "unknown dtype 'f64' (expected one of bf16, f16, f32)"),
+     "unknown dtype 'f64' (expected one of bf16, f16, f32, i32)"),
     ("repeated axis in a reference", "Y[m] = sum[e] A[m, m]\noutput Y", 5, 20,
      "axis 'm' appears twice"),
     ("repeated target axis", "Y[n, n] = B[n]\noutput Y", 5, 6, "axis 'n' appears twice"),
@@ -96,6 +96,8 @@ CASES = [
     ("constant named like a tensor", "B = 2\nY[n] = B[n]\noutput Y", 5, 1,
      "'B' is already defined (line 4)"),
     ("unknown output dtype", "Y[n] = B[n]\noutput Y : f64", 6, 12, "unknown dtype 'f64'"),
+    ("whole-number output", "Y[n] = B[n]\noutput Y : i32", 6, 12,
+     "outputs cannot be i32: values are computed in f32"),
     ("scalar used with axes", "T[] = sum[n] B[n]\nY[n] = B[n] * T[n]\noutput Y", 6, 15,
      "'T' has 0 axes (T[]), this reference gives 1"),
     ("view that does not multiply out", "dim h = 2\ndim d = 3\nY[m, h, d] = A[m, (h, d)]\n"

@@ -406,6 +406,21 @@ def test_run_draws_the_ids_of_a_lookup_as_ids(tmp_path):
     assert result["ok"] and result["outputs"]["y"]["worst"]["expected"] != 0, result
 
 
+def test_integer_inputs_are_declared_i32_and_checked(tmp_path):
+    """A graph input of integers is imported as `i32` (the outputs stay f32), and
+    `bbp_inputs` refuses an id that f32 would round to another (2^24 + 1)."""
+    from bbrules.errors import UsageError
+    from bbrules.frontend import parse_program
+    onnx.save(_byte_embedding(np.random.default_rng(4)), str(tmp_path / "embed.onnx"))
+    imported = import_onnx(tmp_path / "embed.onnx")
+    assert re.search(r"^input ids\[\w+\] : i32$", imported.text, re.MULTILINE)
+    assert parse_program(imported.text).tensors["y"].dtype == "f32"
+    ids = np.arange(64, dtype=np.int32)
+    assert np.array_equal(imported.bbp_inputs({"ids": ids})["ids"], ids.astype(np.float32))
+    with pytest.raises(UsageError, match=r"input 'ids' is declared i32 but holds 16777217"):
+        imported.bbp_inputs({"ids": np.full(64, 2 ** 24 + 1, np.int64)})
+
+
 def test_unsupported_operator_names_node_and_position(tmp_path):
     node = helper.make_node("GatherElements", ["r", "idx"], ["y"], name="gather0", axis=1)
     graph = helper.make_graph(

@@ -36,7 +36,7 @@ from bbrules.ops import BINARY, ELEMENTWISE, UNARY
 from bbrules.packs import load_packs
 from bbrules.targets import get_target
 from irbuild import flash_attention, online_softmax, program
-from test_cuda_backend import EXAMPLES, assert_matches, small_example
+from test_cuda_backend import EXAMPLES, WHOLE_IDS, assert_matches, small_example
 
 if not (sys.platform == "linux" and platform.machine() == "x86_64"):
     pytest.skip("Triton ships for Linux on x86-64 only", allow_module_level=True)
@@ -165,6 +165,12 @@ def test_contractions_use_tl_dot_and_match():
 def with_dtype(p, dtype: str):
     """`p` with every tensor of element type `dtype`."""
     return replace(p, tensors={n: replace(t, dtype=dtype) for n, t in p.tensors.items()})
+
+
+def test_i32_inputs_are_passed_to_the_kernels_as_f32():
+    """Token ids declared i32 run in the interpreter like the reference (read as f32)."""
+    module = check_interpreted(fused(lower(parse_program(WHOLE_IDS))))
+    assert {module.tensors[t].dtype for t in ("IDS", "N")} == {"f32"}
 
 
 def test_f16_tensors_are_loaded_and_stored_as_f16():

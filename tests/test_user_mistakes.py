@@ -10,6 +10,7 @@ import re
 import tracemalloc
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from bbrules.blockfile import parse_block_program
@@ -216,6 +217,27 @@ def test_an_empty_block_file(tmp_path, capsys, command, text):
 def test_command_line_values_out_of_range_are_usage_errors(tmp_path, capsys, argv, message):
     prog = write(tmp_path / "p.bbp", SOFTMAX)
     status, out, err = run_cli(capsys, *(a.format(p=prog) for a in argv))
+    assert status == 2 and message in err and not out
+
+
+LOOKUP = ("dim t = 8\ndim v = 40\ndim e = 4\ninput IDS[t] : i32\ninput E[v, e] : f32\n"
+          "X[t, e] = sum[v] where(IDS[t] == v, 1, 0) * E[v, e]\noutput X\n")
+
+
+@pytest.mark.parametrize("ids, message", [
+    (np.arange(8) + 0.5, "'IDS' is declared i32 but holds 0.5 at [0]"),
+    (np.full(8, 2 ** 24 + 1), "'IDS' is declared i32 but holds 16777217 at [0]"),
+    (np.array(["a"] * 8), "'IDS' holds <U1 values, not real numbers"),
+    (np.zeros(8, complex), "'IDS' holds complex128 values, not real numbers"),
+])
+@pytest.mark.parametrize("backend", ["interp", "numpy"])
+def test_values_an_input_cannot_hold_are_usage_errors(tmp_path, capsys, ids, message, backend):
+    """`run --values`: ids that are not whole or that f32 would round to another id, and
+    arrays of anything but real numbers, are refused before any backend runs."""
+    prog = write(tmp_path / "p.bbp", LOOKUP)
+    np.savez(tmp_path / "v.npz", IDS=ids, E=np.ones((40, 4), np.float32))
+    status, out, err = run_cli(capsys, "run", prog, "--values", tmp_path / "v.npz",
+                               "--backend", backend)
     assert status == 2 and message in err and not out
 
 

@@ -15,8 +15,9 @@ from .kinds import (KINDS, Kind, KindTable, Sort, attrs, build, children, is_ele
 from .monoid import BUILTIN_MONOIDS, MAX, MIN, SUM, Monoid, monoids_used, var_names
 from .nodes import (ELEMENTWISE_KINDS, MAX_COMPONENTS, Binary, BlockReduce, Const, Dot, Get,
                     Load, Node, Pos, Reduce, Tuple, Unary, Var, Where)
-from .program import (DTYPE_BYTES, BlockProgram, Dim, DimError, Kernel, Store, TensorDecl,
-                      check_view, checked_dim, validate)
+from .program import (DTYPE_BYTES, WHOLE_DTYPES, WHOLE_LIMIT, BlockProgram, Dim, DimError,
+                      Kernel, Store, TensorDecl, check_view, check_whole, checked_dim, validate,
+                      whole_inputs_as_f32)
 from .show import fmt_number, show_kernel, show_monoid, show_node, show_program
 from .typecheck import deps, loops_under, sched_deps, shape, tile_type, type_of
 from .types import SCALAR, Axis, AxisSet, IRError, TileType, Type, union

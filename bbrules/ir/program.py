@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterator
+
+import numpy as np
 
 from .kinds import Sort, _cached_hash, _dag_eq, kind_of, postorder
 from .monoid import Monoid, monoids_used
@@ -76,7 +78,30 @@ def checked_dim(name: str, extent: float, block: float | None, of: str | None = 
     return Dim(name, whole, size)
 
 
-DTYPE_BYTES = {"f32": 4, "f16": 2, "bf16": 2}
+DTYPE_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "i32": 4}
+
+# Dtypes of whole numbers (token ids, indices), which inputs may declare: every stage computes
+# them as f32 values, which hold each whole number up to WHOLE_LIMIT in magnitude exactly, and
+# the GPU launchers pass them as f32.  A value past the limit, or not whole, is refused where
+# inputs enter (`check_whole`), not rounded to another id.
+WHOLE_DTYPES = frozenset({"i32"})
+WHOLE_LIMIT = 2 ** 24
+
+
+def check_whole(name: str, values: object) -> None:
+    """Raise ValueError unless `values` (an input declared whole) are whole numbers of
+    magnitude at most `WHOLE_LIMIT`."""
+    given = np.asarray(values)
+    if given.dtype.kind in "biu" and (given.size == 0 or -WHOLE_LIMIT <= given.min() and
+                                      given.max() <= WHOLE_LIMIT):
+        return
+    x = given.astype(np.float64)
+    bad = ~(np.isfinite(x) & (np.floor(x) == x) & (np.abs(x) <= WHOLE_LIMIT))
+    if bad.any():
+        at = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(f"input '{name}' is declared i32 but holds {given[at].item()!r} at "
+                         f"{list(at)}: expected whole numbers of magnitude at most "
+                         f"{WHOLE_LIMIT} (2^24), which f32 holds exactly")
 
 
 @dataclass(frozen=True)
@@ -226,6 +251,9 @@ def validate(p: BlockProgram) -> None:
     for t in p.tensors.values():
         if t.role == "view":
             check_view(p.dims, p.tensors, t)
+        elif t.dtype in WHOLE_DTYPES and t.role != "input":
+            raise IRError(f"{t.role} '{t.name}' is {t.dtype}: only inputs hold whole numbers "
+                          f"(values are computed in f32)")
     written: set[str] = set()
     for kernel in p.kernels:
         _check_blocks(p, kernel)
@@ -234,6 +262,15 @@ def validate(p: BlockProgram) -> None:
     for o in p.outputs:
         if o not in written:
             raise IRError(f"output '{o}' is never stored")
+
+
+def whole_inputs_as_f32(p: BlockProgram) -> BlockProgram:
+    """`p` with each whole-number input, and each view of one, declared f32: how the GPU
+    backends take them, their launchers converting the caller's integers."""
+    if not any(t.dtype in WHOLE_DTYPES for t in p.tensors.values()):
+        return p
+    return replace(p, tensors={n: replace(t, dtype="f32") if t.dtype in WHOLE_DTYPES else t
+                               for n, t in p.tensors.items()})
 
 
 def check_view(dims: dict[str, Dim], tensors: dict[str, TensorDecl], t: TensorDecl) -> None:
