@@ -214,20 +214,31 @@ def _content_key(directories: list[Path], trials: int, seed: int) -> str:
     return h.hexdigest()
 
 
-def _cached_unsound(key: str, check: Callable[[], list[Unsound]]) -> list[str]:
-    """The unsound rules' reports for the content `key`, from the cache or from `check()`."""
+def _cached_unsound(key: str, directory: Path, check: Callable[[], list[Unsound]]) -> list[str]:
+    """The reports of the unsound rules of the pack in `directory`, whose content is `key`:
+    from the cache, or from `check()`.  A report is cached with its rule's file named relative
+    to the pack, so that the same pack copied elsewhere is reported where it now is."""
     path = cache_dir() / "soundness" / f"{key}.json"
     try:
-        return list(json.loads(path.read_text())["unsound"])
+        reports = [(str(file), str(rest))
+                   for file, rest in json.loads(path.read_text())["reports"]]
     except (OSError, ValueError, KeyError, TypeError):
-        pass
-    unsound = [str(u) for u in check()]
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"unsound": unsound}))
-    except OSError:  # an unwritable cache costs time, never correctness
-        pass
-    return unsound
+        reports = [_relative(u, directory) for u in check()]
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps({"reports": reports}))
+        except OSError:  # an unwritable cache costs time, never correctness
+            pass
+    return [str(directory / file) + rest if file else rest for file, rest in reports]
+
+
+def _relative(u: Unsound, directory: Path) -> tuple[str, str]:
+    """`u`'s report as its rule's file relative to `directory` and the text after that path,
+    or ("", the whole report) for a rule with no position in the pack."""
+    text, file = str(u), u.rule.span.path if u.rule.span else ""
+    if file.startswith(str(directory)) and text.startswith(file):
+        return os.path.relpath(file, directory), text[len(file):]
+    return "", text
 
 
 def require_sound(directories: list[Path], packs: list[RulePack], trials: int = 20,
@@ -244,7 +255,7 @@ def require_sound(directories: list[Path], packs: list[RulePack], trials: int = 
     for i, (directory, pack) in enumerate(zip(directories, packs)):
         below = reduce(RulePack.merge, packs[:i + 1])
         key = _content_key(directories[:i + 1], trials, seed)
-        unsound = _cached_unsound(key, lambda: check_soundness(
+        unsound = _cached_unsound(key, directory, lambda: check_soundness(
             replace(below, rules=pack.rules), trials, seed))
         if unsound:
             problems.append((directory, unsound))

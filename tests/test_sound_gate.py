@@ -111,3 +111,18 @@ def test_a_rule_is_judged_the_same_whatever_its_name(name, tmp_path, cache, caps
         err = capsys.readouterr().err
         assert f"r.bbr:1:{len(name) + 11}: error: the right-hand side is ill-formed" in err
         assert "expected a tile, found a tuple" in err
+
+
+def test_a_cached_verdict_names_the_pack_where_it_now_is(cache, tmp_path, capsys):
+    """The verdict is cached by content, but its report names the files of the pack being
+    used: a copy of an unsound pack elsewhere is reported at the copy, not at a directory
+    that may no longer exist."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    shutil.copytree(UNSOUND, first)
+    shutil.copytree(UNSOUND, second)
+    for pack in (first, second):
+        assert main(["apply", PROGRAM, *SMALL, "--rules", str(pack), "--no-installed"]) == 2
+        err = capsys.readouterr().err
+        assert f"{pack / 'bad.bbr'}:7:6: error: rule sum_absorbs_term" in err
+        assert str(first if pack == second else second) not in err
+    assert len(list((cache / "soundness").iterdir())) == 1  # one verdict for both
