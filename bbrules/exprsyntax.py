@@ -448,7 +448,7 @@ class Resolver:
         return self.scope.monoids[e.name]
 
     def index(self, e: Expr) -> int:
-        if not (isinstance(e, Num) and e.value == int(e.value) and e.value >= 0):
+        if not (isinstance(e, Num) and float(e.value).is_integer() and e.value >= 0):
             raise self.error(e.span, "expected a component index (0, 1, ...)")
         return int(e.value)
 
