@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from bbrules.ir import rename_axes
@@ -107,6 +109,19 @@ def test_constant_folding_in_the_query_never_divides_by_zero():
                               "zero": Binary("div", Const(1.0), Const(0.0))})
     assert g.lookup(Const(0.125)) == g.named["ok"]
     assert len(g.classes[g.named["zero"]]) == 1
+
+
+def test_a_nan_constant_in_a_rule_or_a_term_reaches_the_e_graph():
+    """egglog spells NaN `NaN`: written `nan`, a rule with a NaN constant stopped the engine
+    with an unbound name.  (NaN equals nothing, so the classes are looked at, not looked up.)"""
+    _, stats, g = saturate("rule keep: ?x * 2.0 => where(1.0, ?x * 2.0, nan)",
+                           {"t": Binary("mul", A, Const(2.0)),
+                            "n": Binary("add", B, Const(float("nan")))})
+    assert stats[-1].matches == {"keep": 1}
+    assert {e.kind for e in g.classes[g.named["t"]]} == {"Binary", "Where"}
+    [add] = g.classes[g.named["n"]]
+    [nan] = g.classes[add.children[1]]
+    assert nan.kind == "Const" and math.isnan(nan.attrs[0])
 
 
 def test_axis_sizes_are_per_program():

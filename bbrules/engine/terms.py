@@ -13,6 +13,7 @@ live together here, so the two directions of the encoding cannot drift apart.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping
 
@@ -53,7 +54,10 @@ def _q(s: str) -> str:
 
 
 def _f64(v: float) -> str:
-    return repr(float(v))
+    """`v` as an egglog f64 literal: Python's spelling, but for NaN, which egglog spells
+    `NaN` (`nan` is an unbound name to it)."""
+    v = float(v)
+    return "NaN" if math.isnan(v) else repr(v)
 
 
 def _attr_text(value: object, sort: Sort) -> str:
