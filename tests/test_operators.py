@@ -101,15 +101,18 @@ def test_where_is_laid_out_as_its_value(order):
 @pytest.mark.parametrize("op", ["max", "min"])
 def test_tile_extremes_are_numpys_on_every_float(op):
     """The in-tile max and min, which reduce contiguous rows through argmax / argmin, give
-    what np.max / np.min give over every axis, with keepdims or not, in either memory order:
-    NaN propagates, infinities are kept, rows past `ROWS_BY_INDEX` and small arrays too."""
+    what np.max / np.min give over every axis, with keepdims or not, in either memory order
+    and on rows apart in memory: NaN propagates, infinities are kept, rows past
+    `ROWS_BY_INDEX` and small arrays too."""
     reduce, want_fn = TILE_REDUCE[op].numpy, getattr(np, op)
     rng = np.random.default_rng(3)
     for shape in [(512, 128), (2, 3, 64, 40), (4096, 1), (3, ROWS_BY_INDEX + 1), (5,), (4, 3)]:
         x = rng.standard_normal(shape).astype(np.float32)
         x.flat[rng.integers(0, x.size, 3)] = [np.nan, np.inf, -np.inf]
         x[..., -1:] = np.float32(np.inf if op == "min" else -np.inf)  # each row's own infinity
-        for a in (x, np.asfortranarray(x), x.astype(np.float64)):
+        wider = np.zeros(x.shape[:-1] + (2 * x.shape[-1] + 3,), np.float32)
+        wider[..., 3:3 + x.shape[-1]] = x  # rows apart in memory, each one contiguous
+        for a in (x, np.asfortranarray(x), x.astype(np.float64), wider[..., 3:3 + x.shape[-1]]):
             for axis in range(x.ndim):
                 for keepdims in (True, False):
                     got = reduce(a, axis=axis, keepdims=keepdims)
