@@ -509,8 +509,11 @@ def _constant_value(n: Node) -> float | None:
     if not is_elementwise(n) or not children(n):
         return None
     args = [_constant_value(c) for c in children(n)]
-    if None in args:
-        return None
+    return None if None in args else _folded(n, args)
+
+
+def _folded(n: Node, args: Sequence[float]) -> float:
+    """Elementwise `n` of the constants `args`, in f32 as the generated code computes it."""
     with np.errstate(all="ignore"):
         return float(np.float32(operator(n).numpy(*map(np.float32, args))))
 
@@ -942,7 +945,7 @@ class _KernelWriter:
                 args = [known.get(c, c.value if isinstance(c, Const) else None)
                         for c in children(n)]
                 if is_elementwise(n) and args and None not in args and n not in contracted:
-                    known[n] = float(np.float32(operator(n).numpy(*map(np.float32, args))))
+                    known[n] = _folded(n, args)
             runs.append(_Segment(f"({start},)", known, True))
         return runs
 
