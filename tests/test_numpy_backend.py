@@ -563,9 +563,10 @@ def test_a_convolutions_taps_are_summed_in_the_matmul_over_its_channels(monkeypa
     """A convolution as imported, `sum[s, c] W[m, c, s] * (X shifted by tap s)`, with its
     channels looped in blocks: the sum over the taps moves into the loop over channels and
     joins the contraction, one matmul over (taps, channels) a step, where it was a matmul
-    per tap and the taps added after the loop.  The weights W[m, c, s] are contracted over
-    (c, s) in the order W stores them, so each step's weight operand is a view of W, not a
-    copy (the gathered input is laid out to match, which it is anyway)."""
+    per tap and the taps added after the loop.  The larger operand is contracted in the order
+    its memory holds: each step's gathered window (60 positions x 5 taps x 64 channels) is
+    passed as the gather laid it out, taps outer, and the block of W[m, c, s] (32 x 64 x 5)
+    is copied into that order."""
     source = ("dim o = 60 / 30\ndim s = 5\ndim j = 64\ndim c = 256 / 64\ndim m = 32\n"
               "input X[j, c], W[m, c, s] : f32\n"
               "Y[o, m] = sum[s, c] W[m, c, s] * sum[j] where(j == o + s, 1, 0) * X[j, c]\n"
@@ -581,16 +582,13 @@ def test_a_convolutions_taps_are_summed_in_the_matmul_over_its_channels(monkeypa
     inputs = random_inputs(ast, seed=7)
     x, w = inputs["X"].astype(np.float64), inputs["W"].astype(np.float64)
     want = np.einsum("osc,mcs->om", np.stack([x[o:o + 5] for o in range(60)]), w)
-    module, operands = numpy_gen.load(p, threads=1), []
-
-    def matmul(a, b):
-        operands.append((a, b))
-        return np.matmul(a, b)
-    numpy = type("numpy", (), {**vars(np), "matmul": staticmethod(matmul)})
-    monkeypatch.setattr(module, "np", numpy)
+    module = numpy_gen.load(p, threads=1)
+    operands, gathered = _recording_matmuls_and_gathers(module, monkeypatch)
     got = module.run(**inputs)["Y"]
-    assert len(operands) == 4, "a matmul per block of channels"
-    assert all(np.shares_memory(a, inputs["W"]) for a, _ in operands), "W copied"
+    assert len(operands) == 4 and len(gathered) == 4, "a gather and a matmul per block"
+    for (weights, window), rows in zip(operands, gathered):
+        assert np.shares_memory(window, rows), "the gathered window copied"
+        assert not np.shares_memory(weights, inputs["W"])
     assert_close(got, want, "vs numpy")
     assert_close(got, dense.evaluate(ast, inputs, np.float64)["Y"], "vs dense")
 
@@ -678,28 +676,50 @@ def test_a_grid_axis_of_chunks_a_selection_reads_is_written_once_per_chunk():
     assert numpy_gen.ungridded(wide, wide.kernels[0]).grid == wide.kernels[0].grid
 
 
-def test_a_gathered_window_is_copied_with_its_positions_outer(monkeypatch):
-    """The gathered window is laid out (position, tap, channel); the weights W[m, c, s] are
-    contracted in their own order (c, s), so the window must be regrouped.  Copied as
-    (position, channel x tap) and passed to the matmul transposed, the copy keeps its
-    positions outer; copied as (channel x tap, position) it would read across the whole
-    window for every element of a row (3.9 ms for magika's 1280 x 512, against 0.3 ms)."""
-    source = ("dim o = 60 / 30\ndim s = 5 / 1\ndim j = 64\ndim c = 256 / 64\ndim m = 32\n"
-              "input X[j, c], W[m, c, s] : f32\n"
-              "Y[o, m] = sum[s, c] W[m, c, s] * sum[j] where(j == o + s, 1, 0) * X[j, c]\n"
-              "output Y\n")
-    ast = parse_program(source)
-    module, operands = numpy_gen.load(lower(ast), threads=1), []
+def _recording_matmuls_and_gathers(module, monkeypatch):
+    """The operands of every matmul and the result of every gather a generated module's run
+    computes, in order."""
+    operands, gathered = [], []
 
     def matmul(a, b):
         operands.append((a, b))
         return np.matmul(a, b)
+
+    def gather(*args):
+        gathered.append(module_gather(*args))
+        return gathered[-1]
+    module_gather = module.gather_one_hot
     monkeypatch.setattr(module, "np", type("numpy", (), {**vars(np),
                                                          "matmul": staticmethod(matmul)}))
+    monkeypatch.setattr(module, "gather_one_hot", gather)
+    return operands, gathered
+
+
+@pytest.mark.parametrize("outputs, window_copied", [(128, True), (60, False)])
+def test_a_convolution_copies_the_smaller_operand_into_the_larger_ones_order(
+        monkeypatch, outputs, window_copied):
+    """The gathered window is laid out (position, tap, channel) and the weights W[m, c, s]
+    (channel, tap): one of them is copied into the other's order, the smaller.  The window
+    (60 positions x 1280) is copied for 128 filters, kept for 60; of equal sizes it is kept,
+    its copy the slower (taps innermost: 537 µs for magika's 512 x 1280, the weights' 241).
+
+    A copied window is copied as (position, channel x tap) and passed to the matmul
+    transposed, which keeps its positions outer; copied as (channel x tap, position) it would
+    read across the whole window for every element of a row (3.9 ms for magika's, against
+    0.3 ms)."""
+    source = ("dim o = 60 / 30\ndim s = 5 / 1\ndim j = 64\ndim c = 256 / 64\n"
+              f"dim m = {outputs}\n"
+              "input X[j, c], W[m, c, s] : f32\n"
+              "Y[o, m] = sum[s, c] W[m, c, s] * sum[j] where(j == o + s, 1, 0) * X[j, c]\n"
+              "output Y\n")
+    ast = parse_program(source)
+    module = numpy_gen.load(lower(ast), threads=1)
+    operands, gathered = _recording_matmuls_and_gathers(module, monkeypatch)
     inputs = random_inputs(ast, seed=7)
     got = module.run(**inputs)["Y"]
-    [(weights, window)] = operands
-    assert np.shares_memory(weights, inputs["W"]), "W copied"
+    [(weights, window)], [rows] = operands, gathered
+    assert np.shares_memory(weights, inputs["W"]) == window_copied
+    assert np.shares_memory(window, rows) != window_copied
     assert window.shape == (1280, 60) and window.T.flags.c_contiguous
     x, w = inputs["X"].astype(np.float64), inputs["W"].astype(np.float64)
     want = np.einsum("osc,mcs->om", np.stack([x[o:o + 5] for o in range(60)]), w)
@@ -716,6 +736,22 @@ def test_a_gather_takes_what_take_along_axis_takes(values, index, axis):
     v = rng.standard_normal(values).astype(np.float32)
     i = rng.integers(0, values[axis], index)
     np.testing.assert_array_equal(numpy_gen._take(v, axis, i), np.take_along_axis(v, i, axis))
+
+
+def test_a_window_past_the_end_is_gathered_as_whole_rows_of_zeros_after_the_values():
+    """Taps past the last position pick nothing: a row of zeros appended to the values,
+    which the kernel layout holds with their positions innermost.  The result holds the
+    picked positions' rows outermost, channels contiguous: the order `held_order` tells a
+    matmul."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((64, 4, 16)).astype(np.float32)  # X[j, c, e]
+    values = x.transpose(1, 2, 0).reshape(1, 1, 4, 16, 64)  # kernel layout (o, s, c, e, j)
+    at = (np.arange(64, dtype=np.float32)[:, None] + np.arange(5)).reshape(64, 5, 1, 1, 1)
+    got = numpy_gen.gather_one_hot(values, 4, ((at, ()),))
+    padded = np.concatenate([x, np.zeros((4, 4, 16), np.float32)])
+    want = np.stack([padded[o:o + 5] for o in range(64)])
+    np.testing.assert_array_equal(got.reshape(64, 5, 4, 16), want)
+    assert got.reshape(64, 5, 4, 16).flags.c_contiguous
 
 
 def test_the_online_softmax_rescales_its_output_in_the_contributions_buffer():
