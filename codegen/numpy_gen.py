@@ -349,6 +349,44 @@ def _operand(code: str, have: Sequence[int], batch: Sequence[int], rows: Sequenc
     return _from_layout(code, have, batched + [list(rows), list(cols)])
 
 
+# A fill of more slices than this is left to `np.where`.
+MOST_FILLS = 4
+
+
+def _boxes(fill: np.ndarray) -> list[tuple[slice, ...]] | None:
+    """Boxes of slices whose union is where `fill` is true: one box, or the complement of
+    one (a slice before and after it along each dimension); None for any other shape, or
+    more than `MOST_FILLS` boxes."""
+    if not fill.any():
+        return []
+    for inside in (True, False):
+        held = fill if inside else ~fill
+        spans = [np.flatnonzero(held.any(axis=tuple(j for j in range(held.ndim) if j != i)))
+                 for i in range(held.ndim)]
+        if not held.any() or any(s[-1] - s[0] + 1 != len(s) for s in spans):
+            continue
+        box = tuple(slice(s[0], s[-1] + 1) for s in spans)
+        if not held[box].all() or held.sum() != held[box].size:
+            continue
+        if inside:
+            boxes = [box]
+        else:  # each keeps the earlier dimensions inside the held box: they are disjoint
+            boxes = [box[:i] + (part,) + tuple(slice(0, m) for m in fill.shape[i + 1:])
+                     for i, (s, n) in enumerate(zip(box, fill.shape))
+                     for part in (slice(0, s.start), slice(s.stop, n)) if part.stop > part.start]
+        return boxes if len(boxes) <= MOST_FILLS else None
+    return None
+
+
+def _index_text(box: tuple[slice, ...], shape: Sequence[int]) -> str:
+    """`box` as an index: `:` for a whole dimension, trailing ones left out."""
+    texts = [":" if (s.start, s.stop) == (0, n) else f"{s.start or ''}:{s.stop}"
+             for s, n in zip(box, shape)]
+    while len(texts) > 1 and texts[-1] == ":":
+        texts.pop()
+    return ", ".join(texts)
+
+
 def _consecutive(have: Sequence[int], groups: Sequence[Sequence[int]]) -> bool:
     """Does each group cover layout dimensions in order, next to each other (those of size 1
     aside), so that `_from_layout` regroups them by a view?"""
@@ -709,9 +747,11 @@ class _KernelWriter:
 
     def elementwise(self, n: Node, name: str) -> _Stmt:
         """One operator; where it is a ufunc, also the variant writing into a dying operand."""
-        args = [self.lookup(c) for c in children(n)]
         t = tile_type(n)
         array = bool(t.deps or t.shape)  # else possibly a numpy scalar, which has no buffer
+        if array and isinstance(n, Where) and (fill := self.fill(n, name)) is not None:
+            return fill
+        args = [self.lookup(c) for c in children(n)]
         stmt = _Stmt([f"{name} = {self.fns.call(n, [(a, False) for a in args])}"], (name,),
                      frozenset(self.reads), owned=frozenset((name,) if array else ()))
         ufunc = self.fns.ufunc(n)
@@ -721,6 +761,53 @@ class _KernelWriter:
                     stmt.in_place[a] = [f"{name} = {ufunc}({', '.join(args)}, out={a})"]
         self.scopes[-1][n] = name
         return stmt
+
+    def fill(self, n: Where, name: str) -> _Stmt | None:
+        """A selection of a tile and a number by a condition known while generating, which
+        holds on a box of the tile or off one (a padded axis' `pos < extent`): the tile with
+        its other elements set to the number, slice by slice, in place where the tile dies
+        here.  Magika's GELU before its max over 508 positions padded to 512: 2 µs, where
+        `np.where` took 118."""
+        for keep, other, kept in ((n.x, n.y, True), (n.y, n.x, False)):
+            if (number := _constant_value(other)) is None or self.dims(keep) != self.dims(n):
+                continue
+            held = self.static_values(n.c)
+            if held is None:
+                return None
+            boxes = _boxes(np.broadcast_to(held != 0, self.dims(n)) != kept)
+            if boxes is None:
+                return None
+            tile = self.tile(keep)
+
+            def set_in(a: str) -> list[str]:
+                return [f"{a}[{_index_text(box, self.dims(n))}] = {_literal(number)}"
+                        for box in boxes]
+            stmt = _Stmt([f"{name} = {tile}.copy()", *set_in(name)], (name,),
+                         frozenset(self.reads), owned=frozenset((name,)))
+            stmt.in_place[tile] = [*set_in(tile), f"{name} = {tile}"]
+            self.scopes[-1][n] = name
+            return stmt
+        return None
+
+    def static_values(self, n: Node) -> np.ndarray | None:
+        """`n`'s tile where it is computed from positions and numbers known while generating:
+        not those of a looped axis or of a part's axis (unless `known`)."""
+        if n in self.known:
+            return np.full(self.dims(n), self.known[n], np.float32)
+        if isinstance(n, Const):
+            return np.float32(n.value)
+        if isinstance(n, Pos):
+            if n.axis in self.loop_vars or self.part_slice(n.axis) is not None:
+                return None
+            return np.arange(self.p.padded(n.axis) if n.axis in self.layout.grid
+                             else self.p.block(n.axis), dtype=np.float32).reshape(self.dims(n))
+        if not is_elementwise(n):
+            return None
+        values = [self.static_values(c) for c in children(n)]
+        if any(v is None for v in values):
+            return None
+        with np.errstate(all="ignore"):
+            return np.asarray(operator(n).numpy(*values), np.float32)
 
     def block_reduce(self, n: BlockReduce) -> str:
         fn = self.fns.ref(TILE_REDUCE[n.op], "TILE_REDUCE")

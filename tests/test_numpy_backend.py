@@ -525,6 +525,48 @@ def test_a_ragged_axis_mask_does_not_keep_a_fold_in_blocks():
         "c", 64) == 64
 
 
+@pytest.mark.parametrize("columns, statement, fills", [
+    # a padded axis' mask before a max: the padding set to -inf in the dying tanh
+    (508, "Y[r] = max[c] tanh(X[r, c])", ['[:, :, 508:512] = f32("-inf")']),
+    # off a box: before it and after it
+    (512, "Y[r] = sum[c] where(c >= 8 and c < 300, X[r, c] * 2, -1)",
+     ["[:, :, :8] = f32(-1.0)", "[:, :, 300:512] = f32(-1.0)"]),
+    # on a box: the number inside it
+    (512, "Y[r] = sum[c] where(c >= 10 and c < 20, 0, X[r, c] * 2)", ["[:, :, 10:20] = f32(0.0)"]),
+    # a loaded tile is copied, never written
+    (512, "Y[r] = max[c] where(c >= 64, X[r, c], 0)", ["[:, :, :64] = f32(0.0)"]),
+    # a grid axis in blocks: a box of whole blocks of it
+    (512, "Y[r, c] = where(r < 96 and c >= 64, X[r, c] * 2, -1)",
+     ["[6:32] = f32(-1.0)", "[:6, :, :1] = f32(-1.0)"]),
+    # not a box: np.where
+    (512, "Y[r] = max[c] where(c <= r, X[r, c], 0)", []),
+    (512, "Y[r, c] = where(r < 100, X[r, c] * 2, -1)", []),
+])
+def test_a_selection_known_while_generating_sets_slices(columns, statement, fills, monkeypatch):
+    """A selection between a tile and a number whose condition is a box of known positions,
+    or the complement of one, sets the number slice by slice: in place where the tile dies
+    there, else in a copy (an input is never written).  A grid axis is held in blocks, so
+    only a box of whole blocks of it is one.  Results are those of `np.where`, bit for bit,
+    and the interpreter's."""
+    ast = parse_program(f"dim r = 512 / 16\ndim c = {columns} / 64\ninput X[r, c] : f32\n"
+                        f"{statement}\noutput Y\n")
+    p = lower(ast)
+    code = numpy_gen.generate(p)
+    body = code[code.index("def kernel_Y"):code.index("def _input")]
+    assert [line[line.index("["):] for line in body.splitlines() if "] = f32(" in line] == \
+        fills, body
+    assert ("elementwise_where" in body) == (not fills), body
+    assert (".copy()" in body) == ("X[r, c], 0)" in statement and bool(fills)), body
+    inputs = random_inputs(ast, seed=4)
+    given = inputs["X"].copy()
+    got = numpy_gen.run(p, inputs)["Y"]
+    np.testing.assert_array_equal(inputs["X"], given)
+    assert_close(got, interp.run(p, inputs)["Y"], "vs interpreter")
+    monkeypatch.setattr(numpy_gen, "MOST_FILLS", -1)
+    assert "elementwise_where" in numpy_gen.generate(p)
+    np.testing.assert_array_equal(got, numpy_gen.run(p, inputs)["Y"])
+
+
 def test_a_shift_by_a_one_hot_is_a_gather_and_a_guard_still_applies():
     """A convolution's taps as imported: output position i and tap s read input position
     i + s.  A guard free of the contracted axis (here: even taps only) masks the picks."""
