@@ -567,6 +567,34 @@ def test_a_selection_known_while_generating_sets_slices(columns, statement, fill
     np.testing.assert_array_equal(got, numpy_gen.run(p, inputs)["Y"])
 
 
+def test_a_tile_of_positions_is_computed_once_when_the_module_loads(monkeypatch):
+    """A causal mask over known positions is a module global computed on loading, not on
+    every call; a store of it copies it, so a caller writing into an output does not change
+    the next call's.  Results are those of the code computing it per call, bit for bit."""
+    ast = parse_program("dim q = 128 / 128\ndim k = 128 / 128\ndim d = 32\n"
+                        "input Q[q, d], K[k, d] : f32\n"
+                        "S[q, k] = sum[d] Q[q, d] * K[k, d] - where(k <= q, 0, inf)\n"
+                        "M[q, k] = where(k <= q, 1, 0)\noutput S, M\n")
+    p = lower(ast)
+    code = numpy_gen.generate(p)
+    computed = re.findall(r"^(known_\d+) = elementwise_where\(", code, re.M)
+    assert len(computed) == 2, code
+    for kernel in code.split("\ndef ")[1:]:
+        assert "np.arange" not in kernel and "elementwise_where" not in kernel, kernel
+    inputs = random_inputs(ast, seed=2)
+    module = numpy_gen.load(p, threads=1)
+    first = module.run(**inputs)
+    first["M"][...] = 7.0
+    again = module.run(**inputs)
+    assert_close(again["M"], np.tril(np.ones((128, 128))), "vs numpy")
+    monkeypatch.setattr(numpy_gen, "KNOWN_ELEMENTS", 1)
+    assert "known_" not in numpy_gen.generate(p)
+    per_call = numpy_gen.run(p, inputs)
+    for name in ("S", "M"):
+        np.testing.assert_array_equal(again[name], per_call[name])
+    assert_close(again["S"], interp.run(p, inputs)["S"], "vs interpreter")
+
+
 def test_a_shift_by_a_one_hot_is_a_gather_and_a_guard_still_applies():
     """A convolution's taps as imported: output position i and tap s read input position
     i + s.  A guard free of the contracted axis (here: even taps only) masks the picks."""
