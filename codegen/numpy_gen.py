@@ -365,8 +365,9 @@ def _operand(code: str, have: Sequence[int], batch: Sequence[int], rows: Sequenc
     return _from_layout(code, have, batched + [list(rows), list(cols)])
 
 
-# The most elements a tile computed once, when its module loads, may have (`known_tile`).
-KNOWN_ELEMENTS = 1 << 20
+# The most elements a tile computed once, when its module loads, may have (`known_tile`):
+# 1 MiB of f32, held as long as the module.
+KNOWN_ELEMENTS = 1 << 18
 # A fill of more slices than this is left to `np.where`.
 MOST_FILLS = 4
 
@@ -823,13 +824,18 @@ class _KernelWriter:
             held = self.static_values(n.c)
             if held is None:
                 return None
-            boxes = _boxes(np.broadcast_to(held != 0, self.dims(n)) != kept)
+            dims = self.dims(n)
+            fill = (held != 0) != kept  # over the condition's own dimensions (1 elsewhere)
+            fill = fill.reshape((1,) * (len(dims) - fill.ndim) + fill.shape)
+            boxes = _boxes(fill)
             if boxes is None:
                 return None
+            boxes = [tuple(slice(0, d) if f == 1 else b for b, f, d in zip(box, fill.shape, dims))
+                     for box in boxes]
             tile = self.tile(keep)
 
             def set_in(a: str) -> list[str]:
-                return [f"{a}[{_index_text(box, self.dims(n))}] = {_literal(number)}"
+                return [f"{a}[{_index_text(box, dims)}] = {_literal(number)}"
                         for box in boxes]
             stmt = _Stmt([f"{name} = {tile}.copy()", *set_in(name)], (name,),
                          frozenset(self.reads), owned=frozenset((name,)))
