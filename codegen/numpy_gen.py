@@ -558,15 +558,27 @@ def _constant_addend(total: Binary, x: Node) -> float | None:
     return None
 
 
-def _constant_value(n: Node) -> float | None:
+def _constant_value(n: Node, values: dict[Node, float | None] | None = None) -> float | None:
     """The value of `n` where it is elementwise operators over constants (in f32, as the
-    generated code computes it), else None."""
-    if isinstance(n, Const):
-        return n.value
-    if not is_elementwise(n) or not children(n):
-        return None
-    args = [_constant_value(c) for c in children(n)]
-    return None if None in args else _folded(n, args)
+    generated code computes it), else None.  `values` keeps what is found, for the next call
+    (a writer asks of every node, and a chain thousands of terms deep is walked once, without
+    recursion)."""
+    values = {} if values is None else values
+    stack = [n]
+    while stack:
+        m = stack[-1]
+        if m in values:
+            stack.pop()
+        elif isinstance(m, Const) or not is_elementwise(m) or not children(m):
+            values[m] = m.value if isinstance(m, Const) else None
+            stack.pop()
+        elif pending := [c for c in children(m) if c not in values]:
+            stack += pending
+        else:
+            args = [values[c] for c in children(m)]
+            values[m] = None if None in args else _folded(m, args)
+            stack.pop()
+    return values[n]
 
 
 def _folded(n: Node, args: Sequence[float]) -> float:
@@ -663,6 +675,7 @@ class _KernelWriter:
         self.folding: set[Axis] = set()  # axes of the enclosing loops that only fold
         # by part offset: the blocks visited by the loops whose visits depend on the part
         self.part_visits: Counter[int] = Counter()
+        self.constants: dict[Node, float | None] = {}  # `_constant_value`'s, of every node
 
     # ---------------------------------------------------------------- names and lookup
 
@@ -768,7 +781,7 @@ class _KernelWriter:
         None."""
         if n in self.known:
             return _literal(self.known[n])
-        if (value := _constant_value(n)) is not None:
+        if (value := _constant_value(n, self.constants)) is not None:
             return _literal(value)
         if isinstance(n, Pos):
             static = n.axis not in self.loop_vars and self.part_slice(n.axis) is None
@@ -819,7 +832,8 @@ class _KernelWriter:
         here.  Magika's GELU before its max over 508 positions padded to 512: 2 µs, where
         `np.where` took 118."""
         for keep, other, kept in ((n.x, n.y, True), (n.y, n.x, False)):
-            if (number := _constant_value(other)) is None or self.dims(keep) != self.dims(n):
+            number = _constant_value(other, self.constants)
+            if number is None or self.dims(keep) != self.dims(n):
                 continue
             held = self.static_values(n.c)
             if held is None:
