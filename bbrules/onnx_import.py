@@ -85,7 +85,8 @@ class Value:
 class Imported:
     """A model as a `.bbp` program.
 
-    `weights`: initializer values by `.bbp` input name, shaped as the program declares them.
+    `weights`: initializer values by `.bbp` input name, shaped as the program declares them,
+    read-only: constants, of which a backend may keep copies in other layouts (`relaid`).
     `inputs` / `outputs`: ONNX name -> (`.bbp` tensor, ONNX shape); an array passes between
     the two shapes by `reshape` (the same elements in the same order).
     """
@@ -336,7 +337,9 @@ class Importer:
         self.decls.append(f"input {name}[{', '.join(axes)}] : {dtype}")
         self.tensor_axes[name] = extents
         if values is not None:
-            self.weights[name] = np.ascontiguousarray(values, dtype=np.float32).reshape(extents)
+            weight = np.ascontiguousarray(values, dtype=np.float32)
+            weight.flags.writeable = False  # a constant: backends may keep copies of it
+            self.weights[name] = weight.reshape(extents)
         return self.whole(name, shape)
 
     def check_shape(self, shape: Sequence[int]) -> None:

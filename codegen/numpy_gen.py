@@ -81,6 +81,7 @@ import os
 import re
 import threading
 import types
+import weakref
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import contextmanager, suppress
@@ -108,7 +109,7 @@ _INFIX = {"add": "+", "sub": "-", "mul": "*", "div": "/"}
 # Names generated code uses besides its own locals: the module's globals, the operator aliases
 # (`_Functions.ref`) and Python's builtins (loops call `range`).  A tensor named like one of
 # them is renamed.
-_RESERVED = {"np", "f32", "run", "inputs", "_input", "run_parts", "gather_one_hot",
+_RESERVED = {"np", "f32", "run", "inputs", "_input", "run_parts", "gather_one_hot", "relaid",
              "check_whole", "ELEMENTWISE", "TILE_REDUCE",
              *(f"elementwise_{op}" for op in ELEMENTWISE),
              *(f"tile_reduce_{op}" for op in TILE_REDUCE),
@@ -958,9 +959,42 @@ class _KernelWriter:
             x = _from_layout(self.tile(n.x), xs, [[i] for i in batch] + [cs, xfree])
             y = _from_layout(self.tile(n.y), ys, [[i] for i in batch] + [yfree, cs])
             return _to_layout(f"np.matmul({y}, {x}).swapaxes(-1, -2)", parts, dims)
-        x = _operand(self.tile(n.x), xs, batch, xfree, cs, computed=not isinstance(n.x, Load))
-        y = _operand(self.tile(n.y), ys, batch, cs, yfree, computed=not isinstance(n.y, Load))
+        x = self.operand(n.x, xs, batch, xfree, cs)
+        y = self.operand(n.y, ys, batch, cs, yfree)
         return _to_layout(f"np.matmul({x}, {y})", parts, dims)
+
+    def operand(self, n: Node, have: tuple[int, ...], batch: Sequence[int], rows: Sequence[int],
+                cols: Sequence[int]) -> str:
+        """`_operand` of `n`'s tile; a tile of an input that must be copied into that order is
+        copied through `relaid`, once for every call where the array is read-only (a model's
+        weights: magika's convolution weights, 0.24 ms a call; other tensors are written by
+        the program, never read-only)."""
+        if not isinstance(n, Load):
+            return _operand(self.tile(n), have, batch, rows, cols, computed=True)
+        tensors = self.p.tensors
+        if tensors[tensors[n.tensor].storage].role != "input" or \
+                self.regroups_by_view(n, have, [[i] for i in batch] + [list(rows), list(cols)]):
+            return _operand(self.tile(n), have, batch, rows, cols, computed=False)
+        self.fns.runtime.add("relaid")
+        relayout = _operand("a", have, batch, rows, cols, computed=False)
+        return f"relaid({self.tile(n)}, lambda a: {relayout})"
+
+    def regroups_by_view(self, n: Load, have: Sequence[int],
+                         groups: Sequence[Sequence[int]]) -> bool:
+        """Does each group of layout dimensions merge dimensions of the loaded global array
+        (row-major in its axes' order, a grid axis' blocks outside its elements) that lie
+        next to each other in memory, outer to inner: a view, not a copy?"""
+        rank: dict[int, tuple[int, int]] = {}
+        for k, a in enumerate(n.axes):
+            rank[self.layout.element_dim(a)] = (k, 1)
+            if a in self.layout.grid:
+                rank[self.layout.block_dim(a)] = (k, 0)
+        spanned = sorted(r for p, r in rank.items() if have[p] > 1)
+        for group in groups:
+            ranks = [rank[p] for p in group if have[p] > 1]
+            if ranks and spanned[spanned.index(ranks[0]):][:len(ranks)] != ranks:
+                return False
+        return True
 
     def held_order(self, n: Node) -> tuple[Axis, ...] | None:
         """The axes of `n`'s tile in the order its memory holds them, outermost first, where
@@ -1646,6 +1680,36 @@ def _gathers(r: Reduce) -> bool:
             and one_hot(r.x) is not None)
 
 
+# Copies of read-only arrays into other layouts (`relaid`), by the relayout's code, its key and
+# the array it reads; each kept while the array it was made from lives.
+_RELAID: dict[tuple, tuple[weakref.ref, np.ndarray]] = {}
+
+
+def relaid(array: np.ndarray, relayout: Callable[[np.ndarray], np.ndarray],
+           *key: object) -> np.ndarray:
+    """`relayout(array)`, a copy into another order or shape (a matmul operand's, zero
+    padding), made once for a read-only array and kept for later calls while the array that
+    owns its memory lives: a read-only array is a constant (`Imported` marks a model's
+    weights so).  A writeable array may change between calls, so it is copied each time, as
+    is what `relayout` returns as a view.  `key` tells apart relayouts written by one line of
+    code (the program's padding of each input)."""
+    owner = array
+    while isinstance(owner.base, np.ndarray):
+        owner = owner.base
+    if owner.flags.writeable:
+        return relayout(array)
+    spot = (relayout.__code__, key, id(owner), array.__array_interface__["data"][0],
+            array.shape, array.strides)
+    if (kept := _RELAID.get(spot)) is not None and kept[0]() is owner:
+        return kept[1]
+    value = relayout(array)
+    if np.may_share_memory(value, array):
+        return value  # a view keeps nothing to save, and would keep the owner alive
+    value.flags.writeable = False
+    _RELAID[spot] = (weakref.ref(owner, lambda _: _RELAID.pop(spot, None)), value)
+    return value
+
+
 def gather_one_hot(values: np.ndarray, axis: int,
                    picks: Sequence[tuple[np.ndarray, Sequence[np.ndarray]]]) -> np.ndarray:
     """The sum along `axis` of `values` times a one-hot that is 1 at each pick's position
@@ -1953,7 +2017,8 @@ def generate_module(p: BlockProgram, target: Target | str | None = None, threads
     tables = sorted({alias.split("[")[0] for alias in fns.aliases.values()})
     if tables:
         out[-1:] = [f"from bbrules.ops import {', '.join(tables)}", ""]
-    runtime = sorted(fns.runtime | ({"run_parts"} if any(c.parts for c in kernels) else set()))
+    runtime = sorted(fns.runtime | {"relaid"}  # `_input` pads through it
+                     | ({"run_parts"} if any(c.parts for c in kernels) else set()))
     if runtime:
         out[-1:] = [f"from bbrules.codegen.numpy_gen import {', '.join(runtime)}", ""]
     if any(p.tensors[t].dtype in WHOLE_DTYPES for t in p.inputs):
@@ -1989,7 +2054,8 @@ _INPUT_HELPER = [
     "        raise ValueError(f\"input '{name}' has shape {array.shape}, \"",
     "                         f\"the program declares {shape}\")",
     "    if padded != shape:",
-    "        array = np.pad(array, [(0, p - n) for n, p in zip(shape, padded)])",
+    "        widths = tuple((0, p - n) for n, p in zip(shape, padded))",
+    "        array = relaid(array, lambda a: np.pad(a, widths), widths)",
     "    return array",
 ]
 

@@ -10,6 +10,7 @@ peak memory, and random programs.
 
 from __future__ import annotations
 
+import gc
 import re
 import tracemalloc
 from pathlib import Path
@@ -794,6 +795,47 @@ def test_a_convolution_copies_the_smaller_operand_into_the_larger_ones_order(
     x, w = inputs["X"].astype(np.float64), inputs["W"].astype(np.float64)
     want = np.einsum("osc,mcs->om", np.stack([x[o:o + 5] for o in range(60)]), w)
     assert_close(got, want, "vs numpy")
+
+
+@pytest.mark.parametrize("read_only", [True, False])
+def test_read_only_weights_are_copied_into_a_matmuls_order_once(monkeypatch, read_only):
+    """Weights W[m, c, s] contracted in the window's order (tap, channel) are copied into it.
+    A read-only array is a constant: its copy is made on the first call and kept for the
+    next; a writeable one may change between calls, and is copied every time."""
+    source = ("dim o = 60 / 30\ndim s = 5 / 1\ndim j = 64\ndim c = 256 / 64\ndim m = 60\n"
+              "input X[j, c], W[m, c, s] : f32\n"
+              "Y[o, m] = sum[s, c] W[m, c, s] * sum[j] where(j == o + s, 1, 0) * X[j, c]\n"
+              "output Y\n")
+    ast = parse_program(source)
+    module = numpy_gen.load(lower(ast), threads=1)
+    operands, _ = _recording_matmuls_and_gathers(module, monkeypatch)
+    inputs = random_inputs(ast, seed=5)
+    inputs["W"].flags.writeable = not read_only
+    got = [module.run(**inputs)["Y"] for _ in range(2)]
+    (first, _), (second, _) = operands
+    assert np.shares_memory(first, second) == read_only
+    assert not np.shares_memory(first, inputs["W"])
+    np.testing.assert_array_equal(got[0], got[1])
+    assert_close(got[0], dense.evaluate(ast, inputs, np.float64)["Y"], "vs dense")
+    if not read_only:
+        inputs["W"] *= 2
+        assert_close(module.run(**inputs)["Y"], 2 * got[0], "after W changed")
+
+
+def test_a_kept_copy_lives_as_long_as_its_array():
+    """`relaid` keeps a read-only array's padded copy while the array lives, not after."""
+    ast = parse_program("dim r = 100 / 64\ninput X[r] : f32\nY[r] = X[r] * 2\noutput Y\n")
+    module = numpy_gen.load(lower(ast), threads=1)
+    x = np.arange(100, dtype=np.float32)
+    x.flags.writeable = False
+    before = len(numpy_gen._RELAID)
+    np.testing.assert_array_equal(module.run(X=x)["Y"], x * 2)
+    assert len(numpy_gen._RELAID) == before + 1
+    np.testing.assert_array_equal(module.run(X=x)["Y"], x * 2)
+    assert len(numpy_gen._RELAID) == before + 1
+    del x
+    gc.collect()
+    assert len(numpy_gen._RELAID) == before
 
 
 @pytest.mark.parametrize("values, index, axis", [
