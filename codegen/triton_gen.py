@@ -817,7 +817,10 @@ def _memory(inputs):
             continue
         if name not in inputs:
             raise ValueError(f"missing input '{{name}}'")
-        x = torch.as_tensor(inputs[name], device=DEVICE).to(dtypes[dtype])
+        x = inputs[name]
+        if hasattr(x, "flags") and not x.flags.writeable:
+            x = x.copy()  # a read-only array (a model's weights): torch takes writeable ones
+        x = torch.as_tensor(x, device=DEVICE).to(dtypes[dtype])
         if tuple(x.shape) != extent:
             raise ValueError(f"input '{{name}}' has shape {{tuple(x.shape)}}, expected {{extent}}")
         if shape != extent:  # zeros after a ragged axis's extent
