@@ -1532,8 +1532,12 @@ def _kernel_params(p: BlockProgram, k: Kernel, names: Mapping[str, str]) -> dict
 # cost model's count; at least 1).  A part runs every step of the kernel's code, on a share of
 # the grid, and Python holds the GIL between numpy calls: parts whose calls take little longer
 # than the interpreter's few microseconds around them would wait on each other, not compute.
-# 2^16 flops is tens of microseconds of elementwise work.
-MIN_CALL_FLOPS = 1 << 16
+# On the 2-core Xeon, a chain of seven elementwise operations (one a tanh) run in four parts
+# on two threads took 1.44 times as long as whole where each part's calls had 65,536
+# elements, and 0.57 times where they had 131,072 (`run_parts`, minimum of 30 runs); at 2^16
+# flops magika's GELU + max split in two, taking the whole model into parts: 4.8-5.1 ms,
+# against 3.7 whole.
+MIN_CALL_FLOPS = 1 << 17
 # Parts per thread: with more parts than threads, fewer grid blocks' tiles are held at once,
 # so the parts' peak memory stays under the whole kernel's although the kernel's stores are
 # allocated before its parts start.
@@ -1640,12 +1644,13 @@ def _parts_pay(kp: BlockProgram, k: Kernel) -> bool:
     """Do parts on two or more threads save more numpy time (half of the elementwise work, at
     least) than they cost (starting them; products run by parts, not by BLAS's own threads)?
 
-    A program none of whose kernels this holds for runs every kernel whole, with BLAS on its
-    own threads: at 128 tokens every kernel of a LLaMA layer ran 1.3 to 2 times slower in
-    parts.  One that has such a kernel splits every kernel with enough work (`split_kernel`),
-    products included: a BLAS that ran on several threads keeps them spinning for a while
-    after, on the cores the next kernel's parts need (a LLaMA layer at 2048 tokens whose
-    projections ran whole: 283 ms, against 210 ms all in parts)."""
+    A program none of whose kernels this holds for (of those with work enough to split:
+    `split_kernel`) runs every kernel whole, with BLAS on its own threads: at 128 tokens every
+    kernel of a LLaMA layer ran 1.3 to 2 times slower in parts.  One that has such a kernel
+    splits every kernel with enough work, products included: a BLAS that ran on several
+    threads keeps them spinning for a while after, on the cores the next kernel's parts need
+    (a LLaMA layer at 2048 tokens whose projections ran whole: 283 ms, against 210 ms all in
+    parts)."""
     work = _kernel_work(kp, k)
     elementwise = sum(w.elements * (SPECIAL_ELEMENTS if w.special else 1)
                       for w in work if not w.product) / NUMPY_ELEMENTS_PER_NS
@@ -1968,7 +1973,8 @@ def generate_module(p: BlockProgram, target: Target | str | None = None, threads
     kernels: list[_Code] = []
     ks = [coarsened(p, ungridded(p, summed_inward(p, masks_as_offsets(k))),
                     target.local_capacity) for k in p.kernels]
-    if not (any(_parts_pay(p.in_kernel(k), k) for k in ks) if split is None else split):
+    if not (any(_parts_pay(p.in_kernel(k), k) and split_kernel(p, k, threads, target)
+                for k in ks) if split is None else split):
         threads = 1
     for k in ks:
         params = _kernel_params(p, k, names)
