@@ -612,6 +612,11 @@ def _(n: Node, w: _KernelWriter) -> _Stmt | None:
         return w.alias(n, same, w.lookup(same))
     if (same := _neutral_operand(n, w.known)) is not None:
         return w.alias(n, same, w.lookup(same))
+    if isinstance(n, Where) and (fill := w.fill_boxes(n)) is not None:
+        keep, number, boxes = fill
+        if not boxes:  # the condition keeps the tile everywhere
+            return w.alias(n, keep, w.lookup(keep))
+        return w.fill(n, w.fresh("where"), keep, number, boxes)
     return w.elementwise(n, w.fresh(operator(n).name))
 
 
@@ -811,11 +816,9 @@ class _KernelWriter:
 
     def elementwise(self, n: Node, name: str) -> _Stmt:
         """One operator; where it is a ufunc, also the variant writing into a dying operand."""
+        args = [self.lookup(c) for c in children(n)]
         t = tile_type(n)
         array = bool(t.deps or t.shape)  # else possibly a numpy scalar, which has no buffer
-        if array and isinstance(n, Where) and (fill := self.fill(n, name)) is not None:
-            return fill
-        args = [self.lookup(c) for c in children(n)]
         stmt = _Stmt([f"{name} = {self.fns.call(n, [(a, False) for a in args])}"], (name,),
                      frozenset(self.reads), owned=frozenset((name,) if array else ()))
         ufunc = self.fns.ufunc(n)
@@ -826,16 +829,15 @@ class _KernelWriter:
         self.scopes[-1][n] = name
         return stmt
 
-    def fill(self, n: Where, name: str) -> _Stmt | None:
-        """A selection of a tile and a number by a condition known while generating, which
-        holds on a box of the tile or off one (a padded axis' `pos < extent`): the tile with
-        its other elements set to the number, slice by slice, in place where the tile dies
-        here.  Magika's GELU before its max over 508 positions padded to 512: 2 µs, where
-        `np.where` took 118."""
+    def fill_boxes(self, n: Where) -> tuple[Node, float, list[tuple[slice, ...]]] | None:
+        """(the tile, the number, the boxes to set to it) where `n` selects between an array
+        tile of its own dimensions and a number by a condition known while generating, which
+        holds on a box of the tile or off one (a padded axis' `pos < extent`); else None."""
         for keep, other, kept in ((n.x, n.y, True), (n.y, n.x, False)):
+            t = tile_type(keep)
             number = _constant_value(other, self.constants)
-            if number is None or self.dims(keep) != self.dims(n):
-                continue
+            if number is None or not (t.deps or t.shape) or self.dims(keep) != self.dims(n):
+                continue  # (a tile of neither deps nor shape may be a numpy scalar)
             held = self.static_values(n.c)
             if held is None:
                 return None
@@ -845,19 +847,25 @@ class _KernelWriter:
             boxes = _boxes(fill)
             if boxes is None:
                 return None
-            boxes = [tuple(slice(0, d) if f == 1 else b for b, f, d in zip(box, fill.shape, dims))
-                     for box in boxes]
-            tile = self.tile(keep)
-
-            def set_in(a: str) -> list[str]:
-                return [f"{a}[{_index_text(box, dims)}] = {_literal(number)}"
-                        for box in boxes]
-            stmt = _Stmt([f"{name} = {tile}.copy()", *set_in(name)], (name,),
-                         frozenset(self.reads), owned=frozenset((name,)))
-            stmt.in_place[tile] = [*set_in(tile), f"{name} = {tile}"]
-            self.scopes[-1][n] = name
-            return stmt
+            return keep, number, [tuple(slice(0, d) if f == 1 else b
+                                        for b, f, d in zip(box, fill.shape, dims))
+                                  for box in boxes]
         return None
+
+    def fill(self, n: Where, name: str, keep: Node, number: float,
+             boxes: list[tuple[slice, ...]]) -> _Stmt:
+        """The tile `keep` with `boxes` set to `number`, slice by slice (`fill_boxes`): in
+        place where the tile dies here, else in a copy.  Magika's GELU before its max over 508
+        positions padded to 512: 2 µs, where `np.where` took 118."""
+        tile, dims = self.tile(keep), self.dims(n)
+
+        def set_in(a: str) -> list[str]:
+            return [f"{a}[{_index_text(box, dims)}] = {_literal(number)}" for box in boxes]
+        stmt = _Stmt([f"{name} = {tile}.copy()", *set_in(name)], (name,), frozenset(self.reads),
+                     owned=frozenset((name,)))
+        stmt.in_place[tile] = [*set_in(tile), f"{name} = {tile}"]
+        self.scopes[-1][n] = name
+        return stmt
 
     def static_values(self, n: Node) -> np.ndarray | None:
         """`n`'s tile where it is computed from positions and numbers known while generating:

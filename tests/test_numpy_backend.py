@@ -539,6 +539,8 @@ def test_a_ragged_axis_mask_does_not_keep_a_fold_in_blocks():
     # a grid axis in blocks: a box of whole blocks of it
     (512, "Y[r, c] = where(r < 96 and c >= 64, X[r, c] * 2, -1)",
      ["[6:32] = f32(-1.0)", "[:6, :, :1] = f32(-1.0)"]),
+    # a condition that holds everywhere: the tile itself
+    (512, "Y[r, c] = where(r < 512, X[r, c] * 2, -1)", []),
     # not a box: np.where
     (512, "Y[r] = max[c] where(c <= r, X[r, c], 0)", []),
     (512, "Y[r, c] = where(r < 100, X[r, c] * 2, -1)", []),
@@ -556,7 +558,7 @@ def test_a_selection_known_while_generating_sets_slices(columns, statement, fill
     body = code[code.index("def kernel_Y"):code.index("def _input")]
     assert [line[line.index("["):] for line in body.splitlines() if "] = f32(" in line] == \
         fills, body
-    assert ("elementwise_where" in body) == (not fills), body
+    assert ("elementwise_where" in body) == (not fills and "r < 512" not in statement), body
     assert (".copy()" in body) == ("X[r, c], 0)" in statement and bool(fills)), body
     inputs = random_inputs(ast, seed=4)
     given = inputs["X"].copy()
@@ -564,8 +566,19 @@ def test_a_selection_known_while_generating_sets_slices(columns, statement, fill
     np.testing.assert_array_equal(inputs["X"], given)
     assert_close(got, interp.run(p, inputs)["Y"], "vs interpreter")
     monkeypatch.setattr(numpy_gen, "MOST_FILLS", -1)
-    assert "elementwise_where" in numpy_gen.generate(p)
+    assert "elementwise_where" in numpy_gen.generate(p) or "r < 512" in statement
     np.testing.assert_array_equal(got, numpy_gen.run(p, inputs)["Y"])
+
+
+def test_a_selection_of_a_number_by_known_positions_stays_a_selection():
+    """`where(r < 1, 2 * 3, 0)` over an axis of one position: both sides are numbers (numpy
+    scalars, which have no slices to set), so `np.where` selects; a later step may write
+    into its result."""
+    ast = parse_program("dim r = 1 / 1\ninput X[r] : f32\n"
+                        "Y[r] = where(r < 1, 2 * 3, 0) + X[r]\noutput Y\n")
+    p = lower(ast)
+    x = np.array([1.5], np.float32)
+    np.testing.assert_array_equal(numpy_gen.run(p, {"X": x})["Y"], interp.run(p, {"X": x})["Y"])
 
 
 def test_a_tile_of_positions_is_computed_once_when_the_module_loads(monkeypatch):
