@@ -714,14 +714,19 @@ def test_a_gather_pinned_to_a_chunks_known_position_reads_that_row():
     assert_close(numpy_gen.run(p, inputs)["Z"], want, "vs numpy")
 
 
+# A convolution as imported: 60 output positions, 5 taps (blocks of one), 256 channels in
+# blocks of 64, 64 input positions.
+CONVOLUTION = ("dim o = 60 / 30\ndim s = 5 / 1\ndim j = 64\ndim c = 256 / 64\n"
+               "dim m = {filters}\ninput X[j, c], W[m, c, s] : f32\n"
+               "Y[o, m] = sum[s, c] W[m, c, s] * sum[j] where(j == o + s, 1, 0) * X[j, c]\n"
+               "output Y\n")
+
+
 def test_taps_in_blocks_of_one_are_walked_at_once_not_one_by_one():
     """Magika's import gives a convolution's taps blocks of one: their position only picks
     the rows to gather, so the loop over them is coarsened into the matmul over (taps,
     channels), not written once per tap (`_unrollable` is for selections, not gathers)."""
-    source = ("dim o = 60 / 30\ndim s = 5 / 1\ndim j = 64\ndim c = 256 / 64\ndim m = 32\n"
-              "input X[j, c], W[m, c, s] : f32\n"
-              "Y[o, m] = sum[s, c] W[m, c, s] * sum[j] where(j == o + s, 1, 0) * X[j, c]\n"
-              "output Y\n")
+    source = CONVOLUTION.format(filters=32)
     ast = parse_program(source)
     p = lower(ast)
     code = numpy_gen.generate(p)
@@ -791,11 +796,7 @@ def test_a_convolution_copies_the_smaller_operand_into_the_larger_ones_order(
     transposed, which keeps its positions outer; copied as (channel x tap, position) it would
     read across the whole window for every element of a row (3.9 ms for magika's, against
     0.3 ms)."""
-    source = ("dim o = 60 / 30\ndim s = 5 / 1\ndim j = 64\ndim c = 256 / 64\n"
-              f"dim m = {outputs}\n"
-              "input X[j, c], W[m, c, s] : f32\n"
-              "Y[o, m] = sum[s, c] W[m, c, s] * sum[j] where(j == o + s, 1, 0) * X[j, c]\n"
-              "output Y\n")
+    source = CONVOLUTION.format(filters=outputs)
     ast = parse_program(source)
     module = numpy_gen.load(lower(ast), threads=1)
     operands, gathered = _recording_matmuls_and_gathers(module, monkeypatch)
@@ -815,10 +816,7 @@ def test_read_only_weights_are_copied_into_a_matmuls_order_once(monkeypatch, rea
     """Weights W[m, c, s] contracted in the window's order (tap, channel) are copied into it.
     A read-only array is a constant: its copy is made on the first call and kept for the
     next; a writeable one may change between calls, and is copied every time."""
-    source = ("dim o = 60 / 30\ndim s = 5 / 1\ndim j = 64\ndim c = 256 / 64\ndim m = 60\n"
-              "input X[j, c], W[m, c, s] : f32\n"
-              "Y[o, m] = sum[s, c] W[m, c, s] * sum[j] where(j == o + s, 1, 0) * X[j, c]\n"
-              "output Y\n")
+    source = CONVOLUTION.format(filters=60)
     ast = parse_program(source)
     module = numpy_gen.load(lower(ast), threads=1)
     operands, _ = _recording_matmuls_and_gathers(module, monkeypatch)
