@@ -43,7 +43,9 @@ Why it looks the way it does:
   dimensions outer and handed to BLAS transposed where that order is the transposed one; a
   selection of a tile and a number by a box of known positions (a padded axis' mask) sets
   slices (`fill`); a tile of known positions alone (a causal mask) is a module global,
-  computed once when the module loads (`known_tile`).
+  computed once when the module loads (`known_tile`); a read-only input (a model's weights)
+  is copied into another layout (a matmul's order, padding) once, not on every call
+  (`relaid`).
   Statements whose results no one reads (the one-hot a gather replaced) are dropped.
 - *Monoids are data.*  Identity, combine and finalize are emitted from the monoid's expressions,
   never special-cased by name, so online softmax and Welford need no code of their own.
