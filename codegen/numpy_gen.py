@@ -792,8 +792,7 @@ class _KernelWriter:
         if (value := _constant_value(n, self.constants)) is not None:
             return _literal(value)
         if isinstance(n, Pos):
-            static = n.axis not in self.loop_vars and self.part_slice(n.axis) is None
-            return self.position(n) if static else None
+            return self.position(n) if self.positions_known(n.axis) else None
         code = self.lookup(n)
         return code if code in self.fns.known.values() else None
 
@@ -869,6 +868,11 @@ class _KernelWriter:
         self.scopes[-1][n] = name
         return stmt
 
+    def positions_known(self, axis: Axis) -> bool:
+        """Are the tile's positions along `axis` known while generating: every block of it,
+        neither a loop's block nor a part's share?"""
+        return axis not in self.loop_vars and self.part_slice(axis) is None
+
     def static_values(self, n: Node) -> np.ndarray | None:
         """`n`'s tile where it is computed from positions and numbers known while generating:
         not those of a looped axis or of a part's axis (unless `known`)."""
@@ -879,7 +883,7 @@ class _KernelWriter:
             elif isinstance(m, Const):
                 values[m] = np.float32(m.value)
             elif isinstance(m, Pos):
-                if m.axis in self.loop_vars or self.part_slice(m.axis) is not None:
+                if not self.positions_known(m.axis):
                     return None
                 extent = self.p.padded(m.axis) if m.axis in self.layout.grid else \
                     self.p.block(m.axis)
@@ -1544,7 +1548,7 @@ def _kernel_params(p: BlockProgram, k: Kernel, names: Mapping[str, str]) -> dict
 # than the interpreter's few microseconds around them would wait on each other, not compute.
 # On the 2-core Xeon, a chain of seven elementwise operations (one a tanh) run in four parts
 # on two threads took 1.44 times as long as whole where each part's calls had 65,536
-# elements, and 0.57 times where they had 131,072 (`run_parts`, minimum of 30 runs); at 2^16
+# elements, and 0.57 times where they had 131,072 (`run_parts`, medians of 30 runs); at 2^16
 # flops magika's GELU + max split in two, taking the whole model into parts: 4.8-5.1 ms,
 # against 3.7 whole.
 MIN_CALL_FLOPS = 1 << 17
