@@ -9,6 +9,7 @@ traceback always means a bug in bbrules.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -20,7 +21,7 @@ from typing import Callable
 import numpy as np
 
 from . import __version__, dense, gpukit, interp
-from .codegen import cuda_gen, numpy_gen, numpy_timing, triton_gen
+from .codegen import cuda_gen, native, numpy_gen, numpy_timing, triton_gen
 from .blockfile import BlockFile, load_block_program
 from .cost import ProgramCost, cost_program, fmt_bytes, fmt_flops, fmt_time
 from .engine import Budget, run_checks
@@ -308,6 +309,7 @@ def _run_args(p: argparse.ArgumentParser) -> None:
                    help="with --backend numpy: after the checked run, time RUNS more (back to "
                         "back) and print each kernel's median time and share beside its "
                         "modeled time and share on --target")
+    _native_arg(p)
     p.add_argument("--json", action="store_true", help="print the results as JSON")
 
 
@@ -399,6 +401,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.values:
         inputs.update(_load_values(args.values, program))
     execute = BACKENDS[args.backend]
+    if _native(args):
+        execute = functools.partial(numpy_gen.run, native=True)
     start = time.perf_counter()
     outputs = execute(program, inputs)
     elapsed = time.perf_counter() - start
@@ -441,7 +445,7 @@ def _profile(args: argparse.Namespace, program: BlockProgram,
     progress = _progress(args)
     if progress:
         progress(f"timing {args.profile} runs of the numpy code")
-    return (numpy_timing.profile(program, inputs, args.profile),
+    return (numpy_timing.profile(program, inputs, args.profile, native=_native(args)),
             cost_program(program, get_target(args.target)))
 
 
@@ -701,6 +705,23 @@ def rule_table(r: FuseResult) -> str:
     return "\n".join(lines)
 
 
+def _native_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--native", action="store_true",
+                   help="numpy: chains of elementwise operators as C loops the module compiles "
+                        "when it loads (needs a C compiler, $CC or cc; default: "
+                        "$BBRULES_NATIVE=1)")
+
+
+def _native(args: argparse.Namespace) -> bool:
+    """Whether the numpy code has native groups: --native, else $BBRULES_NATIVE."""
+    if args.native and args.backend != "numpy":
+        raise UsageError(f"--native writes C loops into the generated numpy code; add "
+                         f"--backend numpy (not {args.backend})")
+    if args.native and not native.available():
+        raise UsageError("--native needs a C compiler, and none was found (set $CC)")
+    return args.native or numpy_gen.default_native()
+
+
 def _codegen_args(p: argparse.ArgumentParser) -> None:
     _program_args(p)
     _fuse_args(p)
@@ -712,6 +733,7 @@ def _codegen_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=_integer(1), default=1,
                    help="numpy: split each kernel with enough work into parts for this many "
                         "threads (default 1: the code does not depend on the machine)")
+    _native_arg(p)
     p.add_argument("--no-fuse", action="store_true", help="generate code for the unfused program")
     p.add_argument("-o", "--output", metavar="FILE",
                    help="write the code here (cuda: FILE gets the CUDA source and FILE.py the "
@@ -765,7 +787,8 @@ def cmd_codegen(args: argparse.Namespace) -> int:
     _check_output(args.output, args.program)
     _, program = _program_to_run(args)
     if args.backend == "numpy":
-        files = {args.output: numpy_gen.generate(program, threads=args.threads)}
+        files = {args.output: numpy_gen.generate(program, threads=args.threads,
+                                                 native=_native(args))}
     elif args.backend == "triton":
         target = get_target(args.target)
         files = {args.output: triton_gen.generate(program, target, args.precision).source}

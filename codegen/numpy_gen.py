@@ -71,6 +71,14 @@ Why it looks the way it does:
   number of threads is `threads=` (`load`, `run`), else `$BBRULES_THREADS`, else the cores
   this process may run on where numpy's BLAS thread count can be set (`default_threads`);
   `generate` defaults to one thread, so the text it writes does not depend on the machine.
+- *Native groups* (`native=True`, `codegen.native`): numpy makes a pass over memory per
+  operator, so a chain of elementwise operators over one tile's dimensions, each read only
+  by the next, is one C loop instead, and so is a chain that only a reduction within the
+  tile reads along the tile's innermost dimension (magika's bias, GELU, padding mask and max
+  over positions: one call).  The module carries the C and compiles it when it loads (once
+  per machine); `load` writes numpy code alone where no C compiler works.  Off by default
+  (`$BBRULES_NATIVE=1`, `bbrules run/codegen --native`): results agree with the numpy
+  code's to float rounding (glibc's functions, not numpy's), not bit for bit.
 """
 
 from __future__ import annotations
@@ -83,6 +91,7 @@ import os
 import re
 import threading
 import types
+import warnings
 import weakref
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -106,13 +115,14 @@ from bbrules.onehot import Pick, mentions, one_hot
 from bbrules.plan import loop_predicate, plan_for
 from bbrules.schedule import Compute, Loop, Step, Write, walk_steps
 from bbrules.targets import Target, get_target
+from bbrules.codegen import native as native_c
 
 _INFIX = {"add": "+", "sub": "-", "mul": "*", "div": "/"}
 # Names generated code uses besides its own locals: the module's globals, the operator aliases
 # (`_Functions.ref`) and Python's builtins (loops call `range`).  A tensor named like one of
 # them is renamed.
 _RESERVED = {"np", "f32", "run", "inputs", "_input", "run_parts", "gather_one_hot", "relaid",
-             "check_whole", "ELEMENTWISE", "TILE_REDUCE",
+             "check_whole", "compiled", "NATIVE", "ELEMENTWISE", "TILE_REDUCE",
              *(f"elementwise_{op}" for op in ELEMENTWISE),
              *(f"tile_reduce_{op}" for op in TILE_REDUCE),
              *dir(builtins)}
@@ -153,6 +163,19 @@ class _Functions:
     runtime: set[str] = field(default_factory=set)  # helpers of this module the code calls
     taken: set[str] = field(default_factory=set)  # the module's global names
     known: dict[str, str] = field(default_factory=dict)  # code -> name, computed on loading
+    native: bool = False  # whether elementwise groups are native C (`codegen.native`)
+    groups: dict[tuple, native_c.Group] = field(default_factory=dict)  # by what they compute
+
+    def native_group(self, dims: tuple[int, ...], leaves: tuple[tuple[int, ...], ...],
+                     body: tuple[str, ...], reduce: tuple[str, int] | None) -> str:
+        """The name of the module's native function computing `body` (and reducing it), one
+        per distinct group."""
+        key = (dims, leaves, body, reduce)
+        if key not in self.groups:
+            name = _identifier(f"native_{len(self.groups) + 1}", self.taken)
+            self.taken.add(name)
+            self.groups[key] = native_c.Group(name, dims, leaves, body, reduce)
+        return self.groups[key].name
 
     def computed_on_loading(self, code: str) -> str:
         """The name of a module global holding `code`'s value (`_KernelWriter.known_tile`),
@@ -190,6 +213,10 @@ class _Functions:
 # Deepest nesting of calls in one generated expression: Python's parser refuses more than 200
 # nested parentheses, so a deeper subexpression is given a name of its own.
 MAX_NESTING = 50
+
+# A native group (`_KernelWriter.native_groups`) computes a tile of at least this many elements:
+# on smaller ones calling it costs about what numpy's calls do.
+NATIVE_ELEMENTS = 1 << 12
 
 # A loop over at most this many blocks of one element, whose body selects by the position, is
 # written once per block with the position known (`_KernelWriter.unrolled`).
@@ -482,6 +509,8 @@ def _(n: BlockReduce, w: _KernelWriter) -> _Stmt | None:
     if w.dims(n.x)[c] == 1:  # a block of one: the element itself
         w.scopes[-1][n] = w.lookup(n.x)
         return None
+    if n in w.groups:
+        return w.native(n, w.groups[n], w.fresh(f"b{n.op}"))
     if (summed := _summed_contraction(n, w)) is not None:
         # a contraction summed over axes both operands span: one matmul over all of them (the
         # steps in between are then read by no one, and dropped)
@@ -607,13 +636,10 @@ def _summed_contraction(n: BlockReduce, w: _KernelWriter) -> tuple[Dot, tuple[Ax
 
 @STEP.on(*ELEMENTWISE_KINDS)
 def _(n: Node, w: _KernelWriter) -> _Stmt | None:
-    if n in w.known:
-        return w.alias(n, None, _literal(w.known[n]))
-    if isinstance(n, Where) and n.c in w.known:
-        same = n.x if w.known[n.c] else n.y
-        return w.alias(n, same, w.lookup(same))
-    if (same := _neutral_operand(n, w.known)) is not None:
-        return w.alias(n, same, w.lookup(same))
+    if (alias := w.aliased(n)) is not None:
+        return alias()
+    if n in w.groups:
+        return w.native(n, w.groups[n], w.fresh(operator(n).name))
     if isinstance(n, Where) and (fill := w.fill_boxes(n)) is not None:
         keep, number, boxes = fill
         if not boxes:  # the condition keeps the tile everywhere
@@ -684,6 +710,16 @@ class _KernelWriter:
         # by part offset: the blocks visited by the loops whose visits depend on the part
         self.part_visits: Counter[int] = Counter()
         self.constants: dict[Node, float | None] = {}  # `_constant_value`'s, of every node
+        # native groups (`native_groups`) of the body being written: root -> its operators
+        # in the order the body computes them, and the operators a root's call computes
+        self.groups: dict[Node, list[Node]] = {}
+        self.absorbed: set[Node] = set()
+        self.users: dict[Node, set[Node]] = {}  # the distinct nodes reading each node
+        for s in kernel.stores if fns.native else ():
+            for m in postorder(s.value):
+                for c in children(m):
+                    self.users.setdefault(c, set()).add(m)
+        self.stored = {s.value for s in kernel.stores}
 
     # ---------------------------------------------------------------- names and lookup
 
@@ -751,6 +787,8 @@ class _KernelWriter:
         return f"{part.start}:{part.start} + {part.blocks * self.p.block(axis)}"
 
     def steps(self, steps: Sequence[Step]) -> list[_Stmt]:
+        if self.fns.native:
+            self.native_groups([s.node for s in steps if isinstance(s, Compute)])
         out = []
         for step in steps:
             self.reads = set()
@@ -764,6 +802,8 @@ class _KernelWriter:
         return out
 
     def compute(self, n: Node) -> _Stmt | None:
+        if n in self.absorbed:
+            return None  # its group's root computes it
         if (name := self.known_tile(n)) is not None:
             self.scopes[-1][n] = name  # a global no step owns: never written, never deleted
             return None
@@ -774,14 +814,17 @@ class _KernelWriter:
         `n` is an operator over positions and numbers known while generating (`static_code`)
         and its tile has at most `KNOWN_ELEMENTS` elements: a causal mask, recomputed on
         every call, took 53 µs of LLaMA's 1.7 ms at 128 tokens."""
-        if isinstance(n, (Const, Pos)) or not is_elementwise(n) or n in self.known or \
-                not 1 < prod(self.dims(n)) <= KNOWN_ELEMENTS:
-            return None
         codes = [self.static_code(c) for c in children(n)]
-        if any(code is None for code in codes):
+        if not self.of_positions(n, [code is not None for code in codes]):
             return None
         # each code is a call, a name or a literal: none needs parentheses
         return self.fns.computed_on_loading(self.fns.call(n, [(c, False) for c in codes]))
+
+    def of_positions(self, n: Node, static: Sequence[bool]) -> bool:
+        """Is `n` a tile `known_tile` computes on loading, given which of its operands need
+        nothing computed at run time?"""
+        return not isinstance(n, (Const, Pos)) and is_elementwise(n) and \
+            n not in self.known and 1 < prod(self.dims(n)) <= KNOWN_ELEMENTS and all(static)
 
     def static_code(self, n: Node) -> str | None:
         """Code for `n`'s tile that needs nothing computed at run time (a position of an axis
@@ -793,8 +836,11 @@ class _KernelWriter:
             return _literal(value)
         if isinstance(n, Pos):
             return self.position(n) if self.positions_known(n.axis) else None
-        code = self.lookup(n)
-        return code if code in self.fns.known.values() else None
+        code = next((scope[n] for scope in reversed(self.scopes) if n in scope), None)
+        if code in self.fns.known.values():
+            self.reads.add(code)
+            return code
+        return None
 
     def array(self, n: Node, name: str, text: str) -> _Stmt:
         """A step defining array `name` as `text`."""
@@ -814,6 +860,110 @@ class _KernelWriter:
         self.scopes[-1][n] = name
         return _Stmt([f"{name} = np.broadcast_to({code}, {dims!r})"], (name,),
                      frozenset(self.reads))
+
+    def aliased(self, n: Node) -> Callable[[], _Stmt | None] | None:
+        """How elementwise `n` is written where it is another value (`alias`): a number known
+        on these blocks, a selection by a known condition, an operation with a neutral
+        operand; else None."""
+        if n in self.known:
+            return lambda: self.alias(n, None, _literal(self.known[n]))
+        if isinstance(n, Where) and n.c in self.known:
+            same = n.x if self.known[n.c] else n.y
+            return lambda: self.alias(n, same, self.lookup(same))
+        if (same := _neutral_operand(n, self.known)) is not None:
+            return lambda: self.alias(n, same, self.lookup(same))
+        return None
+
+    def native_groups(self, body: Sequence[Node]) -> None:
+        """The native groups among the nodes one body computes (`codegen.native`): an
+        operator joins the group of the operators reading it where they all are in one group,
+        have its dimensions and it is not stored; a group is at least two operators over at
+        least `NATIVE_ELEMENTS` elements, or one a reduction within the tile alone reads (the C
+        reduces it).  Only operators that compute (not `aliased`, not a `known_tile`) join; a
+        selection by known positions joins (the C selects by a tile of them) where it would
+        otherwise set slices (`fill`)."""
+        for n in body:  # a loop's body is written once per segment, each with its own knowns
+            self.groups.pop(n, None)
+            self.absorbed.discard(n)
+        static: set[Node] = set()  # the tiles `known_tile` will compute on loading
+        for n in body:
+            if is_elementwise(n) and self.of_positions(
+                    n, [c in static or self.static_code(c) is not None for c in children(n)]):
+                static.add(n)
+        root_of: dict[Node, Node] = {}
+        for n in reversed(body):  # readers first
+            if n in static or not self.plain(n):
+                continue
+            users = self.users.get(n, set())
+            roots = {root_of.get(u) for u in users}
+            joins = len(roots) == 1 and None not in roots and n not in self.stored and \
+                all(self.dims(u) == self.dims(n) for u in users)
+            root_of[n] = roots.pop() if joins else n
+        members: dict[Node, list[Node]] = {}
+        for n in body:
+            if n in root_of:
+                members.setdefault(root_of[n], []).append(n)
+        for n in body:  # a group a reduction within the tile alone reads: the reduction's
+            x = n.x if isinstance(n, BlockReduce) else None
+            if x in members and self.users.get(x) == {n} and x not in self.stored and \
+                    n.op in native_c.REDUCTIONS and self.innermost(x, n.axis):
+                members[n] = members.pop(x)
+        for root, group in members.items():
+            reduces = isinstance(root, BlockReduce)
+            if (reduces or len(group) > 1) and prod(self.dims(group[-1])) >= NATIVE_ELEMENTS:
+                self.groups[root] = group
+                self.absorbed.update(m for m in group if m is not root)
+
+    def innermost(self, x: Node, axis: Axis) -> bool:
+        """Is `axis` the innermost dimension of more than one element of `x`'s tile (a
+        group's C reduces only along its innermost loop)?"""
+        dims = self.dims(x)
+        walked = [d for d, n in enumerate(dims) if n > 1]
+        return bool(walked) and walked[-1] == self.layout.element_dim(axis)
+
+    def plain(self, n: Node) -> bool:
+        """Is `n` an operator computing an array tile (given it is not computed on
+        loading)?"""
+        if not is_elementwise(n):
+            return False
+        t = tile_type(n)
+        return bool(t.deps or t.shape) and operator(n).name in native_c.C_OPS and \
+            self.aliased(n) is None
+
+    def native(self, n: Node, group: list[Node], name: str) -> _Stmt:
+        """A group's one call (`native_groups`), `n` its root or the reduction within the tile
+        that alone reads its root; also the variant writing into a dying leaf of `n`'s
+        dimensions."""
+        members = set(group)
+        top, reduce = n, None
+        if isinstance(n, BlockReduce):
+            top, reduce = n.x, (n.op, self.layout.element_dim(n.axis))
+        leaves: dict[Node, int] = {}
+        codes: list[str] = []
+        dims: list[tuple[int, ...]] = []
+        numbers: dict[Node, float] = {}
+        for c in (c for m in group for c in children(m) if c not in members):
+            if c in leaves or c in numbers:
+                continue
+            value = self.known[c] if c in self.known else _constant_value(c, self.constants)
+            if value is not None:
+                numbers[c] = value
+                continue
+            code = self.tile(c)
+            if code not in codes:
+                codes.append(code)
+                dims.append(self.dims(c))
+            leaves[c] = codes.index(code)
+        body = native_c.statements(top, members, native_c.leaf_reader(leaves, numbers))
+        fn = self.fns.native_group(self.dims(top), tuple(dims), body, reduce)
+        args = ", ".join(codes)
+        stmt = _Stmt([f"{name} = {fn}(None, {args})"], (name,), frozenset(self.reads),
+                     owned=frozenset((name,)))
+        for code, d in zip(codes, dims):  # (a reduction's result is never a leaf's memory:
+            if d == self.dims(n) and reduce is None:  # it folds columns of rows into it)
+                stmt.in_place.setdefault(code, [f"{name} = {fn}({code}, {args})"])
+        self.scopes[-1][n] = name
+        return stmt
 
     def elementwise(self, n: Node, name: str) -> _Stmt:
         """One operator; where it is a ufunc, also the variant writing into a dying operand."""
@@ -1961,18 +2111,20 @@ class Generated:
     parts: tuple[int, ...]
 
 
-def generate(p: BlockProgram, target: Target | str | None = None, threads: int = 1) -> str:
+def generate(p: BlockProgram, target: Target | str | None = None, threads: int = 1,
+             native: bool = False) -> str:
     """The numpy module for `p`: one function per kernel and `run(**inputs) -> outputs`.
 
     Each kernel runs the loops of its plan on `target` (default: the H100's local memory, which
     decides only which inputs are resident, not the loops).  With `threads` > 1, where some
     kernel's parts pay (`_parts_pay`), kernels with enough work are split into parts run at
-    once (`split_kernel`, `run_parts`)."""
-    return generate_module(p, target, threads).source
+    once (`split_kernel`, `run_parts`).  With `native`, chains of elementwise operators are
+    C loops the module compiles when it loads (`codegen.native`)."""
+    return generate_module(p, target, threads, native=native).source
 
 
 def generate_module(p: BlockProgram, target: Target | str | None = None, threads: int = 1,
-                    split: bool | None = None) -> Generated:
+                    split: bool | None = None, native: bool = False) -> Generated:
     """`generate`'s module, with the functions it defines for each kernel.  `split`: whether
     kernels with enough work run in parts on `threads` > 1 threads; by default, where some
     kernel's parts pay (`_parts_pay`)."""
@@ -1983,7 +2135,7 @@ def generate_module(p: BlockProgram, target: Target | str | None = None, threads
     for t in p.tensors:
         names[t] = _identifier(t, set(names.values()))
     taken = set(names.values())
-    fns = _Functions(taken=taken)
+    fns = _Functions(taken=taken, native=native)
     kernels: list[_Code] = []
     ks = [coarsened(p, ungridded(p, summed_inward(p, masks_as_offsets(k))),
                     target.local_capacity) for k in p.kernels]
@@ -2043,10 +2195,18 @@ def generate_module(p: BlockProgram, target: Target | str | None = None, threads
         out[-1:] = [f"from bbrules.codegen.numpy_gen import {', '.join(runtime)}", ""]
     if any(p.tensors[t].dtype in WHOLE_DTYPES for t in p.inputs):
         out[-1:] = ["from bbrules.ir import check_whole", ""]
+    used = set(re.findall(r"\w+", "\n".join(line for c in kernels for line in c.lines)))
+    groups = [g for g in fns.groups.values() if g.name in used]
+    if groups:
+        out[-1:] = ["from bbrules.codegen.native import compiled", ""]
     out.append("f32 = np.float32")
     out += [f"{name} = {ref}" for name, ref in sorted(fns.aliases.items())]
+    if groups:
+        out += ["", "# chains of elementwise operators as C loops, compiled once per machine",
+                f"NATIVE = compiled(r\"\"\"\n{native_c.source(groups)}\"\"\")"]
+        out += [f"{g.name} = NATIVE.function({g.name!r}, {g.dims!r}, {g.leaves!r}"
+                + (f", {g.reduce!r})" if g.reduce else ")") for g in groups]
     if fns.known:  # those the kernels read, and those they are computed from
-        used = set(re.findall(r"\w+", "\n".join(line for c in kernels for line in c.lines)))
         for code, name in reversed(fns.known.items()):
             if name in used:
                 used |= set(re.findall(r"\w+", code))
@@ -2128,14 +2288,27 @@ def _run_function(p: BlockProgram, names: Mapping[str, str], kernels: list[_Code
     return lines
 
 
-def load(p: BlockProgram, threads: int | None = None) -> types.ModuleType:
+def load(p: BlockProgram, threads: int | None = None, native: bool | None = None
+         ) -> types.ModuleType:
     """Generate the module for `p` and execute it into a fresh module object.
 
-    `threads` defaults to `default_threads()`.  The source is registered with `linecache`, so
-    tracebacks and `inspect` show generated lines.
+    `threads` defaults to `default_threads()`, `native` to `default_native()`; where the
+    native groups cannot be compiled, the module is numpy code alone (with a warning).  The
+    source is registered with `linecache`, so tracebacks and `inspect` show generated lines.
     """
-    return module_from_source(generate(p, threads=default_threads() if threads is None
-                                       else threads))
+    threads = default_threads() if threads is None else threads
+    if default_native() if native is None else native:
+        try:
+            return module_from_source(generate(p, threads=threads, native=True))
+        except native_c.NativeUnavailable as e:
+            warnings.warn(f"bbrules: numpy code without native groups: {e}", stacklevel=2)
+    return module_from_source(generate(p, threads=threads))
+
+
+def default_native() -> bool:
+    """Whether modules have native groups by default: `$BBRULES_NATIVE` set to 1 and a C
+    compiler found."""
+    return os.environ.get("BBRULES_NATIVE", "0").strip() == "1" and native_c.available()
 
 
 def module_from_source(source: str) -> types.ModuleType:
@@ -2149,10 +2322,10 @@ def module_from_source(source: str) -> types.ModuleType:
     return module
 
 
-def run(p: BlockProgram, inputs: Mapping[str, np.ndarray], threads: int | None = None
-        ) -> dict[str, np.ndarray]:
+def run(p: BlockProgram, inputs: Mapping[str, np.ndarray], threads: int | None = None,
+        native: bool | None = None) -> dict[str, np.ndarray]:
     """Generate, load and run `p` on `inputs`: every stored tensor, axes in declared order."""
-    return load(p, threads).run(**inputs)
+    return load(p, threads, native).run(**inputs)
 
 
 # --------------------------------------------------------------------------------------------

@@ -32,8 +32,8 @@ from typing import Callable, Mapping
 
 import numpy as np
 
-from bbrules.codegen.numpy_gen import (default_threads, generate, generate_module,
-                                       module_from_source)
+from bbrules.codegen.numpy_gen import (default_native, default_threads, generate,
+                                       generate_module, module_from_source)
 from bbrules.cost import ProgramCost, fmt_time
 from bbrules.ir import BlockProgram
 
@@ -100,11 +100,13 @@ def _percent(part: float, whole: float) -> str:
 
 
 def profile(p: BlockProgram, inputs: Mapping[str, np.ndarray], runs: int = 10,
-            threads: int | None = None) -> Profile:
+            threads: int | None = None, native: bool | None = None) -> Profile:
     """Run `p`'s generated numpy module `WARMUP_RUNS` + `runs` times on `threads` threads
-    (default: `default_threads()`), timing every kernel of the last `runs`."""
+    (default: `default_threads()`), with native groups or not (default: `default_native()`),
+    timing every kernel of the last `runs`."""
     threads = default_threads() if threads is None else threads
-    generated = generate_module(p, threads=threads)
+    native = default_native() if native is None else native
+    generated = generate_module(p, threads=threads, native=native)
     module = module_from_source(generated.source)
     spent = [0.0] * len(p.kernels)
     kernel_of = {fn: i for i, fns in enumerate(generated.functions) for fn in fns}
@@ -151,14 +153,17 @@ class Tuned:
 
 
 def tune(p: BlockProgram, inputs: Mapping[str, np.ndarray], threads: int | None = None,
-         runs: int = 5) -> Tuned:
+         runs: int = 5, native: bool | None = None) -> Tuned:
     """The faster on `inputs` of `p`'s module with every kernel of enough work in parts on
     `threads` threads (default: `default_threads()`) and its module of whole kernels, BLAS
     threading their products; each run once, then `runs` times in alternation.  A program
-    with no kernel to split, or one thread, has one module, which is not timed."""
+    with no kernel to split, or one thread, has one module, which is not timed.  Both have
+    native groups or neither (default: `default_native()`)."""
     threads = default_threads() if threads is None else threads
-    modules = {"whole": module_from_source(generate(p, threads=1))}
-    split = generate_module(p, threads=threads, split=True) if threads > 1 else None
+    native = default_native() if native is None else native
+    modules = {"whole": module_from_source(generate(p, threads=1, native=native))}
+    split = generate_module(p, threads=threads, split=True, native=native) \
+        if threads > 1 else None
     if split is not None and any(n > 1 for n in split.parts):
         modules["parts"] = module_from_source(split.source)
     if len(modules) == 1:

@@ -1,0 +1,507 @@
+"""Native groups: a chain of elementwise operators, and the reduction within the tile that
+reads it, as one C loop, for the numpy backend.
+
+Why: numpy runs each operator as a pass of its own over memory, allocating its result.  A
+GELU is eight passes over its tile; magika's bias, GELU, padding mask and max over 508
+positions took 0.5 ms as numpy calls, and 0.2 ms as one C loop (2 cores with AVX-512).  On
+small models numpy's passes are what is left after the products.
+
+What a group is: operators of one tile's dimensions, each read only by others of the group
+(`numpy_gen` decides that from the kernel's schedule), perhaps ending in a sum, max or min
+along the tile's innermost dimension; its *leaves* are the tiles it reads (arrays of its
+dimensions or broadcast along some of them: size 1 in the kernel's layout) and numbers,
+baked into the C as exact hexadecimal literals.  Each group is one C function over the
+dimensions known while generating and the arrays' strides read at run time through the
+buffer protocol (views of inputs, transposed products): adjacent dimensions every array
+walks in step are merged (`bb_merge`), and the innermost loop runs vectorised where every
+array it walks is contiguous there, else strided (`function`).
+
+Numerics: each operator's C follows `bbrules.ops`' numpy definition (the same formula, the
+same order of float32 roundings, no contraction into fused multiply-adds), with glibc's
+float functions and their vector variants (libmvec, declared SIMD so the loops vectorise)
+in place of numpy's.  Those differ from numpy's by a few units in the last place (exp,
+tanh, log, erf; numpy's erf is a 1.5e-7 approximation), exp flushes results below float's
+smallest normal to zero (`bb_expf`), and a sum adds `LANES` interleaved partial sums, not
+numpy's pairwise ones; so a native module agrees with the numpy one to float rounding, not
+bit for bit.  Max and min propagate NaN as numpy's do.
+
+The C is compiled once per source and machine (`-march=native`) into a cache folder
+(`$BBRULES_CACHE`, else `$XDG_CACHE_HOME/bbrules`, else `~/.cache/bbrules`), against
+Python's headers; where no C compiler is found or compiling fails, the numpy backend writes
+numpy code instead (`numpy_gen.load`).  A group's function releases the GIL while it loops,
+so the parts of a kernel run it on every core at once.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import sysconfig
+import tempfile
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Callable, Mapping, Sequence
+
+import numpy as np
+
+from bbrules.ir import Node, children, operator
+from bbrules.ops import ELEMENTWISE
+
+# Each operator as a C expression over float operands {x} (, {y}, {z}): the CUDA backend's
+# template, except where numpy's definition differs from it (the CUDA templates use CUDA's
+# own functions, NaN-dropping fmaxf, and exp-based sigmoids).
+C_OPS: dict[str, str] = {name: info.cuda for name, info in ELEMENTWISE.items()} | {
+    # np.maximum / np.minimum propagate a NaN operand; fmaxf / fminf drop it
+    "max": "((({x}) >= ({y}) || ({x}) != ({x})) ? ({x}) : ({y}))",
+    "min": "((({x}) <= ({y}) || ({x}) != ({x})) ? ({x}) : ({y}))",
+    "relu": "((({x}) >= 0.0f || ({x}) != ({x})) ? ({x}) : 0.0f)",
+    "rsqrt": "(1.0f / sqrtf({x}))",  # glibc has no rsqrtf; numpy computes 1 / sqrt(x)
+    "exp": "bb_expf({x})",
+    # bbrules.ops' sigmoid is 0.5 (1 + tanh(x / 2)), silu x times it
+    "sigmoid": "(0.5f * (1.0f + tanhf(({x}) * 0.5f)))",
+    "silu": "(({x}) * (0.5f * (1.0f + tanhf(({x}) * 0.5f))))",
+    "gelu": "(0.5f * ({x}) * (1.0f + tanhf(0.7978845608028654f * "
+            "(({x}) + 0.044715f * ({x}) * ({x}) * ({x})))))",
+}
+
+# glibc's float functions that have vector variants in libmvec (glibc 2.35 and later):
+# declared SIMD, a loop calling them vectorises.
+VECTOR_MATH = ("expf", "logf", "sinf", "cosf", "tanhf", "erff", "exp2f", "expm1f", "log1pf",
+               "powf")
+_DECLARED = "".join(f'__attribute__((simd("notinbranch"))) float {f}(float'
+                    f'{", float" if f == "powf" else ""});\n' for f in VECTOR_MATH)
+
+# -mprefer-vector-width=512: gcc's default on AVX-512 Intel cores is 256-bit vectors (a
+# GELU over 131,072 floats: 62 µs at 512 bits; numpy's passes took 155)
+FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-shared", "-fPIC",
+         "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off")
+
+_PRELUDE = """\
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+#include <string.h>
+
+static void bb_release(int count, Py_buffer *views) {
+    for (int k = 0; k < count; k++)
+        PyBuffer_Release(&views[k]);
+}
+
+/* The buffers of `count` arrays (the first written), each a float32 array of shape
+   `shapes[k]` of `nd` dimensions, and their strides in elements along the `walked`
+   dimensions `kept` (0 where an array's extent is 1: it is broadcast).  0 when every array
+   is such; else 1, nothing held and no Python error set: the caller converts its arrays. */
+static int bb_buffers(int count, PyObject **arrays, Py_buffer *views, int nd,
+                      const long *shapes, int walked, const int *kept, long *strides) {
+    for (int k = 0; k < count; k++) {
+        int flags = PyBUF_STRIDES | PyBUF_FORMAT | (k == 0 ? PyBUF_WRITABLE : 0);
+        if (PyObject_GetBuffer(arrays[k], &views[k], flags) != 0) {
+            PyErr_Clear();
+            bb_release(k, views);
+            return 1;
+        }
+        const Py_buffer *v = &views[k];
+        int fits = v->ndim == nd && v->itemsize == 4 && v->format != NULL &&
+                   strcmp(v->format, "f") == 0;
+        for (int d = 0; fits && d < nd; d++)
+            fits = v->shape[d] == shapes[k * nd + d] && v->strides[d] % 4 == 0;
+        if (!fits) {
+            bb_release(k + 1, views);
+            return 1;
+        }
+        for (int j = 0; j < walked; j++)
+            strides[k * walked + j] = shapes[k * nd + kept[j]] == 1 ? 0
+                                      : (long)(v->strides[kept[j]] / 4);
+    }
+    return 0;
+}
+
+/* expf, its results below float's smallest normal (x < -87.33) flushed to zero.  libmvec's
+   vector expf computes such lanes, and infinities, one by one through the scalar function:
+   a causal softmax's masked scores (-inf) made exp 7x slower than numpy's.  Those lanes are
+   clamped by their bits (gcc folds a float comparison the result's selection repeats) and
+   their result selected afterwards; a NaN stays a NaN. */
+static inline float bb_expf(float x) {
+    union { float f; unsigned u; } v = {x};
+    v.u = v.u > 0xc2aea8f6u ? 0xc2aea8f6u : v.u;  /* max(x, -87.33) for x < 0 */
+    const float y = expf(v.f);
+    return x < -87.33f ? 0.0f : (x != x ? x : y);
+}
+
+/* Merge adjacent dimensions that every array walks in step (a stride is its inner
+   neighbour's times that neighbour's extent): the innermost loop then runs as long as
+   memory allows.  A merged dimension is left with extent 1. */
+static void bb_merge(int nd, int arrays, long *n, long *s) {
+    int inner = nd - 1;
+    for (int d = nd - 2; d >= 0; d--) {
+        int merges = 1;
+        for (int k = 0; k < arrays && merges; k++)
+            merges = s[k * nd + d] == s[k * nd + inner] * n[inner];
+        if (merges) {
+            n[inner] *= n[d];
+            n[d] = 1;
+        } else {
+            inner = d;
+        }
+    }
+}
+"""
+
+
+class NativeUnavailable(RuntimeError):
+    """No C compiler, or compiling (loading) the source failed."""
+
+
+def literal(v: float) -> str:
+    """`v` rounded to float32, as an exact C literal."""
+    f = float(np.float32(v))
+    if f != f:
+        return "NAN"
+    if f in (float("inf"), float("-inf")):
+        return "INFINITY" if f > 0 else "(-INFINITY)"
+    return f"{f.hex()}f"
+
+
+# In-tile reductions a group may end in: identity and combine (NaN-propagating, as numpy's).
+REDUCTIONS: dict[str, tuple[str, str]] = {
+    "sum": ("0.0f", "(({x}) + ({y}))"),
+    "max": ("(-INFINITY)", C_OPS["max"]),
+    "min": ("INFINITY", C_OPS["min"]),
+}
+
+# Partial results a reduction keeps per row, combined at its end: one vector register of
+# floats, so the loop over a row vectorises (and a sum adds 16 interleaved sums, not one).
+LANES = 16
+
+
+@dataclass(frozen=True)
+class Group:
+    """One group as the numpy backend hands it over: its function's name, the dimensions its
+    loops walk, each array leaf's dimensions (1 where it is broadcast), the C statements
+    computing the float `out` from the leaves read as `l0`, `l1`, ..., and the reduction it
+    ends in, if any: (sum, max or min, the dimension), always the innermost one it walks."""
+
+    name: str
+    dims: tuple[int, ...]
+    leaves: tuple[tuple[int, ...], ...]
+    body: tuple[str, ...]
+    reduce: tuple[str, int] | None = None
+
+    def result(self) -> tuple[int, ...]:
+        """The result's dimensions: those walked, but one along a reduced dimension."""
+        if self.reduce is None:
+            return self.dims
+        return tuple(1 if d == self.reduce[1] else n for d, n in enumerate(self.dims))
+
+    def kept(self) -> tuple[int, ...]:
+        """The dimensions the loops walk: those of more than one element."""
+        return tuple(d for d, n in enumerate(self.dims) if n > 1) or (len(self.dims) - 1,)
+
+    def spans(self, leaf: int) -> tuple[int, ...]:
+        """The walked dimensions leaf `leaf` spans (its stride is read at run time)."""
+        return tuple(d for d in self.kept() if self.leaves[leaf][d] > 1)
+
+
+def statements(root: Node, group: set[Node], leaf: Callable[[Node], str]) -> tuple[str, ...]:
+    """C statements computing `root` into `out` from the operators in `group` (root
+    included), reading every other operand through `leaf` (an `l<i>` or a literal)."""
+    names: dict[Node, str] = {}
+    lines: list[str] = []
+    stack = [root]
+    while stack:  # operands first, without recursion (groups may be deep)
+        n = stack[-1]
+        pending = [c for c in children(n) if c in group and c not in names]
+        if pending:
+            stack += pending
+            continue
+        stack.pop()
+        if n in names:
+            continue
+        args = [names[c] if c in group else leaf(c) for c in children(n)]
+        text = C_OPS[operator(n).name].format(**dict(zip("xyz", args)))
+        names[n] = f"v{len(names)}"
+        lines.append(f"const float {names[n]} = {text};")
+    return (*lines, f"out = {names[root]};")
+
+
+def function(g: Group) -> str:
+    """The C function of one group: `int name(PyObject *out, PyObject *leaf0, ...)`, 0 once
+    it has written `out`, 1 where some array is not a float32 array of its dimensions.
+
+    Adjacent dimensions are merged at run time (`bb_merge`; never a reduced one with another,
+    since the result does not walk it), then the innermost loop runs contiguous, vectorised,
+    or strided.  A reduction folds a contiguous row into `LANES` partial results, combined
+    at its end; where the rows are strided but the next dimension is contiguous (a sum over
+    a transposed view's rows), it folds whole columns of results at once."""
+    kept = g.kept()
+    nd, k = len(kept), len(g.leaves)
+    shapes = ", ".join(str(n) for dims in (g.result(), *g.leaves) for n in dims)
+    lines = [f"int {g.name}({', '.join(f'PyObject *x{i}' for i in range(k + 1))}) {{",
+             f"    PyObject *arrays[{k + 1}] = {{{', '.join(f'x{i}' for i in range(k + 1))}}};",
+             f"    static const long shapes[] = {{{shapes}}};",
+             f"    static const int kept[] = {{{', '.join(map(str, kept))}}};",
+             f"    long n[{nd}] = {{{', '.join(str(g.dims[d]) for d in kept)}}}, "
+             f"s[{k + 1}][{nd}];",
+             f"    Py_buffer v[{k + 1}];",
+             f"    if (bb_buffers({k + 1}, arrays, v, {len(g.dims)}, shapes, {nd}, kept, "
+             "&s[0][0]))",
+             "        return 1;",
+             "    float *o = v[0].buf;",
+             *(f"    const float *a{i} = v[{i + 1}].buf;" for i in range(k)),
+             "    Py_BEGIN_ALLOW_THREADS",
+             f"    bb_merge({nd}, {k + 1}, n, &s[0][0]);"]
+    columns = g.reduce is not None and nd > 1  # a reduction's block walks two dimensions
+    outer = nd - 2 if columns else nd - 1
+    indent = "    "
+    for j in range(outer):
+        lines.append(f"{indent}for (long i{j} = 0; i{j} < n[{j}]; i{j}++)")
+        indent += "    "
+
+    def offset(array: int) -> str:
+        return "".join(f" + i{j} * s[{array}][{j}]" for j in range(outer))
+    block = [f"float *po = o{offset(0)};",
+             *(f"const float *p{i} = a{i}{offset(i + 1)};" for i in range(k)),
+             f"const long m = n[{nd - 1}], t = s[0][{nd - 1}];",
+             *(f"const long t{i} = s[{i + 1}][{nd - 1}];" for i in range(k))]
+    inner = [i for i in range(k) if kept[-1] in g.spans(i)]  # leaves walking the last loop
+    rows = " && ".join([*(["t == 1"] if g.reduce is None else []),  # (a result: one per row)
+                        *(f"t{i} == 1" for i in inner)]) or "1"
+    if g.reduce is None:
+        block += _branches([(rows, _map_loop(g, inner, True)), ("", _map_loop(g, inner, False))])
+    elif not columns:
+        block += _branches([(rows, _row(g, inner, True, "po", "p")),
+                            ("", _row(g, inner, False, "po", "p"))])
+    else:
+        across = [i for i in range(k) if kept[-2] in g.spans(i)]  # leaves walking columns
+        block += [f"const long w = n[{nd - 2}], c = s[0][{nd - 2}];",
+                  *(f"const long c{i} = s[{i + 1}][{nd - 2}];" for i in range(k))]
+
+        def by_row(contiguous: bool) -> list[str]:
+            return ["for (long j = 0; j < w; j++) {",
+                    "    float *pr = po + j * c;",
+                    *(f"    const float *q{i} = p{i} + j * c{i};" for i in range(k)),
+                    *(f"    {s}" for s in _row(g, inner, contiguous, "pr", "q")), "}"]
+        contiguous = " && ".join(["c == 1", *(f"c{i} == 1" for i in across)])
+        block += _branches([(rows, by_row(True)), (contiguous, _columns(g, inner, across)),
+                            ("", by_row(False))])
+    lines += [indent + "{", *(f"{indent}    {s}" for s in block), indent + "}",
+              "    Py_END_ALLOW_THREADS",
+              f"    bb_release({k + 1}, v);",
+              "    return 0;",
+              "}"]
+    return "\n".join(lines)
+
+
+def _branches(cases: list[tuple[str, list[str]]]) -> list[str]:
+    """`if (c0) {...} else if (c1) {...} else {...}`; the last case's condition is empty."""
+    out: list[str] = []
+    for n, (condition, body) in enumerate(cases):
+        head = "} else {" if not condition else f"{'} else ' if n else ''}if ({condition}) {{"
+        out += [head, *(f"    {s}" for s in body)]
+    return [*out, "}"]
+
+
+def _element(g: Group, reads: Sequence[str], done: str) -> list[str]:
+    """One element: its leaves read, the group's statements, and `done` with `out`."""
+    return ["{", *(f"    {s}" for s in [*(f"const float l{i} = {r};" for i, r in
+                                           enumerate(reads)), "float out;", *g.body, done]),
+            "}"]
+
+
+def _map_loop(g: Group, inner: Sequence[int], contiguous: bool) -> list[str]:
+    """The innermost loop of a group without a reduction."""
+    def at(p: str, t: str) -> str:
+        return f"{p}[i]" if contiguous else f"{p}[i * {t}]"
+    reads = [at(f"p{i}", f"t{i}") if i in inner else f"p{i}[0]" for i in range(len(g.leaves))]
+    return [*(["#pragma omp simd"] if contiguous else []), "for (long i = 0; i < m; i++)",
+            *_element(g, reads, f"{at('po', 't')} = out;")]
+
+
+def _row(g: Group, inner: Sequence[int], contiguous: bool, result: str, p: str) -> list[str]:
+    """A reduction of one row (the innermost loop) into `result[0]`, its leaves at `p<i>`."""
+    identity, combine = REDUCTIONS[g.reduce[0]]
+
+    def reads(index: str) -> list[str]:
+        return [(f"{p}{i}[{index}]" if contiguous else f"{p}{i}[({index}) * t{i}]")
+                if i in inner else f"{p}{i}[0]" for i in range(len(g.leaves))]
+
+    def fold(into: str) -> str:
+        return f"{into} = {combine.format(x=into, y='out')};"
+    lines = [f"float acc = {identity};"]
+    if contiguous:
+        lines += [f"float part[{LANES}];",
+                  f"for (int l = 0; l < {LANES}; l++) part[l] = {identity};",
+                  "long i = 0;",
+                  f"for (; i + {LANES} <= m; i += {LANES}) {{",
+                  "    #pragma omp simd",
+                  f"    for (int l = 0; l < {LANES}; l++)",
+                  *(f"    {s}" for s in _element(g, reads("i + l"), fold("part[l]"))),
+                  "}",
+                  f"for (int l = 0; l < {LANES}; l++) "
+                  f"acc = {combine.format(x='acc', y='part[l]')};",
+                  "for (; i < m; i++)", *_element(g, reads("i"), fold("acc"))]
+    else:
+        lines += ["for (long i = 0; i < m; i++)", *_element(g, reads("i"), fold("acc"))]
+    return [*lines, f"{result}[0] = acc;"]
+
+
+def _columns(g: Group, inner: Sequence[int], across: Sequence[int]) -> list[str]:
+    """A reduction of strided rows whose next dimension is contiguous: every result of a
+    column of rows folded at once, one row element at a time."""
+    identity, combine = REDUCTIONS[g.reduce[0]]
+    reads = [f"p{i}[{' + '.join(([] if i not in across else ['j'])
+                                 + ([] if i not in inner else ['r * t' + str(i)])) or '0'}]"
+             for i in range(len(g.leaves))]
+    return [f"for (long j = 0; j < w; j++) po[j] = {identity};",
+            "for (long r = 0; r < m; r++) {",
+            "    #pragma omp simd",
+            "    for (long j = 0; j < w; j++)",
+            *(f"    {s}" for s in _element(g, reads,
+                                           f"po[j] = {combine.format(x='po[j]', y='out')};")),
+            "}"]
+
+
+def source(groups: Sequence[Group]) -> str:
+    """The C file of a module's groups."""
+    return "\n".join([_PRELUDE, *(function(g) + "\n" for g in groups)])
+
+
+# --------------------------------------------------------------------------------------------
+# Compiling and loading.
+
+
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CC", "cc"))
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("BBRULES_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
+        "bbrules")
+    return Path(base) / "native"
+
+
+@lru_cache(maxsize=None)
+def _machine(cc: str) -> str:
+    """What a compiled library depends on besides its source: the compiler's version and the
+    CPU's features (`-march=native`)."""
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True,
+                                 timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        version = ""
+    flags = ""
+    with_flags = Path("/proc/cpuinfo")
+    if with_flags.exists():
+        flags = next((line for line in with_flags.read_text(errors="replace").splitlines()
+                      if line.startswith(("flags", "Features"))), "")
+    return version + flags
+
+
+def available() -> bool:
+    """Whether a C compiler is found (compiling may still fail: `compiled` then raises)."""
+    return _compiler() is not None
+
+
+def _build(text: str, libraries: Sequence[str]) -> ctypes.CDLL:
+    cc = _compiler()
+    if cc is None:
+        raise NativeUnavailable("no C compiler (set $CC)")
+    key = hashlib.sha256("\0".join([text, *FLAGS, *libraries, cc, _machine(cc),
+                                    _python_include()]).encode())
+    folder = _cache_dir()
+    path = folder / f"{key.hexdigest()[:32]}.so"
+    if not path.exists():
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=folder) as work:
+                c_file = Path(work) / "groups.c"
+                c_file.write_text(text)
+                built = Path(work) / "groups.so"
+                done = subprocess.run([cc, *FLAGS, f"-I{_python_include()}", "-o", str(built),
+                                       str(c_file), *libraries],
+                                      capture_output=True, text=True, timeout=600)
+                if done.returncode != 0:
+                    raise NativeUnavailable(f"{cc} failed: {done.stderr.strip()[-2000:]}")
+                os.replace(built, path)  # atomic: another process may build it meanwhile
+        except (OSError, subprocess.SubprocessError) as e:
+            raise NativeUnavailable(f"compiling native groups failed: {e}") from e
+    try:  # (loaded with RTLD_NOW: a vector function libmvec lacks fails here)
+        return ctypes.PyDLL(str(path))  # its functions hold the GIL until they release it
+    except OSError as e:
+        raise NativeUnavailable(f"loading {path} failed: {e}") from e
+
+
+@lru_cache(maxsize=64)
+def compiled(text: str) -> Library:
+    """The library of a module's C source (`source`), compiled once per source and machine;
+    with glibc's vector math, else (an older C library) with its scalar functions."""
+    try:
+        vector = text.replace("#include <math.h>\n", "#include <math.h>\n" + _DECLARED, 1)
+        return Library(_build(vector, ["-lmvec", "-lm"]), vector_math=True)
+    except NativeUnavailable:
+        return Library(_build(text, ["-lm"]), vector_math=False)
+
+
+@lru_cache(maxsize=None)
+def _python_include() -> str:
+    return sysconfig.get_paths()["include"]
+
+
+class Library:
+    """A compiled module's groups, each called as `fn(out, *leaves)` (`Call`)."""
+
+    def __init__(self, lib: ctypes.CDLL, vector_math: bool):
+        self.lib = lib
+        self.vector_math = vector_math  # whether its loops call libmvec's vector functions
+
+    def function(self, name: str, dims: tuple[int, ...], leaves: tuple[tuple[int, ...], ...],
+                 reduce: tuple[str, int] | None = None) -> Call:
+        return Call(getattr(self.lib, name), Group(name, dims, leaves, (), reduce))
+
+
+class Call:
+    """A group's C function called on numpy arrays: `call(out, *leaves)` writes the result
+    into `out` (an array of the group's dimensions, which may be one of the leaves: each
+    element is read before it is written) or, with `out` None or overlapping another leaf,
+    into a new C-order array, and returns it (a reduction's `out` must not be a leaf: it
+    may hold partial results while the leaves are read).  The function reads the arrays' memory
+    through the buffer protocol and releases the GIL while it loops."""
+
+    def __init__(self, fn: Callable[..., int], g: Group):
+        self.dims = g.result()
+        self.leaf_dims = g.leaves
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.py_object] * (1 + len(g.leaves))
+        self.fn = fn
+
+    def __call__(self, out: np.ndarray | None, *leaves: np.ndarray) -> np.ndarray:
+        if out is None or any(a is not out and np.may_share_memory(out, a) for a in leaves):
+            out = np.empty(self.dims, np.float32)
+        if self.fn(out, *leaves):  # a numpy scalar, another dtype, an odd view: converted
+            try:
+                converted = [_as_leaf(a, dims) for a, dims in zip(leaves, self.leaf_dims)]
+            except ValueError:
+                converted = None
+            if converted is None or self.fn(out, *converted):
+                raise ValueError(f"native group of dimensions {self.dims}: its arrays have "
+                                 f"shapes {[np.shape(a) for a in (out, *leaves)]}")
+        return out
+
+
+def _as_leaf(a: np.ndarray, dims: tuple[int, ...]) -> np.ndarray:
+    """`a` as a C-order float32 array of dimensions `dims`."""
+    return np.ascontiguousarray(np.broadcast_to(np.asarray(a, np.float32), dims))
+
+
+def leaf_reader(leaves: Mapping[Node, int], constants: Mapping[Node, float]
+                ) -> Callable[[Node], str]:
+    """How `statements` reads an operand outside the group: a number as its literal, an
+    array leaf as `l<i>`."""
+    def read(n: Node) -> str:
+        return literal(constants[n]) if n in constants else f"l{leaves[n]}"
+    return read

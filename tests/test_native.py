@@ -1,0 +1,297 @@
+"""Native elementwise groups (`bbrules.codegen.native`): each operator's C against its numpy
+definition, groups called on views, broadcasts and their own operands, whole programs (the
+examples unfused and fused, on one thread and in parts) against the reference interpreter,
+and what happens without a compiler.  CI has one (gcc), so these run there."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from bbrules import dense, interp
+from bbrules.cli import main
+from bbrules.codegen import native, numpy_gen
+from bbrules.frontend import load_program, parse_program
+from bbrules.fuse import fuse
+from bbrules.inputs import random_inputs
+from bbrules.lower import lower
+from bbrules.ops import ELEMENTWISE, TERNARY, UNARY
+from bbrules.packs import load_packs
+from bbrules.targets import get_target
+
+from test_numpy_backend import EXAMPLES, SEVERAL_BLOCKS, assert_close, small_dims
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler")
+
+
+@pytest.fixture(autouse=True)
+def cache(tmp_path_factory, monkeypatch) -> Path:
+    """One cache folder for the session's compiled groups, never the user's."""
+    folder = tmp_path_factory.getbasetemp() / "native-cache"
+    monkeypatch.setenv("BBRULES_CACHE", str(folder))
+    return folder / "native"
+
+
+# Operands with the values where C and numpy are likeliest to part: signed zeros, infinities,
+# NaN, exp's and tanh's ranges' ends, the subnormal results of exp.
+SPECIAL = np.array([0.0, -0.0, 1.0, -1.0, 0.5, np.inf, -np.inf, np.nan, 1e-30, 100.0, -100.0,
+                    88.0, -87.0, -87.5, -88.0, 9.5, -9.5, 20.5, 3.0, -3.0], np.float32)
+
+
+def operands(arity: int) -> list[np.ndarray]:
+    """Every pair (triple) of special values, then random ones of several magnitudes."""
+    rng = np.random.default_rng(7)
+    grids = np.meshgrid(*[SPECIAL] * min(arity, 2), indexing="ij")
+    special = [g.ravel() for g in grids] + ([np.resize(SPECIAL, grids[0].size)] * (arity - 2))
+    rand = [(rng.standard_normal(4096) * rng.choice([0.1, 3, 30], 4096)).astype(np.float32)
+            for _ in range(arity)]
+    return [np.concatenate([s, r]).astype(np.float32) for s, r in zip(special, rand)]
+
+
+# How far each operator's C may be from numpy's definition: glibc's functions against numpy's
+# own (a few units in the last place), numpy's erf being a 1.5e-7 approximation, and exp's
+# subnormal results flushed to zero.
+ATOL = {"erf": 3e-7, "exp": 1.2e-38}
+
+
+def test_every_operator_matches_its_numpy_definition():
+    names = sorted(native.C_OPS)
+    assert set(names) == set(ELEMENTWISE)
+    arity = {name: 1 if name in UNARY else 3 if name in TERNARY else 2 for name in names}
+    groups = []
+    for name in names:
+        args = {v: f"l{i}" for i, v in enumerate("xyz"[:arity[name]])}
+        size = operands(arity[name])[0].size
+        groups.append(native.Group(f"op_{name}", (size,), ((size,),) * arity[name],
+                                   (f"out = {native.C_OPS[name].format(**args)};",)))
+    lib = native.compiled(native.source(groups))
+    assert lib.vector_math  # glibc's vector functions were found: the loops are vectorised
+    for name, g in zip(names, groups):
+        xs = operands(arity[name])
+        got = lib.function(g.name, g.dims, g.leaves)(None, *xs)
+        with np.errstate(all="ignore"):
+            want = np.asarray(ELEMENTWISE[name].numpy(*xs), np.float32)
+        np.testing.assert_allclose(got, want, rtol=2e-6, atol=ATOL.get(name, 1e-6),
+                                   equal_nan=True, err_msg=name)
+
+
+def test_exp_of_a_masked_score_is_zero_and_keeps_nan():
+    """libmvec's expf sends -inf and results below float's smallest normal down a scalar
+    path; `bb_expf` clamps them and selects 0 (a NaN stays NaN)."""
+    g = native.Group("e", (5,), ((5,),), ("out = bb_expf(l0);",))
+    x = np.array([-np.inf, -87.5, -87.0, np.nan, 1.0], np.float32)
+    got = native.compiled(native.source([g])).function("e", g.dims, g.leaves)(None, x)
+    assert got[0] == 0.0 and got[1] == 0.0 and np.isnan(got[3])
+    np.testing.assert_allclose(got[[2, 4]], np.exp(x[[2, 4]]), rtol=3e-7)
+
+
+FMA = native.Group("mul_add", (6, 1, 40), ((6, 1, 40), (1, 1, 40), (6, 1, 1)),
+                   ("const float v0 = l0 * l1;", "out = v0 + l2;"))
+
+
+@pytest.fixture()
+def fma():
+    return native.compiled(native.source([FMA])).function(FMA.name, FMA.dims, FMA.leaves)
+
+
+def test_a_group_reads_views_broadcasts_and_converts_what_is_not_float32(fma):
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((6, 1, 40)).astype(np.float32)
+    row = rng.standard_normal((1, 1, 40)).astype(np.float32)
+    column = rng.standard_normal((6, 1, 1)).astype(np.float32)
+    want = x * row + column
+    np.testing.assert_array_equal(fma(None, x, row, column), want)
+    transposed = np.ascontiguousarray(x.transpose(2, 1, 0)).transpose(2, 1, 0)  # strided
+    assert not transposed.flags.c_contiguous
+    np.testing.assert_array_equal(fma(None, transposed, row, column), want)
+    every_other = np.repeat(x, 2, axis=2)[:, :, ::2]  # a stride of two elements inside
+    np.testing.assert_array_equal(fma(None, every_other, row, column), want)
+    np.testing.assert_array_equal(fma(None, x.astype(np.float64), row, column), want)
+    np.testing.assert_array_equal(fma(None, x, row, np.float32(2.0)[()]), x * row + 2)
+    with pytest.raises(ValueError, match="shapes"):
+        fma(None, x[:3], row, column)
+
+
+def test_a_group_writes_into_its_operand_unless_another_shares_its_memory(fma):
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((6, 1, 40)).astype(np.float32)
+    row = rng.standard_normal((1, 1, 40)).astype(np.float32)
+    want = x * row + x[:, :, :1]
+    into = x.copy()
+    assert fma(into, into, row, np.ascontiguousarray(into[:, :, :1])) is into
+    np.testing.assert_array_equal(into, want)
+    shared = x.copy()
+    got = fma(shared, shared, row, shared[:, :, :1])  # its column is read after it is written
+    assert got is not shared
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(shared, x)
+
+
+@pytest.mark.parametrize("op", sorted(native.REDUCTIONS))
+def test_a_group_ends_in_a_reduction_along_rows_columns_or_strides(op):
+    """exp(x - m) reduced over its innermost dimension: rows contiguous (partial results in
+    lanes), rows strided with contiguous columns (a transposed view: whole columns folded at
+    once), and neither; a NaN in a row is that row's max and min, as in numpy."""
+    g = native.Group(f"reduce_{op}", (4, 1, 24, 37), ((4, 1, 24, 37), (4, 1, 24, 1)),
+                     ("const float v0 = l0 - l1;", "out = bb_expf(v0);"), (op, 3))
+    fn = native.compiled(native.source([g])).function(g.name, g.dims, g.leaves, g.reduce)
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((4, 1, 24, 37)).astype(np.float32)
+    x[1, 0, 5, 30] = np.nan
+    m = rng.standard_normal((4, 1, 24, 1)).astype(np.float32)
+    want = {"sum": np.sum, "max": np.max, "min": np.min}[op](np.exp(x - m), axis=3,
+                                                             keepdims=True)
+    columns = np.ascontiguousarray(x.transpose(0, 1, 3, 2)).transpose(0, 1, 3, 2)
+    strided = np.ascontiguousarray(x.transpose(3, 1, 2, 0)).transpose(3, 1, 2, 0)
+    for view in (x, columns, strided):
+        got = fn(None, view, m)
+        assert got.shape == (4, 1, 24, 1)
+        np.testing.assert_allclose(got, want, rtol=1e-6, equal_nan=True)
+        assert np.isnan(got[1, 0, 5, 0])
+
+
+def run_both(p, inputs, **kw):
+    """`p` run with native groups (checking it has some) and through the interpreter."""
+    source = numpy_gen.generate(p, native=True, **kw)
+    module = numpy_gen.module_from_source(source)
+    return source, module.run(**inputs), interp.run(p, inputs)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
+def test_every_example_matches_the_interpreter(fused, monkeypatch):
+    monkeypatch.setattr(numpy_gen, "NATIVE_ELEMENTS", 1)  # the small shapes' groups too
+    grouped = 0
+    for path in EXAMPLES:
+        ast = load_program(path, dims=small_dims(path, SEVERAL_BLOCKS))
+        p = lower(ast)
+        if fused:
+            p = fuse(p, load_packs([]), get_target("h100")).program
+        inputs = random_inputs(ast, seed=5)
+        source, got, want = run_both(p, inputs)
+        grouped += "NATIVE = compiled(" in source
+        dense_want = dense.evaluate(ast, inputs, dtype=np.float64)
+        for name in got:
+            assert_close(got[name], want[name], f"{path.stem}: {name} vs interpreter")
+            if name in dense_want:
+                assert_close(got[name], dense_want[name], f"{path.stem}: {name} vs dense")
+    assert grouped >= len(EXAMPLES) // 2, grouped
+
+
+@pytest.mark.usefixtures("split_small")
+def test_parts_on_two_threads_call_groups_at_once():
+    ast = parse_program("dim r = 512 / 16\ndim c = 256 / 64\ninput X[r, c] : f32\n"
+                        "input B[c] : f32\n"
+                        "Y[r, c] = gelu(X[r, c] + B[c]) * sigmoid(X[r, c])\noutput Y\n")
+    p = lower(ast)
+    inputs = random_inputs(ast, seed=6)
+    generated = numpy_gen.generate_module(p, threads=2, split=True, native=True)
+    assert max(generated.parts) > 1
+    got = numpy_gen.module_from_source(generated.source).run(**inputs)["Y"]
+    assert_close(got, interp.run(p, inputs)["Y"], "parts vs interpreter")
+
+
+def test_a_chain_is_one_call_and_a_stored_or_shared_tile_ends_it():
+    """GELU of a biased input is one call; a tile another kernel reads (stored) is computed
+    on its own, and a tile of fewer than `NATIVE_ELEMENTS` stays numpy code."""
+    ast = parse_program("dim r = 256 / 16\ndim c = 128 / 64\ninput X[r, c] : f32\n"
+                        "input B[c] : f32\nH[r, c] = X[r, c] + B[c]\n"
+                        "Y[r, c] = gelu(H[r, c]) * H[r, c]\n"
+                        "Z[r] = sum[c] exp(X[r, c] - 1) * 2\n"
+                        "output H\noutput Y\noutput Z\n")
+    p = fuse(lower(ast), load_packs([]), get_target("h100")).program
+    inputs = random_inputs(ast, seed=8)
+    source, got, want = run_both(p, inputs)
+    for name in got:
+        assert_close(got[name], want[name], f"{name} vs interpreter")
+    body = source[source.index("def kernel_"):source.index("def _input")]
+    calls = re.findall(r"= (native_\d+)\(", body)
+    assert len(calls) == 2, body  # gelu(H) * H, and exp(X - 1) before the sum
+    assert "tanh" not in body and "elementwise_gelu" not in body, body
+    assert re.search(r"= t\d+_X \+ t\d+_B\n", body), body  # H, stored, on its own
+    small = lower(parse_program("dim r = 16 / 16\ndim c = 64 / 64\ninput X[r, c] : f32\n"
+                                "Y[r, c] = exp(X[r, c] - 1) * 2\noutput Y\n"))
+    assert "native_" not in numpy_gen.generate(small, native=True)
+
+
+def test_a_masked_maximum_over_padded_positions_is_one_call():
+    """magika's GELU before its max over 508 positions padded to 512: the bias, the GELU,
+    the padding's mask and the max are one call (the mask a tile of positions computed
+    once), and a sum over a transposed view of rows folds columns."""
+    ast = parse_program("dim f = 256 / 64\ndim c = 508 / 128\ndim k = 512 / 128\n"
+                        "input X[f, c] : f32\ninput B[f] : f32\ninput T[k, f] : f32\n"
+                        "Y[f] = max[c] gelu(X[f, c] + B[f])\n"
+                        "S[f] = sum[k] exp(T[k, f] * 0.5)\noutput Y\noutput S\n")
+    p = lower(ast)
+    inputs = random_inputs(ast, seed=12)
+    source, got, want = run_both(p, inputs)
+    kernel = source[source.index("def kernel_Y"):source.index("def kernel_S")]
+    assert len(re.findall(r"= native_\d+\(", kernel)) == 1, kernel
+    assert "tile_reduce_max" not in kernel and "gelu" not in kernel and "] = f32(" not in kernel
+    kernel = source[source.index("def kernel_S"):source.index("def _input")]
+    assert len(re.findall(r"= native_\d+\(", kernel)) == 1 and "np.sum" not in kernel, kernel
+    for name in got:
+        assert_close(got[name], want[name], f"{name} vs interpreter")
+
+
+def test_without_a_compiler_the_module_is_numpy_code(monkeypatch):
+    ast = parse_program("dim r = 128 / 16\ndim c = 128 / 64\ninput X[r, c] : f32\n"
+                        "Y[r, c] = tanh(X[r, c] * 3 + 1) - 0.25\noutput Y\n")
+    p = lower(ast)
+    inputs = random_inputs(ast, seed=9)
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    assert not native.available() and not numpy_gen.default_native()
+    native.compiled.cache_clear()
+    with pytest.warns(UserWarning, match="without native groups"):
+        module = numpy_gen.load(p, native=True)
+    assert not hasattr(module, "NATIVE")
+    np.testing.assert_array_equal(module.run(**inputs)["Y"],
+                                  numpy_gen.load(p, native=False).run(**inputs)["Y"])
+
+
+def test_a_compiled_source_is_kept_and_reused(cache, monkeypatch):
+    g = native.Group("kept", (64,), ((64,),), ("out = l0 * 7.0f;",))
+    text = native.source([g])
+    native.compiled.cache_clear()
+    native.compiled(text)
+    built = set(cache.glob("*.so"))
+    assert built
+
+    def no_compiler(*args, **kw):
+        raise AssertionError("compiled again")
+    monkeypatch.setattr(subprocess, "run", no_compiler)
+    native.compiled.cache_clear()
+    x = np.arange(64, dtype=np.float32)
+    np.testing.assert_array_equal(native.compiled(text).function("kept", (64,), ((64,),))(
+        None, x), x * 7)
+    assert set(cache.glob("*.so")) == built
+
+
+GELU_BIAS = """\
+dim r = 256 / 64
+dim c = 128 / 128
+input X[r, c], B[c] : f32
+Y[r, c] = gelu(X[r, c] + B[c]) * 2
+output Y
+"""
+
+
+def test_the_command_line_writes_and_runs_native_groups(tmp_path, capsys):
+    program = tmp_path / "gelu.bbp"
+    program.write_text(GELU_BIAS)
+    out = tmp_path / "gelu.py"
+    assert main(["codegen", str(program), "--native", "-o", str(out)]) == 0
+    module = numpy_gen.module_from_source(out.read_text())
+    assert hasattr(module, "NATIVE")
+    inputs = random_inputs(parse_program(GELU_BIAS), seed=13)
+    assert_close(module.run(**inputs)["Y"], interp.run(lower(parse_program(GELU_BIAS)),
+                                                       inputs)["Y"], "codegen --native")
+    assert main(["run", str(program), "--backend", "numpy", "--native", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["ok"] and set(report["outputs"]) == {"Y"}, report
+    assert main(["run", str(program), "--native"]) == 2  # the interpreter has no C loops
+    assert "--backend numpy" in capsys.readouterr().err
