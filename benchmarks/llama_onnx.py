@@ -30,7 +30,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from bbrules.codegen import numpy_gen
+from bbrules.codegen import native, numpy_gen
 from bbrules.codegen.numpy_timing import tune
 from bbrules.cost import fmt_bytes, fmt_time
 from bbrules.engine import Budget
@@ -178,12 +178,14 @@ def token_ids(args, seed: int) -> dict[str, np.ndarray]:
 
 def cpu_times(model: onnx.ModelProto, imported, program, args) -> str:
     """Median wall times on this machine: the fused program's generated numpy code (in parts
-    or whole, whichever `tune` timed faster) against onnxruntime's CPU session of the same
-    model, on the same input."""
+    or whole, whichever `tune` timed faster), without and with native groups (where a C
+    compiler is found), against onnxruntime's CPU session of the same model, on the same
+    input."""
     feed = token_ids(args, seed=2)
     inputs = imported.bbp_inputs(feed)
-    tuned = tune(program, inputs)
-    runner = tuned.module.run
+    modules = {"numpy": tune(program, inputs, native=False)}
+    if native.available():
+        modules["native"] = tune(program, inputs, native=True)
 
     def median(fn) -> float:
         # after a pause: runtimes' worker threads (OpenBLAS's behind numpy, onnxruntime's) spin
@@ -197,17 +199,20 @@ def cpu_times(model: onnx.ModelProto, imported, program, args) -> str:
             fn()
             times.append(time.perf_counter() - start)
         return statistics.median(times)
-    ours = median(lambda: runner(**inputs))
-    how = "in parts" if tuned.parts else "whole"
+    ours = {name: median(lambda: tuned.module.run(**inputs)) for name, tuned in modules.items()}
     try:
         import onnxruntime
     except ImportError:
-        return f"numpy backend {ours * 1e3:.1f} ms {how} (onnxruntime is not installed)"
-    session = onnxruntime.InferenceSession(model.SerializeToString(),
-                                           providers=["CPUExecutionProvider"])
-    theirs = median(lambda: session.run(None, feed))
-    return (f"numpy backend {ours * 1e3:.1f} ms {how}, onnxruntime {theirs * 1e3:.1f} ms "
-            f"({ours / theirs:.2f}x)")
+        theirs = None
+    else:
+        session = onnxruntime.InferenceSession(model.SerializeToString(),
+                                               providers=["CPUExecutionProvider"])
+        theirs = median(lambda: session.run(None, feed))
+    return ", ".join(
+        f"{name} {seconds * 1e3:.2f} ms {'in parts' if modules[name].parts else 'whole'}"
+        + (f" ({seconds / theirs:.2f}x onnxruntime's)" if theirs else "")
+        for name, seconds in ours.items()) + (
+        f"; onnxruntime {theirs * 1e3:.2f} ms" if theirs else " (onnxruntime is not installed)")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ no program that fits the target, says why and goes on with the unfused program),
 the model's own weights through the numpy backend on random byte sequences and compares with
 onnxruntime on the same inputs; reports kernels, traffic and modeled time, the largest
 difference and whether the predicted labels agree, and CPU times (the fused program in parts
-or whole, whichever `numpy_timing.tune` timed faster).
+or whole, whichever `numpy_timing.tune` timed faster; with its elementwise chains as C
+loops, `codegen.native`, where a C compiler is found, and without).
 
     python benchmarks/magika_onnx.py [--model PATH] [--batch 1] [--target h100]
 
@@ -29,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from bbrules.candidates import DEFAULT_THRESHOLD, PackSource, fuse_candidates, select_candidates
-from bbrules.codegen import numpy_gen
+from bbrules.codegen import native, numpy_gen
 from bbrules.codegen.numpy_timing import tune
 from bbrules.cost import cost_program, fmt_bytes, fmt_time
 from bbrules.extract import NoCandidate
@@ -100,19 +101,24 @@ def main() -> int:
     x = np.random.default_rng(0).integers(0, 257, size=(args.batch, 2048)).astype(np.int32)
     inputs = imported.bbp_inputs({"bytes": x})
     # before onnxruntime first runs: its threads spin after its work, on the cores tuning times
-    tuned = tune(program, inputs)
-    runner = tuned.module.run
+    modules = {"numpy": tune(program, inputs, native=False)}
+    if native.available():
+        modules["native"] = tune(program, inputs, native=True)
     want = session.run(None, {"bytes": x})[0]
-    unfused = numpy_gen.load(lower(ast)).run
-    got = imported.onnx_outputs(runner(**inputs))["target_label"]
-    print(f"largest difference from onnxruntime {np.abs(got - want).max():.2e}; labels agree: "
-          f"{bool((got.argmax(-1) == want.argmax(-1)).all())}")
-    ours = median_seconds(lambda: runner(**inputs))
+    unfused = numpy_gen.load(lower(ast), native=False).run
+    for name, tuned in modules.items():
+        got = imported.onnx_outputs(tuned.module.run(**inputs))["target_label"]
+        print(f"{name}: largest difference from onnxruntime {np.abs(got - want).max():.2e}; "
+              f"labels agree: {bool((got.argmax(-1) == want.argmax(-1)).all())}")
+    ours = {name: median_seconds(lambda: tuned.module.run(**inputs))
+            for name, tuned in modules.items()}
     plain = median_seconds(lambda: unfused(**inputs))
     theirs = median_seconds(lambda: session.run(None, {"bytes": x}))
-    how = "in parts" if tuned.parts else "whole"
-    print(f"CPU: numpy backend {ours * 1e3:.1f} ms fused ({how}), {plain * 1e3:.1f} ms unfused; "
-          f"onnxruntime {theirs * 1e3:.2f} ms (fused {ours / theirs:.1f}x its time)")
+    fused = ", ".join(f"{seconds * 1e3:.2f} ms {name} "
+                      f"({'in parts' if modules[name].parts else 'whole'}, "
+                      f"{seconds / theirs:.2f}x onnxruntime's)" for name, seconds in ours.items())
+    print(f"CPU: fused {fused}; unfused numpy {plain * 1e3:.1f} ms; "
+          f"onnxruntime {theirs * 1e3:.2f} ms")
     return 0
 
 
