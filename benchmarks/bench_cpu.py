@@ -3,7 +3,8 @@
 For each case, in one run: the dense numpy evaluation of the program (`bbrules.dense`, the
 baseline the speed-up and memory ratios are taken against), the unfused block program and the
 fused block program through the numpy backend on `--threads` threads (default: the backend's
-own, `numpy_gen.default_threads`), the fused program again on one thread, onnxruntime on the
+own, `numpy_gen.default_threads`), the fused program with native groups where a C compiler is
+found (`codegen/native.py`), the fused program again on one thread, onnxruntime on the
 same program written as an ONNX graph (attention: the opset-23 `Attention` operator; the
 norms written out as the programs compute them, `NORM_GRAPHS`), and for attention torch's
 `scaled_dot_product_attention` on the CPU and the hand-written blocked online-softmax loop in
@@ -65,7 +66,7 @@ from onnx import TensorProto, helper
 from blocked_attention import blocked_attention
 from bbrules import dense
 from bbrules.blockfile import load_block_program
-from bbrules.codegen import numpy_gen
+from bbrules.codegen import native, numpy_gen
 from bbrules.errors import UsageError
 from bbrules.frontend import load_program, parse_dim_override
 from bbrules.inputs import random_inputs
@@ -353,14 +354,17 @@ def run_case(case: Case, overrides: dict[str, tuple[int, int | None]],
     results[0].max_rel_error = 0.0
     del reference
     each = "thread" if threads == 1 else "threads"
-    module = numpy_gen.load(unfused, threads=threads)
+    module = numpy_gen.load(unfused, threads=threads, native=False)
     record(f"unfused (numpy, {threads} {each})", lambda: module.run(**inputs), want)
     fused, origin = fused_program(unfused, given.get(case.name), objective)
-    fused_module = numpy_gen.load(fused, threads=threads)
+    fused_module = numpy_gen.load(fused, threads=threads, native=False)
     record(f"fused (numpy, {threads} {each})", lambda: fused_module.run(**inputs), want,
            note=origin)
+    if native.available():
+        with_c = numpy_gen.load(fused, threads=threads, native=True)
+        record(f"fused (native groups, {threads} {each})", lambda: with_c.run(**inputs), want)
     if threads > 1:
-        one = numpy_gen.load(fused, threads=1)
+        one = numpy_gen.load(fused, threads=1, native=False)
         record("fused (numpy, 1 thread)", lambda: one.run(**inputs), want)
     (output,) = unfused.outputs
     built = onnx_model(case, inputs, output, want[output].shape)

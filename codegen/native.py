@@ -233,10 +233,11 @@ def function(g: Group) -> str:
     it has written `out`, 1 where some array is not a float32 array of its dimensions.
 
     Adjacent dimensions are merged at run time (`bb_merge`; never a reduced one with another,
-    since the result does not walk it), then the innermost loop runs contiguous, vectorised,
-    or strided.  A reduction folds a contiguous row into `LANES` partial results, combined
-    at its end; where the rows are strided but the next dimension is contiguous (a sum over
-    a transposed view's rows), it folds whole columns of results at once."""
+    since the result does not walk it).  The last two dimensions left are walked by rows
+    where every array's rows are contiguous, vectorised along them (a reduction folds each
+    row into `LANES` partial results, combined at its end); else by columns where the
+    columns are (a transposed view, attention's column-major scores: a reduction folds a
+    whole column of results at once); else element by element, strided."""
     kept = g.kept()
     nd, k = len(kept), len(g.leaves)
     shapes = ", ".join(str(n) for dims in (g.result(), *g.leaves) for n in dims)
@@ -254,8 +255,7 @@ def function(g: Group) -> str:
              *(f"    const float *a{i} = v[{i + 1}].buf;" for i in range(k)),
              "    Py_BEGIN_ALLOW_THREADS",
              f"    bb_merge({nd}, {k + 1}, n, &s[0][0]);"]
-    columns = g.reduce is not None and nd > 1  # a reduction's block walks two dimensions
-    outer = nd - 2 if columns else nd - 1
+    outer = max(nd - 2, 0)  # loops written out; the last two dimensions are the block's
     indent = "    "
     for j in range(outer):
         lines.append(f"{indent}for (long i{j} = 0; i{j} < n[{j}]; i{j}++)")
@@ -270,11 +270,10 @@ def function(g: Group) -> str:
     inner = [i for i in range(k) if kept[-1] in g.spans(i)]  # leaves walking the last loop
     rows = " && ".join([*(["t == 1"] if g.reduce is None else []),  # (a result: one per row)
                         *(f"t{i} == 1" for i in inner)]) or "1"
-    if g.reduce is None:
-        block += _branches([(rows, _map_loop(g, inner, True)), ("", _map_loop(g, inner, False))])
-    elif not columns:
-        block += _branches([(rows, _row(g, inner, True, "po", "p")),
-                            ("", _row(g, inner, False, "po", "p"))])
+    row = _row if g.reduce is not None else _map_loop
+    if nd == 1:
+        block += _branches([(rows, row(g, inner, True, "po", "p")),
+                            ("", row(g, inner, False, "po", "p"))])
     else:
         across = [i for i in range(k) if kept[-2] in g.spans(i)]  # leaves walking columns
         block += [f"const long w = n[{nd - 2}], c = s[0][{nd - 2}];",
@@ -284,7 +283,7 @@ def function(g: Group) -> str:
             return ["for (long j = 0; j < w; j++) {",
                     "    float *pr = po + j * c;",
                     *(f"    const float *q{i} = p{i} + j * c{i};" for i in range(k)),
-                    *(f"    {s}" for s in _row(g, inner, contiguous, "pr", "q")), "}"]
+                    *(f"    {s}" for s in row(g, inner, contiguous, "pr", "q")), "}"]
         contiguous = " && ".join(["c == 1", *(f"c{i} == 1" for i in across)])
         block += _branches([(rows, by_row(True)), (contiguous, _columns(g, inner, across)),
                             ("", by_row(False))])
@@ -312,13 +311,16 @@ def _element(g: Group, reads: Sequence[str], done: str) -> list[str]:
             "}"]
 
 
-def _map_loop(g: Group, inner: Sequence[int], contiguous: bool) -> list[str]:
-    """The innermost loop of a group without a reduction."""
-    def at(p: str, t: str) -> str:
-        return f"{p}[i]" if contiguous else f"{p}[i * {t}]"
-    reads = [at(f"p{i}", f"t{i}") if i in inner else f"p{i}[0]" for i in range(len(g.leaves))]
+def _map_loop(g: Group, inner: Sequence[int], contiguous: bool, result: str, p: str
+              ) -> list[str]:
+    """A row of a group without a reduction (the innermost loop) into `result`, its leaves
+    at `p<i>`."""
+    def at(q: str, t: str) -> str:
+        return f"{q}[i]" if contiguous else f"{q}[i * {t}]"
+    reads = [at(f"{p}{i}", f"t{i}") if i in inner else f"{p}{i}[0]"
+             for i in range(len(g.leaves))]
     return [*(["#pragma omp simd"] if contiguous else []), "for (long i = 0; i < m; i++)",
-            *_element(g, reads, f"{at('po', 't')} = out;")]
+            *_element(g, reads, f"{at(result, 't')} = out;")]
 
 
 def _row(g: Group, inner: Sequence[int], contiguous: bool, result: str, p: str) -> list[str]:
@@ -350,18 +352,23 @@ def _row(g: Group, inner: Sequence[int], contiguous: bool, result: str, p: str) 
 
 
 def _columns(g: Group, inner: Sequence[int], across: Sequence[int]) -> list[str]:
-    """A reduction of strided rows whose next dimension is contiguous: every result of a
-    column of rows folded at once, one row element at a time."""
-    identity, combine = REDUCTIONS[g.reduce[0]]
+    """Strided rows whose next dimension is contiguous, walked a column at a time: every
+    element of a column at once, vectorised (a reduction folds a column of results, one row
+    element at a time)."""
     reads = [f"p{i}[{' + '.join(([] if i not in across else ['j'])
                                  + ([] if i not in inner else ['r * t' + str(i)])) or '0'}]"
              for i in range(len(g.leaves))]
-    return [f"for (long j = 0; j < w; j++) po[j] = {identity};",
+    if g.reduce is None:
+        init, done = [], "po[j + r * t] = out;"
+    else:
+        identity, combine = REDUCTIONS[g.reduce[0]]
+        init = [f"for (long j = 0; j < w; j++) po[j] = {identity};"]
+        done = f"po[j] = {combine.format(x='po[j]', y='out')};"
+    return [*init,
             "for (long r = 0; r < m; r++) {",
             "    #pragma omp simd",
             "    for (long j = 0; j < w; j++)",
-            *(f"    {s}" for s in _element(g, reads,
-                                           f"po[j] = {combine.format(x='po[j]', y='out')};")),
+            *(f"    {s}" for s in _element(g, reads, done)),
             "}"]
 
 
@@ -481,7 +488,7 @@ class Call:
 
     def __call__(self, out: np.ndarray | None, *leaves: np.ndarray) -> np.ndarray:
         if out is None or any(a is not out and np.may_share_memory(out, a) for a in leaves):
-            out = np.empty(self.dims, np.float32)
+            out = self.new(leaves)
         if self.fn(out, *leaves):  # a numpy scalar, another dtype, an odd view: converted
             try:
                 converted = [_as_leaf(a, dims) for a, dims in zip(leaves, self.leaf_dims)]
@@ -491,6 +498,13 @@ class Call:
                 raise ValueError(f"native group of dimensions {self.dims}: its arrays have "
                                  f"shapes {[np.shape(a) for a in (out, *leaves)]}")
         return out
+
+    def new(self, leaves: Sequence[np.ndarray]) -> np.ndarray:
+        """A result array laid out in memory as the first leaf of its shape is (as numpy's
+        ufuncs lay out theirs: attention's column-major scores stay so), else C order."""
+        like = next((a for a in leaves if isinstance(a, np.ndarray) and a.shape == self.dims
+                     and a.dtype == np.float32), None)
+        return np.empty(self.dims, np.float32) if like is None else np.empty_like(like)
 
 
 def _as_leaf(a: np.ndarray, dims: tuple[int, ...]) -> np.ndarray:

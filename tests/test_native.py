@@ -100,6 +100,8 @@ def fma():
 
 
 def test_a_group_reads_views_broadcasts_and_converts_what_is_not_float32(fma):
+    """Contiguous rows, a transposed view (walked by columns, its result laid out as it is),
+    a stride inside rows (element by element), other dtypes and numpy scalars."""
     rng = np.random.default_rng(3)
     x = rng.standard_normal((6, 1, 40)).astype(np.float32)
     row = rng.standard_normal((1, 1, 40)).astype(np.float32)
@@ -108,7 +110,9 @@ def test_a_group_reads_views_broadcasts_and_converts_what_is_not_float32(fma):
     np.testing.assert_array_equal(fma(None, x, row, column), want)
     transposed = np.ascontiguousarray(x.transpose(2, 1, 0)).transpose(2, 1, 0)  # strided
     assert not transposed.flags.c_contiguous
-    np.testing.assert_array_equal(fma(None, transposed, row, column), want)
+    got = fma(None, transposed, row, column)  # by columns, into an array laid out alike
+    np.testing.assert_array_equal(got, want)
+    assert got.strides == transposed.strides
     every_other = np.repeat(x, 2, axis=2)[:, :, ::2]  # a stride of two elements inside
     np.testing.assert_array_equal(fma(None, every_other, row, column), want)
     np.testing.assert_array_equal(fma(None, x.astype(np.float64), row, column), want)
