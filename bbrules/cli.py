@@ -309,7 +309,7 @@ def _run_args(p: argparse.ArgumentParser) -> None:
                    help="with --backend numpy: after the checked run, time RUNS more (back to "
                         "back) and print each kernel's median time and share beside its "
                         "modeled time and share on --target")
-    _native_arg(p)
+    _native_arg(p, "where a C compiler is found, unless $BBRULES_NATIVE=0")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
 
 
@@ -400,13 +400,14 @@ def cmd_run(args: argparse.Namespace) -> int:
         inputs.update(ast.values)
     if args.values:
         inputs.update(_load_values(args.values, program))
+    native_groups = _native(args, numpy_gen.default_native())
     execute = BACKENDS[args.backend]
-    if _native(args):
-        execute = functools.partial(numpy_gen.run, native=True)
+    if args.backend == "numpy":
+        execute = functools.partial(numpy_gen.run, native=native_groups)
     start = time.perf_counter()
     outputs = execute(program, inputs)
     elapsed = time.perf_counter() - start
-    profiled = _profile(args, program, inputs) if args.profile else None
+    profiled = _profile(args, program, inputs, native_groups) if args.profile else None
     if ast is None:
         return _report_checksums(args, program, outputs, elapsed, profiled)
     reference = dense.evaluate(ast, inputs, dtype=np.float64)
@@ -441,11 +442,11 @@ Profiled = tuple[numpy_timing.Profile, ProgramCost]
 
 
 def _profile(args: argparse.Namespace, program: BlockProgram,
-             inputs: dict[str, np.ndarray]) -> Profiled:
+             inputs: dict[str, np.ndarray], native_groups: bool) -> Profiled:
     progress = _progress(args)
     if progress:
         progress(f"timing {args.profile} runs of the numpy code")
-    return (numpy_timing.profile(program, inputs, args.profile, native=_native(args)),
+    return (numpy_timing.profile(program, inputs, args.profile, native=native_groups),
             cost_program(program, get_target(args.target)))
 
 
@@ -705,21 +706,20 @@ def rule_table(r: FuseResult) -> str:
     return "\n".join(lines)
 
 
-def _native_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--native", action="store_true",
+def _native_arg(p: argparse.ArgumentParser, default: str) -> None:
+    p.add_argument("--native", action=argparse.BooleanOptionalAction,
                    help="numpy: chains of elementwise operators as C loops the module compiles "
-                        "when it loads (needs a C compiler, $CC or cc; default: "
-                        "$BBRULES_NATIVE=1)")
+                        f"when it loads (needs a C compiler, $CC or cc; default: {default})")
 
 
-def _native(args: argparse.Namespace) -> bool:
-    """Whether the numpy code has native groups: --native, else $BBRULES_NATIVE."""
+def _native(args: argparse.Namespace, default: bool) -> bool:
+    """Whether the numpy code has native groups: --native / --no-native, else `default`."""
     if args.native and args.backend != "numpy":
         raise UsageError(f"--native writes C loops into the generated numpy code; add "
                          f"--backend numpy (not {args.backend})")
     if args.native and not native.available():
         raise UsageError("--native needs a C compiler, and none was found (set $CC)")
-    return args.native or numpy_gen.default_native()
+    return default if args.native is None else args.native
 
 
 def _codegen_args(p: argparse.ArgumentParser) -> None:
@@ -733,7 +733,7 @@ def _codegen_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=_integer(1), default=1,
                    help="numpy: split each kernel with enough work into parts for this many "
                         "threads (default 1: the code does not depend on the machine)")
-    _native_arg(p)
+    _native_arg(p, "numpy code alone")
     p.add_argument("--no-fuse", action="store_true", help="generate code for the unfused program")
     p.add_argument("-o", "--output", metavar="FILE",
                    help="write the code here (cuda: FILE gets the CUDA source and FILE.py the "
@@ -788,7 +788,7 @@ def cmd_codegen(args: argparse.Namespace) -> int:
     _, program = _program_to_run(args)
     if args.backend == "numpy":
         files = {args.output: numpy_gen.generate(program, threads=args.threads,
-                                                 native=_native(args))}
+                                                 native=_native(args, False))}
     elif args.backend == "triton":
         target = get_target(args.target)
         files = {args.output: triton_gen.generate(program, target, args.precision).source}

@@ -73,12 +73,14 @@ Why it looks the way it does:
   `generate` defaults to one thread, so the text it writes does not depend on the machine.
 - *Native groups* (`native=True`, `codegen.native`): numpy makes a pass over memory per
   operator, so a chain of elementwise operators over one tile's dimensions, each read only
-  by the next, is one C loop instead, and so is a chain that only a reduction within the
-  tile reads along the tile's innermost dimension (magika's bias, GELU, padding mask and max
-  over positions: one call).  The module carries the C and compiles it when it loads (once
-  per machine); `load` writes numpy code alone where no C compiler works.  Off by default
-  (`$BBRULES_NATIVE=1`, `bbrules run/codegen --native`): results agree with the numpy
-  code's to float rounding (glibc's functions, not numpy's), not bit for bit.
+  by others of the chain, is one C loop instead, and so is a chain that only a reduction
+  within the tile reads along the tile's innermost dimension (magika's bias, GELU, padding
+  mask and max over positions: one call).  The module carries the C and compiles it when
+  it loads (once per machine).  `load` and `run` use them where a C compiler is found
+  (`default_native`; `$BBRULES_NATIVE=0` turns them off) and write numpy code alone where
+  compiling fails; `generate` writes numpy code alone unless asked (`bbrules codegen
+  --native`).  Results agree with the numpy code's to float rounding (glibc's functions,
+  not numpy's), not bit for bit.
 """
 
 from __future__ import annotations
@@ -217,6 +219,11 @@ MAX_NESTING = 50
 # A native group (`_KernelWriter.native_groups`) computes a tile of at least this many elements:
 # on smaller ones calling it costs about what numpy's calls do.
 NATIVE_ELEMENTS = 1 << 12
+
+# A native group has at most this many operators (a deeper expression is left to numpy): the C
+# compiler's time grows with a function's size, and a program's expressions are not its to
+# bound.
+NATIVE_OPERATORS = 256
 
 # A loop over at most this many blocks of one element, whose body selects by the position, is
 # written once per block with the position known (`_KernelWriter.unrolled`).
@@ -910,7 +917,8 @@ class _KernelWriter:
                 members[n] = members.pop(x)
         for root, group in members.items():
             reduces = isinstance(root, BlockReduce)
-            if (reduces or len(group) > 1) and prod(self.dims(group[-1])) >= NATIVE_ELEMENTS:
+            if (reduces or len(group) > 1) and len(group) <= NATIVE_OPERATORS and \
+                    prod(self.dims(group[-1])) >= NATIVE_ELEMENTS:
                 self.groups[root] = group
                 self.absorbed.update(m for m in group if m is not root)
 
@@ -2306,9 +2314,9 @@ def load(p: BlockProgram, threads: int | None = None, native: bool | None = None
 
 
 def default_native() -> bool:
-    """Whether modules have native groups by default: `$BBRULES_NATIVE` set to 1 and a C
-    compiler found."""
-    return os.environ.get("BBRULES_NATIVE", "0").strip() == "1" and native_c.available()
+    """Whether the modules `load` runs have native groups by default: where a C compiler is
+    found, unless `$BBRULES_NATIVE` is 0."""
+    return os.environ.get("BBRULES_NATIVE", "1").strip() != "0" and native_c.available()
 
 
 def module_from_source(source: str) -> types.ModuleType:

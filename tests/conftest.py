@@ -1,5 +1,7 @@
 """Suite-wide settings: soundness verdicts are cached in a directory of the test session, never
-in the user's cache; and fixtures that several test files use."""
+in the user's cache; the numpy backend runs numpy code alone unless a test asks for native
+groups (the suite checks that code, often bit for bit; tests/test_native.py checks the C);
+and fixtures that several test files use."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from bbrules.soundness import CACHE_ENV
 def _soundness_cache(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(CACHE_ENV, str(tmp_path_factory.mktemp("bbrules-cache")))
+        mp.setenv("BBRULES_NATIVE", "0")
         yield
 
 

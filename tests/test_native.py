@@ -299,3 +299,32 @@ def test_the_command_line_writes_and_runs_native_groups(tmp_path, capsys):
     assert report["ok"] and set(report["outputs"]) == {"Y"}, report
     assert main(["run", str(program), "--native"]) == 2  # the interpreter has no C loops
     assert "--backend numpy" in capsys.readouterr().err
+    plain = tmp_path / "plain.py"
+    assert main(["codegen", str(program), "-o", str(plain)]) == 0  # numpy code unless asked
+    assert "NATIVE" not in plain.read_text()
+
+
+def test_modules_run_with_native_groups_unless_turned_off(monkeypatch):
+    """`load` (and so `run`, `bbrules run`, `bbrules.compile`) uses native groups where a
+    compiler is found; `$BBRULES_NATIVE=0` turns them off (as this suite does elsewhere)."""
+    p = lower(parse_program(GELU_BIAS))
+    monkeypatch.delenv("BBRULES_NATIVE")
+    assert numpy_gen.default_native() and hasattr(numpy_gen.load(p), "NATIVE")
+    assert not hasattr(numpy_gen.load(p, native=False), "NATIVE")
+    monkeypatch.setenv("BBRULES_NATIVE", "0")
+    assert not numpy_gen.default_native() and not hasattr(numpy_gen.load(p), "NATIVE")
+
+
+def test_a_chain_longer_than_a_group_is_left_to_numpy(monkeypatch):
+    """A group has at most `NATIVE_OPERATORS` operators: a program's expressions may be deep,
+    and compiling time grows with them."""
+    monkeypatch.setattr(numpy_gen, "NATIVE_OPERATORS", 8)
+
+    def chain(depth: int):
+        expr = "X[r, c]"
+        for _ in range(depth):
+            expr = f"tanh({expr} * 2)"
+        return lower(parse_program("dim r = 128 / 16\ndim c = 128 / 64\ninput X[r, c] : f32\n"
+                                   f"Y[r, c] = {expr}\noutput Y\n"))
+    assert "= native_" in numpy_gen.generate(chain(4), native=True)  # 8 operators
+    assert "= native_" not in numpy_gen.generate(chain(5), native=True)
