@@ -475,9 +475,9 @@ class Call:
     """A group's C function called on numpy arrays: `call(out, *leaves)` writes the result
     into `out` (an array of the group's dimensions, which may be one of the leaves: each
     element is read before it is written) or, with `out` None or overlapping another leaf,
-    into a new C-order array, and returns it (a reduction's `out` must not be a leaf: it
-    may hold partial results while the leaves are read).  The function reads the arrays' memory
-    through the buffer protocol and releases the GIL while it loops."""
+    into a new array (`new`), and returns it.  A reduction's `out` must not be a leaf: it
+    holds partial results while the leaves are read.  The function reads the arrays'
+    memory through the buffer protocol and releases the GIL while it loops."""
 
     def __init__(self, fn: Callable[..., int], g: Group):
         self.dims = g.result()
