@@ -401,12 +401,11 @@ def _machine(cc: str) -> str:
                                  timeout=60).stdout
     except (OSError, subprocess.SubprocessError):
         version = ""
-    flags = ""
-    with_flags = Path("/proc/cpuinfo")
-    if with_flags.exists():
-        flags = next((line for line in with_flags.read_text(errors="replace").splitlines()
-                      if line.startswith(("flags", "Features"))), "")
-    return version + flags
+    try:
+        cpu = Path("/proc/cpuinfo").read_text(errors="replace").splitlines()
+    except OSError:  # not Linux: the compiler's version alone
+        cpu = []
+    return version + next((line for line in cpu if line.startswith(("flags", "Features"))), "")
 
 
 def available() -> bool:
