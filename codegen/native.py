@@ -8,7 +8,8 @@ small models numpy's passes are what is left after the products.
 
 What a group is: operators of one tile's dimensions, each read only by others of the group
 (`numpy_gen` decides that from the kernel's schedule), perhaps ending in a sum, max or min
-along the tile's innermost dimension; its *leaves* are the tiles it reads (arrays of its
+along the tile's innermost dimension (returning the values too where another step reads
+them: a softmax's exponentials); its *leaves* are the tiles it reads (arrays of its
 dimensions or broadcast along some of them: size 1 in the kernel's layout) and numbers,
 baked into the C as exact hexadecimal literals.  Each group is one C function over the
 dimensions known while generating and the arrays' strides read at run time through the
@@ -91,14 +92,14 @@ static void bb_release(int count, Py_buffer *views) {
         PyBuffer_Release(&views[k]);
 }
 
-/* The buffers of `count` arrays (the first written), each a float32 array of shape
+/* The buffers of `count` arrays (the first `written` written), each a float32 array of shape
    `shapes[k]` of `nd` dimensions, and their strides in elements along the `walked`
    dimensions `kept` (0 where an array's extent is 1: it is broadcast).  0 when every array
    is such; else 1, nothing held and no Python error set: the caller converts its arrays. */
-static int bb_buffers(int count, PyObject **arrays, Py_buffer *views, int nd,
+static int bb_buffers(int count, int written, PyObject **arrays, Py_buffer *views, int nd,
                       const long *shapes, int walked, const int *kept, long *strides) {
     for (int k = 0; k < count; k++) {
-        int flags = PyBUF_STRIDES | PyBUF_FORMAT | (k == 0 ? PyBUF_WRITABLE : 0);
+        int flags = PyBUF_STRIDES | PyBUF_FORMAT | (k < written ? PyBUF_WRITABLE : 0);
         if (PyObject_GetBuffer(arrays[k], &views[k], flags) != 0) {
             PyErr_Clear();
             bb_release(k, views);
@@ -183,13 +184,22 @@ class Group:
     """One group as the numpy backend hands it over: its function's name, the dimensions its
     loops walk, each array leaf's dimensions (1 where it is broadcast), the C statements
     computing the float `out` from the leaves read as `l0`, `l1`, ..., and the reduction it
-    ends in, if any: (sum, max or min, the dimension), always the innermost one it walks."""
+    ends in, if any: (sum, max or min, the dimension), always the innermost one it walks;
+    `keeps`: a reduction's group writes the values it reduces too (another step reads them:
+    a softmax's exponentials, which its product with V reads beside their sum)."""
 
     name: str
     dims: tuple[int, ...]
     leaves: tuple[tuple[int, ...], ...]
     body: tuple[str, ...]
     reduce: tuple[str, int] | None = None
+    keeps: bool = False
+
+    def outputs(self) -> tuple[tuple[int, ...], ...]:
+        """The dimensions of the arrays it writes: the values, the reduction, or both."""
+        if self.reduce is None:
+            return (self.dims,)
+        return ((self.dims,) if self.keeps else ()) + (self.result(),)
 
     def result(self) -> tuple[int, ...]:
         """The result's dimensions: those walked, but one along a reduced dimension."""
@@ -229,32 +239,38 @@ def statements(root: Node, group: set[Node], leaf: Callable[[Node], str]) -> tup
 
 
 def function(g: Group) -> str:
-    """The C function of one group: `int name(PyObject *out, PyObject *leaf0, ...)`, 0 once
-    it has written `out`, 1 where some array is not a float32 array of its dimensions.
+    """The C function of one group: `int name(PyObject *out, ..., PyObject *leaf0, ...)`
+    (its `outputs`, then its leaves), 0 once it has written its outputs, 1 where some array
+    is not a float32 array of its dimensions.
 
     Adjacent dimensions are merged at run time (`bb_merge`; never a reduced one with another,
-    since the result does not walk it).  The last two dimensions left are walked by rows
-    where every array's rows are contiguous, vectorised along them (a reduction folds each
-    row into `LANES` partial results, combined at its end); else by columns where the
+    since the reduction's result does not walk it).  The last two dimensions left are walked
+    by rows where every array's rows are contiguous, vectorised along them (a reduction folds
+    each row into `LANES` partial results, combined at its end); else by columns where the
     columns are (a transposed view, attention's column-major scores: a reduction folds a
     whole column of results at once); else element by element, strided."""
     kept = g.kept()
     nd, k = len(kept), len(g.leaves)
-    shapes = ", ".join(str(n) for dims in (g.result(), *g.leaves) for n in dims)
-    lines = [f"int {g.name}({', '.join(f'PyObject *x{i}' for i in range(k + 1))}) {{",
-             f"    PyObject *arrays[{k + 1}] = {{{', '.join(f'x{i}' for i in range(k + 1))}}};",
+    values, reduced = g.reduce is None or g.keeps, g.reduce is not None
+    outs = len(g.outputs())
+    arrays = outs + k
+    v_at, a_at = 0, outs - 1  # the arrays of the values and of the reduction's result
+    shapes = ", ".join(str(n) for dims in (*g.outputs(), *g.leaves) for n in dims)
+    lines = [f"int {g.name}({', '.join(f'PyObject *x{i}' for i in range(arrays))}) {{",
+             f"    PyObject *arrays[{arrays}] = {{{', '.join(f'x{i}' for i in range(arrays))}}};",
              f"    static const long shapes[] = {{{shapes}}};",
              f"    static const int kept[] = {{{', '.join(map(str, kept))}}};",
              f"    long n[{nd}] = {{{', '.join(str(g.dims[d]) for d in kept)}}}, "
-             f"s[{k + 1}][{nd}];",
-             f"    Py_buffer v[{k + 1}];",
-             f"    if (bb_buffers({k + 1}, arrays, v, {len(g.dims)}, shapes, {nd}, kept, "
-             "&s[0][0]))",
+             f"s[{arrays}][{nd}];",
+             f"    Py_buffer v[{arrays}];",
+             f"    if (bb_buffers({arrays}, {outs}, arrays, v, {len(g.dims)}, shapes, {nd}, "
+             "kept, &s[0][0]))",
              "        return 1;",
-             "    float *o = v[0].buf;",
-             *(f"    const float *a{i} = v[{i + 1}].buf;" for i in range(k)),
+             *([f"    float *ov = v[{v_at}].buf;"] if values else []),
+             *([f"    float *oa = v[{a_at}].buf;"] if reduced else []),
+             *(f"    const float *a{i} = v[{outs + i}].buf;" for i in range(k)),
              "    Py_BEGIN_ALLOW_THREADS",
-             f"    bb_merge({nd}, {k + 1}, n, &s[0][0]);"]
+             f"    bb_merge({nd}, {arrays}, n, &s[0][0]);"]
     outer = max(nd - 2, 0)  # loops written out; the last two dimensions are the block's
     indent = "    "
     for j in range(outer):
@@ -263,33 +279,40 @@ def function(g: Group) -> str:
 
     def offset(array: int) -> str:
         return "".join(f" + i{j} * s[{array}][{j}]" for j in range(outer))
-    block = [f"float *po = o{offset(0)};",
-             *(f"const float *p{i} = a{i}{offset(i + 1)};" for i in range(k)),
-             f"const long m = n[{nd - 1}], t = s[0][{nd - 1}];",
-             *(f"const long t{i} = s[{i + 1}][{nd - 1}];" for i in range(k))]
+    block = [*([f"float *pv = ov{offset(v_at)};"] if values else []),
+             *([f"float *pa = oa{offset(a_at)};"] if reduced else []),
+             *(f"const float *p{i} = a{i}{offset(outs + i)};" for i in range(k)),
+             f"const long m = n[{nd - 1}];",
+             *([f"const long t = s[{v_at}][{nd - 1}];"] if values else []),
+             *(f"const long t{i} = s[{outs + i}][{nd - 1}];" for i in range(k))]
     inner = [i for i in range(k) if kept[-1] in g.spans(i)]  # leaves walking the last loop
-    rows = " && ".join([*(["t == 1"] if g.reduce is None else []),  # (a result: one per row)
+    rows = " && ".join([*(["t == 1"] if values else []),  # (a reduction's result: one a row)
                         *(f"t{i} == 1" for i in inner)]) or "1"
-    row = _row if g.reduce is not None else _map_loop
+    row = _row if reduced else _map_loop
     if nd == 1:
-        block += _branches([(rows, row(g, inner, True, "po", "p")),
-                            ("", row(g, inner, False, "po", "p"))])
+        block += _branches([(rows, row(g, inner, True, "pv", "pa", "p")),
+                            ("", row(g, inner, False, "pv", "pa", "p"))])
     else:
         across = [i for i in range(k) if kept[-2] in g.spans(i)]  # leaves walking columns
-        block += [f"const long w = n[{nd - 2}], c = s[0][{nd - 2}];",
-                  *(f"const long c{i} = s[{i + 1}][{nd - 2}];" for i in range(k))]
+        block += [f"const long w = n[{nd - 2}];",
+                  *([f"const long c = s[{v_at}][{nd - 2}];"] if values else []),
+                  *([f"const long ca = s[{a_at}][{nd - 2}];"] if reduced else []),
+                  *(f"const long c{i} = s[{outs + i}][{nd - 2}];" for i in range(k))]
 
         def by_row(contiguous: bool) -> list[str]:
             return ["for (long j = 0; j < w; j++) {",
-                    "    float *pr = po + j * c;",
+                    *(["    float *qv = pv + j * c;"] if values else []),
+                    *(["    float *qa = pa + j * ca;"] if reduced else []),
                     *(f"    const float *q{i} = p{i} + j * c{i};" for i in range(k)),
-                    *(f"    {s}" for s in row(g, inner, contiguous, "pr", "q")), "}"]
-        contiguous = " && ".join(["c == 1", *(f"c{i} == 1" for i in across)])
+                    *(f"    {s}" for s in row(g, inner, contiguous, "qv", "qa", "q")), "}"]
+        contiguous = " && ".join([*(["c == 1"] if values else []),
+                                  *(["ca == 1"] if reduced else []),
+                                  *(f"c{i} == 1" for i in across)])
         block += _branches([(rows, by_row(True)), (contiguous, _columns(g, inner, across)),
                             ("", by_row(False))])
     lines += [indent + "{", *(f"{indent}    {s}" for s in block), indent + "}",
               "    Py_END_ALLOW_THREADS",
-              f"    bb_release({k + 1}, v);",
+              f"    bb_release({arrays}, v);",
               "    return 0;",
               "}"]
     return "\n".join(lines)
@@ -304,35 +327,41 @@ def _branches(cases: list[tuple[str, list[str]]]) -> list[str]:
     return [*out, "}"]
 
 
-def _element(g: Group, reads: Sequence[str], done: str) -> list[str]:
+def _element(g: Group, reads: Sequence[str], done: Sequence[str]) -> list[str]:
     """One element: its leaves read, the group's statements, and `done` with `out`."""
     return ["{", *(f"    {s}" for s in [*(f"const float l{i} = {r};" for i, r in
-                                           enumerate(reads)), "float out;", *g.body, done]),
+                                           enumerate(reads)), "float out;", *g.body, *done]),
             "}"]
 
 
-def _map_loop(g: Group, inner: Sequence[int], contiguous: bool, result: str, p: str
+def _map_loop(g: Group, inner: Sequence[int], contiguous: bool, values: str, _: str, p: str
               ) -> list[str]:
-    """A row of a group without a reduction (the innermost loop) into `result`, its leaves
+    """A row of a group without a reduction (the innermost loop) into `values`, its leaves
     at `p<i>`."""
     def at(q: str, t: str) -> str:
         return f"{q}[i]" if contiguous else f"{q}[i * {t}]"
     reads = [at(f"{p}{i}", f"t{i}") if i in inner else f"{p}{i}[0]"
              for i in range(len(g.leaves))]
     return [*(["#pragma omp simd"] if contiguous else []), "for (long i = 0; i < m; i++)",
-            *_element(g, reads, f"{at(result, 't')} = out;")]
+            *_element(g, reads, [f"{at(values, 't')} = out;"])]
 
 
-def _row(g: Group, inner: Sequence[int], contiguous: bool, result: str, p: str) -> list[str]:
-    """A reduction of one row (the innermost loop) into `result[0]`, its leaves at `p<i>`."""
+def _row(g: Group, inner: Sequence[int], contiguous: bool, values: str, result: str, p: str
+         ) -> list[str]:
+    """A reduction of one row (the innermost loop) into `result[0]`, its leaves at `p<i>`;
+    the values it reduces written into `values` too where the group `keeps` them."""
     identity, combine = REDUCTIONS[g.reduce[0]]
 
-    def reads(index: str) -> list[str]:
-        return [(f"{p}{i}[{index}]" if contiguous else f"{p}{i}[({index}) * t{i}]")
-                if i in inner else f"{p}{i}[0]" for i in range(len(g.leaves))]
+    def at(q: str, index: str, t: str) -> str:
+        return f"{q}[{index}]" if contiguous else f"{q}[({index}) * {t}]"
 
-    def fold(into: str) -> str:
-        return f"{into} = {combine.format(x=into, y='out')};"
+    def reads(index: str) -> list[str]:
+        return [at(f"{p}{i}", index, f"t{i}") if i in inner else f"{p}{i}[0]"
+                for i in range(len(g.leaves))]
+
+    def fold(index: str, into: str) -> list[str]:
+        return [*([f"{at(values, index, 't')} = out;"] if g.keeps else []),
+                f"{into} = {combine.format(x=into, y='out')};"]
     lines = [f"float acc = {identity};"]
     if contiguous:
         lines += [f"float part[{LANES}];",
@@ -341,13 +370,13 @@ def _row(g: Group, inner: Sequence[int], contiguous: bool, result: str, p: str) 
                   f"for (; i + {LANES} <= m; i += {LANES}) {{",
                   "    #pragma omp simd",
                   f"    for (int l = 0; l < {LANES}; l++)",
-                  *(f"    {s}" for s in _element(g, reads("i + l"), fold("part[l]"))),
+                  *(f"    {s}" for s in _element(g, reads("i + l"), fold("i + l", "part[l]"))),
                   "}",
                   f"for (int l = 0; l < {LANES}; l++) "
                   f"acc = {combine.format(x='acc', y='part[l]')};",
-                  "for (; i < m; i++)", *_element(g, reads("i"), fold("acc"))]
+                  "for (; i < m; i++)", *_element(g, reads("i"), fold("i", "acc"))]
     else:
-        lines += ["for (long i = 0; i < m; i++)", *_element(g, reads("i"), fold("acc"))]
+        lines += ["for (long i = 0; i < m; i++)", *_element(g, reads("i"), fold("i", "acc"))]
     return [*lines, f"{result}[0] = acc;"]
 
 
@@ -358,12 +387,12 @@ def _columns(g: Group, inner: Sequence[int], across: Sequence[int]) -> list[str]
     reads = [f"p{i}[{' + '.join(([] if i not in across else ['j'])
                                  + ([] if i not in inner else ['r * t' + str(i)])) or '0'}]"
              for i in range(len(g.leaves))]
-    if g.reduce is None:
-        init, done = [], "po[j + r * t] = out;"
-    else:
+    init: list[str] = []
+    done = ["pv[j + r * t] = out;"] if g.reduce is None or g.keeps else []
+    if g.reduce is not None:
         identity, combine = REDUCTIONS[g.reduce[0]]
-        init = [f"for (long j = 0; j < w; j++) po[j] = {identity};"]
-        done = f"po[j] = {combine.format(x='po[j]', y='out')};"
+        init = [f"for (long j = 0; j < w; j++) pa[j] = {identity};"]
+        done.append(f"pa[j] = {combine.format(x='pa[j]', y='out')};")
     return [*init,
             "for (long r = 0; r < m; r++) {",
             "    #pragma omp simd",
@@ -466,37 +495,42 @@ class Library:
         self.vector_math = vector_math  # whether its loops call libmvec's vector functions
 
     def function(self, name: str, dims: tuple[int, ...], leaves: tuple[tuple[int, ...], ...],
-                 reduce: tuple[str, int] | None = None) -> Call:
-        return Call(getattr(self.lib, name), Group(name, dims, leaves, (), reduce))
+                 reduce: tuple[str, int] | None = None, keeps: bool = False) -> Call:
+        return Call(getattr(self.lib, name), Group(name, dims, leaves, (), reduce, keeps))
 
 
 class Call:
     """A group's C function called on numpy arrays: `call(out, *leaves)` writes the result
     into `out` (an array of the group's dimensions, which may be one of the leaves: each
     element is read before it is written) or, with `out` None or overlapping another leaf,
-    into a new array (`new`), and returns it.  A reduction's `out` must not be a leaf: it
-    holds partial results while the leaves are read.  The function reads the arrays'
-    memory through the buffer protocol and releases the GIL while it loops."""
+    into a new array (`new`), and returns it.  A reduction's result is always a new array:
+    it holds partial results while the leaves are read; a group that `keeps` its values
+    returns (values, reduction).  The function reads the arrays' memory through the buffer
+    protocol and releases the GIL while it loops."""
 
     def __init__(self, fn: Callable[..., int], g: Group):
-        self.dims = g.result()
+        self.dims = g.outputs()[0]
+        self.reduced = g.result() if g.reduce is not None else None
+        self.both = len(g.outputs()) == 2
         self.leaf_dims = g.leaves
         fn.restype = ctypes.c_int
-        fn.argtypes = [ctypes.py_object] * (1 + len(g.leaves))
+        fn.argtypes = [ctypes.py_object] * (len(g.outputs()) + len(g.leaves))
         self.fn = fn
 
-    def __call__(self, out: np.ndarray | None, *leaves: np.ndarray) -> np.ndarray:
+    def __call__(self, out: np.ndarray | None, *leaves: np.ndarray
+                 ) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
         if out is None or any(a is not out and np.may_share_memory(out, a) for a in leaves):
             out = self.new(leaves)
-        if self.fn(out, *leaves):  # a numpy scalar, another dtype, an odd view: converted
+        outs = (out, np.empty(self.reduced, np.float32)) if self.both else (out,)
+        if self.fn(*outs, *leaves):  # a numpy scalar, another dtype, an odd view: converted
             try:
                 converted = [_as_leaf(a, dims) for a, dims in zip(leaves, self.leaf_dims)]
             except ValueError:
                 converted = None
-            if converted is None or self.fn(out, *converted):
+            if converted is None or self.fn(*outs, *converted):
                 raise ValueError(f"native group of dimensions {self.dims}: its arrays have "
-                                 f"shapes {[np.shape(a) for a in (out, *leaves)]}")
-        return out
+                                 f"shapes {[np.shape(a) for a in (*outs, *leaves)]}")
+        return outs if self.both else out
 
     def new(self, leaves: Sequence[np.ndarray]) -> np.ndarray:
         """A result array laid out in memory as the first leaf of its shape is (as numpy's

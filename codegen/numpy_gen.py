@@ -73,9 +73,10 @@ Why it looks the way it does:
   `generate` defaults to one thread, so the text it writes does not depend on the machine.
 - *Native groups* (`native=True`, `codegen.native`): numpy makes a pass over memory per
   operator, so a chain of elementwise operators over one tile's dimensions, each read only
-  by others of the chain, is one C loop instead, and so is a chain that only a reduction
-  within the tile reads along the tile's innermost dimension (magika's bias, GELU, padding
-  mask and max over positions: one call).  The module carries the C and compiles it when
+  by others of the chain, is one C loop instead, and so is a chain that a reduction within
+  the tile reads along the tile's innermost dimension (magika's bias, GELU, padding mask and
+  max over positions: one call; a softmax's exponentials, which its product with V reads
+  too: one call returning them and their sum).  The module carries the C and compiles it when
   it loads (once per machine).  `load` and `run` use them where a C compiler is found
   (`default_native`; `$BBRULES_NATIVE=0` turns them off) and write numpy code alone where
   compiling fails; `generate` writes numpy code alone unless asked (`bbrules codegen
@@ -169,14 +170,15 @@ class _Functions:
     groups: dict[tuple, native_c.Group] = field(default_factory=dict)  # by what they compute
 
     def native_group(self, dims: tuple[int, ...], leaves: tuple[tuple[int, ...], ...],
-                     body: tuple[str, ...], reduce: tuple[str, int] | None) -> str:
-        """The name of the module's native function computing `body` (and reducing it), one
-        per distinct group."""
-        key = (dims, leaves, body, reduce)
+                     body: tuple[str, ...], reduce: tuple[str, int] | None, keeps: bool
+                     ) -> str:
+        """The name of the module's native function computing `body` (and reducing it,
+        keeping the values or not), one per distinct group."""
+        key = (dims, leaves, body, reduce, keeps)
         if key not in self.groups:
             name = _identifier(f"native_{len(self.groups) + 1}", self.taken)
             self.taken.add(name)
-            self.groups[key] = native_c.Group(name, dims, leaves, body, reduce)
+            self.groups[key] = native_c.Group(name, dims, leaves, body, reduce, keeps)
         return self.groups[key].name
 
     def computed_on_loading(self, code: str) -> str:
@@ -720,6 +722,7 @@ class _KernelWriter:
         # native groups (`native_groups`) of the body being written: root -> its operators
         # in the order the body computes them, and the operators a root's call computes
         self.groups: dict[Node, list[Node]] = {}
+        self.also: dict[Node, BlockReduce] = {}  # a root -> the reduction its call computes too
         self.absorbed: set[Node] = set()
         self.users: dict[Node, set[Node]] = {}  # the distinct nodes reading each node
         for s in kernel.stores if fns.native else ():
@@ -884,13 +887,15 @@ class _KernelWriter:
     def native_groups(self, body: Sequence[Node]) -> None:
         """The native groups among the nodes one body computes (`codegen.native`): an
         operator joins the group of the operators reading it where they all are in one group,
-        have its dimensions and it is not stored; a group is at least two operators over at
-        least `NATIVE_ELEMENTS` elements, or one a reduction within the tile alone reads (the C
-        reduces it).  Only operators that compute (not `aliased`, not a `known_tile`) join; a
-        selection by known positions joins (the C selects by a tile of them) where it would
-        otherwise set slices (`fill`)."""
+        have its dimensions and it is not stored.  A group is at least two operators over at
+        least `NATIVE_ELEMENTS` elements, or one a reduction within the tile reads (the C
+        reduces it, and returns the values too where other steps read them: `also`), and at
+        most `NATIVE_OPERATORS`.  Only operators that compute (not `aliased`, not a
+        `known_tile`) join; a selection by known positions joins (the C selects by a tile of
+        them) where it would otherwise set slices (`fill`)."""
         for n in body:  # a loop's body is written once per segment, each with its own knowns
             self.groups.pop(n, None)
+            self.also.pop(n, None)
             self.absorbed.discard(n)
         static: set[Node] = set()  # the tiles `known_tile` will compute on loading
         for n in body:
@@ -910,17 +915,25 @@ class _KernelWriter:
         for n in body:
             if n in root_of:
                 members.setdefault(root_of[n], []).append(n)
-        for n in body:  # a group a reduction within the tile alone reads: the reduction's
+        also: dict[Node, BlockReduce] = {}  # a group's root -> a reduction its call computes
+        for n in body:  # a group a reduction within the tile reads: the reduction's, or both
             x = n.x if isinstance(n, BlockReduce) else None
-            if x in members and self.users.get(x) == {n} and x not in self.stored and \
-                    n.op in native_c.REDUCTIONS and self.innermost(x, n.axis):
+            if x not in members or n.op not in native_c.REDUCTIONS or \
+                    not self.innermost(x, n.axis):
+                continue
+            if self.users.get(x) == {n} and x not in self.stored:
                 members[n] = members.pop(x)
+            elif x not in also:
+                also[x] = n
         for root, group in members.items():
-            reduces = isinstance(root, BlockReduce)
+            reduces = isinstance(root, BlockReduce) or root in also
             if (reduces or len(group) > 1) and len(group) <= NATIVE_OPERATORS and \
                     prod(self.dims(group[-1])) >= NATIVE_ELEMENTS:
                 self.groups[root] = group
                 self.absorbed.update(m for m in group if m is not root)
+                if root in also:
+                    self.also[root] = also[root]
+                    self.absorbed.add(also[root])
 
     def innermost(self, x: Node, axis: Axis) -> bool:
         """Is `axis` the innermost dimension of more than one element of `x`'s tile (a
@@ -946,6 +959,9 @@ class _KernelWriter:
         top, reduce = n, None
         if isinstance(n, BlockReduce):
             top, reduce = n.x, (n.op, self.layout.element_dim(n.axis))
+        also = self.also.get(n)
+        if also is not None:
+            reduce = (also.op, self.layout.element_dim(also.axis))
         leaves: dict[Node, int] = {}
         codes: list[str] = []
         dims: list[tuple[int, ...]] = []
@@ -963,14 +979,20 @@ class _KernelWriter:
                 dims.append(self.dims(c))
             leaves[c] = codes.index(code)
         body = native_c.statements(top, members, native_c.leaf_reader(leaves, numbers))
-        fn = self.fns.native_group(self.dims(top), tuple(dims), body, reduce)
+        fn = self.fns.native_group(self.dims(top), tuple(dims), body, reduce, also is not None)
         args = ", ".join(codes)
-        stmt = _Stmt([f"{name} = {fn}(None, {args})"], (name,), frozenset(self.reads),
-                     owned=frozenset((name,)))
-        for code, d in zip(codes, dims):  # (a reduction's result is never a leaf's memory:
-            if d == self.dims(n) and reduce is None:  # it folds columns of rows into it)
-                stmt.in_place.setdefault(code, [f"{name} = {fn}({code}, {args})"])
+        names = (name,) if also is None else (name, self.fresh(f"b{also.op}"))
+        defined = ", ".join(names)
+        stmt = _Stmt([f"{defined} = {fn}(None, {args})"], names, frozenset(self.reads),
+                     owned=frozenset(names))
+        # a dying leaf of the values' dimensions may hold them; never a reduction's result,
+        # which holds partial results while the leaves are read
+        for code, d in zip(codes, dims):
+            if d == self.dims(n) and not isinstance(n, BlockReduce):
+                stmt.in_place.setdefault(code, [f"{defined} = {fn}({code}, {args})"])
         self.scopes[-1][n] = name
+        if also is not None:
+            self.scopes[-1][also] = names[1]
         return stmt
 
     def elementwise(self, n: Node, name: str) -> _Stmt:
@@ -2213,7 +2235,8 @@ def generate_module(p: BlockProgram, target: Target | str | None = None, threads
         out += ["", "# chains of elementwise operators as C loops, compiled once per machine",
                 f"NATIVE = compiled(r\"\"\"\n{native_c.source(groups)}\"\"\")"]
         out += [f"{g.name} = NATIVE.function({g.name!r}, {g.dims!r}, {g.leaves!r}"
-                + (f", {g.reduce!r})" if g.reduce else ")") for g in groups]
+                + (f", {g.reduce!r}" if g.reduce else "") + (", keeps=True)" if g.keeps else ")")
+                for g in groups]
     if fns.known:  # those the kernels read, and those they are computed from
         for code, name in reversed(fns.known.items()):
             if name in used:

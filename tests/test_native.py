@@ -136,14 +136,17 @@ def test_a_group_writes_into_its_operand_unless_another_shares_its_memory(fma):
     np.testing.assert_array_equal(shared, x)
 
 
+@pytest.mark.parametrize("keeps", [False, True], ids=["reduced", "kept"])
 @pytest.mark.parametrize("op", sorted(native.REDUCTIONS))
-def test_a_group_ends_in_a_reduction_along_rows_columns_or_strides(op):
+def test_a_group_ends_in_a_reduction_along_rows_columns_or_strides(op, keeps):
     """exp(x - m) reduced over its innermost dimension: rows contiguous (partial results in
     lanes), rows strided with contiguous columns (a transposed view: whole columns folded at
-    once), and neither; a NaN in a row is that row's max and min, as in numpy."""
-    g = native.Group(f"reduce_{op}", (4, 1, 24, 37), ((4, 1, 24, 37), (4, 1, 24, 1)),
-                     ("const float v0 = l0 - l1;", "out = bb_expf(v0);"), (op, 3))
-    fn = native.compiled(native.source([g])).function(g.name, g.dims, g.leaves, g.reduce)
+    once), and neither; a NaN in a row is that row's max and min, as in numpy.  A group that
+    keeps its values returns them beside their reduction."""
+    g = native.Group(f"reduce_{op}_{keeps}", (4, 1, 24, 37), ((4, 1, 24, 37), (4, 1, 24, 1)),
+                     ("const float v0 = l0 - l1;", "out = bb_expf(v0);"), (op, 3), keeps)
+    fn = native.compiled(native.source([g])).function(g.name, g.dims, g.leaves, g.reduce,
+                                                      g.keeps)
     rng = np.random.default_rng(11)
     x = rng.standard_normal((4, 1, 24, 37)).astype(np.float32)
     x[1, 0, 5, 30] = np.nan
@@ -154,6 +157,9 @@ def test_a_group_ends_in_a_reduction_along_rows_columns_or_strides(op):
     strided = np.ascontiguousarray(x.transpose(3, 1, 2, 0)).transpose(3, 1, 2, 0)
     for view in (x, columns, strided):
         got = fn(None, view, m)
+        if keeps:
+            values, got = got
+            np.testing.assert_allclose(values, np.exp(x - m), rtol=3e-7, equal_nan=True)
         assert got.shape == (4, 1, 24, 1)
         np.testing.assert_allclose(got, want, rtol=1e-6, equal_nan=True)
         assert np.isnan(got[1, 0, 5, 0])
@@ -238,6 +244,20 @@ def test_a_masked_maximum_over_padded_positions_is_one_call():
     assert "tile_reduce_max" not in kernel and "gelu" not in kernel and "] = f32(" not in kernel
     kernel = source[source.index("def kernel_S"):source.index("def _input")]
     assert len(re.findall(r"= native_\d+\(", kernel)) == 1 and "np.sum" not in kernel, kernel
+    for name in got:
+        assert_close(got[name], want[name], f"{name} vs interpreter")
+
+
+def test_a_softmaxs_exponentials_and_their_sum_are_one_call():
+    """Fused attention's exp(S - M) is read by the product with V and by its sum: one call
+    computes both (the values laid out as the column-major scores are)."""
+    ast = load_program(EXAMPLES[0].parent / "attention.bbp",
+                       dims={"q": (256, 64), "k": (512, 128), "d": (64, 64)})
+    p = fuse(lower(ast), load_packs([]), get_target("cpu"), "traffic").program
+    inputs = random_inputs(ast, seed=14)
+    source, got, want = run_both(p, inputs)
+    assert re.search(r"t\d+_exp, t\d+_bsum = native_\d+\(", source), source
+    assert "np.sum(" not in source[source.index("def kernel_"):], source
     for name in got:
         assert_close(got[name], want[name], f"{name} vs interpreter")
 
