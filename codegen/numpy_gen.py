@@ -2328,12 +2328,21 @@ def load(p: BlockProgram, threads: int | None = None, native: bool | None = None
     source is registered with `linecache`, so tracebacks and `inspect` show generated lines.
     """
     threads = default_threads() if threads is None else threads
-    if default_native() if native is None else native:
+    return loaded(p, threads, default_native() if native is None else native)[1]
+
+
+def loaded(p: BlockProgram, threads: int, native: bool, split: bool | None = None
+           ) -> tuple[Generated, types.ModuleType]:
+    """`generate_module`'s module for `p` and the module object it executes into: with
+    native groups where asked and they compile, else numpy code alone (with a warning)."""
+    if native:
         try:
-            return module_from_source(generate(p, threads=threads, native=True))
+            generated = generate_module(p, threads=threads, split=split, native=True)
+            return generated, module_from_source(generated.source)
         except native_c.NativeUnavailable as e:
-            warnings.warn(f"bbrules: numpy code without native groups: {e}", stacklevel=2)
-    return module_from_source(generate(p, threads=threads))
+            warnings.warn(f"bbrules: numpy code without native groups: {e}", stacklevel=3)
+    generated = generate_module(p, threads=threads, split=split)
+    return generated, module_from_source(generated.source)
 
 
 def default_native() -> bool:

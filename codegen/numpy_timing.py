@@ -32,8 +32,7 @@ from typing import Callable, Mapping
 
 import numpy as np
 
-from bbrules.codegen.numpy_gen import (default_native, default_threads, generate,
-                                       generate_module, module_from_source)
+from bbrules.codegen.numpy_gen import default_native, default_threads, loaded
 from bbrules.cost import ProgramCost, fmt_time
 from bbrules.ir import BlockProgram
 
@@ -105,9 +104,7 @@ def profile(p: BlockProgram, inputs: Mapping[str, np.ndarray], runs: int = 10,
     (default: `default_threads()`), with native groups or not (default: `default_native()`),
     timing every kernel of the last `runs`."""
     threads = default_threads() if threads is None else threads
-    native = default_native() if native is None else native
-    generated = generate_module(p, threads=threads, native=native)
-    module = module_from_source(generated.source)
+    generated, module = loaded(p, threads, default_native() if native is None else native)
     spent = [0.0] * len(p.kernels)
     kernel_of = {fn: i for i, fns in enumerate(generated.functions) for fn in fns}
 
@@ -161,11 +158,10 @@ def tune(p: BlockProgram, inputs: Mapping[str, np.ndarray], threads: int | None 
     native groups or neither (default: `default_native()`)."""
     threads = default_threads() if threads is None else threads
     native = default_native() if native is None else native
-    modules = {"whole": module_from_source(generate(p, threads=1, native=native))}
-    split = generate_module(p, threads=threads, split=True, native=native) \
-        if threads > 1 else None
-    if split is not None and any(n > 1 for n in split.parts):
-        modules["parts"] = module_from_source(split.source)
+    modules = {"whole": loaded(p, 1, native)[1]}
+    split = loaded(p, threads, native, split=True) if threads > 1 else None
+    if split is not None and any(n > 1 for n in split[0].parts):
+        modules["parts"] = split[1]
     if len(modules) == 1:
         return Tuned(modules["whole"], False, {})
     seconds = _fastest_runs(modules, inputs, runs)

@@ -15,7 +15,7 @@ import pytest
 
 from bbrules import dense, interp
 from bbrules.cli import main
-from bbrules.codegen import native, numpy_gen
+from bbrules.codegen import native, numpy_gen, numpy_timing
 from bbrules.frontend import load_program, parse_program
 from bbrules.fuse import fuse
 from bbrules.inputs import random_inputs
@@ -275,6 +275,8 @@ def test_without_a_compiler_the_module_is_numpy_code(monkeypatch):
     assert not hasattr(module, "NATIVE")
     np.testing.assert_array_equal(module.run(**inputs)["Y"],
                                   numpy_gen.load(p, native=False).run(**inputs)["Y"])
+    with pytest.warns(UserWarning, match="without native groups"):  # `bbrules run --profile`
+        assert numpy_timing.profile(p, inputs, runs=1, native=True).runs == 1
 
 
 def test_a_compiled_source_is_kept_and_reused(cache, monkeypatch):
