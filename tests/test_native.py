@@ -193,7 +193,9 @@ def test_every_example_matches_the_interpreter(fused, monkeypatch):
 
 
 @pytest.mark.usefixtures("split_small")
-def test_parts_on_two_threads_call_groups_at_once():
+def test_parts_on_two_threads_each_call_a_group():
+    """A kernel split into parts: every part's function calls its group (the C releases the
+    GIL, so the threads run them at once), and the parts together match the interpreter."""
     ast = parse_program("dim r = 512 / 16\ndim c = 256 / 64\ninput X[r, c] : f32\n"
                         "input B[c] : f32\n"
                         "Y[r, c] = gelu(X[r, c] + B[c]) * sigmoid(X[r, c])\noutput Y\n")
@@ -201,6 +203,11 @@ def test_parts_on_two_threads_call_groups_at_once():
     inputs = random_inputs(ast, seed=6)
     generated = numpy_gen.generate_module(p, threads=2, split=True, native=True)
     assert max(generated.parts) > 1
+    (functions,) = generated.functions
+    for fn in functions:
+        body = generated.source[generated.source.index(f"def {fn}("):]
+        body = body[:body.index("\ndef ")]
+        assert re.search(r"= native_\d+\(", body), body
     got = numpy_gen.module_from_source(generated.source).run(**inputs)["Y"]
     assert_close(got, interp.run(p, inputs)["Y"], "parts vs interpreter")
 
