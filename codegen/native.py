@@ -442,11 +442,13 @@ def available() -> bool:
     return _compiler() is not None
 
 
-def _build(text: str, libraries: Sequence[str]) -> ctypes.CDLL:
+def build(text: str, libraries: Sequence[str], flags: Sequence[str] = FLAGS) -> ctypes.CDLL:
+    """The library of C source `text` (compiled with `flags` against Python's headers, linked
+    with `libraries`), built once per source, flags and machine into the cache folder."""
     cc = _compiler()
     if cc is None:
         raise NativeUnavailable("no C compiler (set $CC)")
-    key = hashlib.sha256("\0".join([text, *FLAGS, *libraries, cc, _machine(cc),
+    key = hashlib.sha256("\0".join([text, *flags, *libraries, cc, _machine(cc),
                                     _python_include()]).encode())
     folder = _cache_dir()
     path = folder / f"{key.hexdigest()[:32]}.so"
@@ -457,14 +459,14 @@ def _build(text: str, libraries: Sequence[str]) -> ctypes.CDLL:
                 c_file = Path(work) / "groups.c"
                 c_file.write_text(text)
                 built = Path(work) / "groups.so"
-                done = subprocess.run([cc, *FLAGS, f"-I{_python_include()}", "-o", str(built),
+                done = subprocess.run([cc, *flags, f"-I{_python_include()}", "-o", str(built),
                                        str(c_file), *libraries],
                                       capture_output=True, text=True, timeout=600)
                 if done.returncode != 0:
                     raise NativeUnavailable(f"{cc} failed: {done.stderr.strip()[-2000:]}")
                 os.replace(built, path)  # atomic: another process may build it meanwhile
         except (OSError, subprocess.SubprocessError) as e:
-            raise NativeUnavailable(f"compiling native groups failed: {e}") from e
+            raise NativeUnavailable(f"compiling native code failed: {e}") from e
     try:  # (loaded with RTLD_NOW: a vector function libmvec lacks fails here)
         return ctypes.PyDLL(str(path))  # its functions hold the GIL until they release it
     except OSError as e:
@@ -477,9 +479,9 @@ def compiled(text: str) -> Library:
     with glibc's vector math, else (an older C library) with its scalar functions."""
     try:
         vector = text.replace("#include <math.h>\n", "#include <math.h>\n" + _DECLARED, 1)
-        return Library(_build(vector, ["-lmvec", "-lm"]), vector_math=True)
+        return Library(build(vector, ["-lmvec", "-lm"]), vector_math=True)
     except NativeUnavailable:
-        return Library(_build(text, ["-lm"]), vector_math=False)
+        return Library(build(text, ["-lm"]), vector_math=False)
 
 
 @lru_cache(maxsize=None)

@@ -82,6 +82,11 @@ Why it looks the way it does:
   compiling fails; `generate` writes numpy code alone unless asked (`bbrules codegen
   --native`).  Results agree with the numpy code's to float rounding (glibc's functions,
   not numpy's), not bit for bit.
+- *Native products* (with native groups, `codegen.native_matmul`): a matmul of at least
+  `NATIVE_PRODUCT_ROWS` rows and `NATIVE_PRODUCT_MACS` multiply-adds is `matmul(x, y, T)`,
+  a C product on its own threads, in place of numpy's BLAS, which threads small products
+  poorly (LLaMA's layer at 128 tokens: 1.75 -> 1.16 ms on 2 cores).  T is the module's
+  threads in a kernel run whole, 1 in a part.
 """
 
 from __future__ import annotations
@@ -125,7 +130,8 @@ _INFIX = {"add": "+", "sub": "-", "mul": "*", "div": "/"}
 # (`_Functions.ref`) and Python's builtins (loops call `range`).  A tensor named like one of
 # them is renamed.
 _RESERVED = {"np", "f32", "run", "inputs", "_input", "run_parts", "gather_one_hot", "relaid",
-             "check_whole", "compiled", "NATIVE", "ELEMENTWISE", "TILE_REDUCE",
+             "check_whole", "compiled", "NATIVE", "compiled_matmul", "matmul", "ELEMENTWISE",
+             "TILE_REDUCE",
              *(f"elementwise_{op}" for op in ELEMENTWISE),
              *(f"tile_reduce_{op}" for op in TILE_REDUCE),
              *dir(builtins)}
@@ -166,8 +172,10 @@ class _Functions:
     runtime: set[str] = field(default_factory=set)  # helpers of this module the code calls
     taken: set[str] = field(default_factory=set)  # the module's global names
     known: dict[str, str] = field(default_factory=dict)  # code -> name, computed on loading
-    native: bool = False  # whether elementwise groups are native C (`codegen.native`)
+    native: bool = False  # whether elementwise groups and products are native C
     groups: dict[tuple, native_c.Group] = field(default_factory=dict)  # by what they compute
+    threads: int = 1  # the threads a native product runs on in a kernel run whole
+    products: bool = False  # whether the code calls the native product (`matmul`)
 
     def native_group(self, dims: tuple[int, ...], leaves: tuple[tuple[int, ...], ...],
                      body: tuple[str, ...], reduce: tuple[str, int] | None, keeps: bool
@@ -222,6 +230,13 @@ MAX_NESTING = 50
 # a multiply-add over 4,096 broadcast floats took 3.1 µs as one call and as numpy's two, over
 # 1,024 2.8 against 1.7 µs, over 16,384 4.4 against 9.6 µs (the Xeon of the README).
 NATIVE_ELEMENTS = 1 << 12
+
+# A native product (`_KernelWriter.matmul`) has at least this many rows and multiply-adds: below
+# either, numpy's call costs less (2 cores of an AVX-512 Xeon, medians of 400 calls: 8 x 256 by
+# 256 x 256, 10.0 µs native against 7.1; 64 x 64 by 64 x 64, 5.7 against 3.9; 32 x 128 by
+# 128 x 128, 7.3 against 8.9; 128 x 64 by 64 x 128, 9.0 against 16.9).
+NATIVE_PRODUCT_ROWS = 16
+NATIVE_PRODUCT_MACS = 1 << 19
 
 # A native group has at most this many operators (a deeper expression is left to numpy): the C
 # compiler's time grows with a function's size, and a program's expressions are not its to
@@ -1153,10 +1168,25 @@ class _KernelWriter:
             # and sums over a row run across contiguous columns, two to three times faster
             x = _from_layout(self.tile(n.x), xs, [[i] for i in batch] + [cs, xfree])
             y = _from_layout(self.tile(n.y), ys, [[i] for i in batch] + [yfree, cs])
-            return _to_layout(f"np.matmul({y}, {x}).swapaxes(-1, -2)", parts, dims)
+            product = self.matmul(y, x, *(prod(ys[i] for i in d) for d in (batch, yfree, cs)),
+                                  prod(xs[i] for i in xfree))
+            return _to_layout(f"{product}.swapaxes(-1, -2)", parts, dims)
         x = self.operand(n.x, xs, batch, xfree, cs)
         y = self.operand(n.y, ys, batch, cs, yfree)
-        return _to_layout(f"np.matmul({x}, {y})", parts, dims)
+        product = self.matmul(x, y, *(prod(xs[i] for i in d) for d in (batch, xfree, cs)),
+                              prod(ys[i] for i in yfree))
+        return _to_layout(product, parts, dims)
+
+    def matmul(self, x: str, y: str, batch: int, rows: int, inner: int, columns: int) -> str:
+        """The product of operands `x` (batch, rows, inner) and `y` (batch, inner, columns):
+        numpy's, or in native modules the native product (`codegen.native_matmul`) where it is
+        faster, on one thread in a kernel's part (the parts take every core) and on the
+        module's threads in a kernel run whole."""
+        if self.fns.native and rows >= NATIVE_PRODUCT_ROWS and \
+                batch * rows * inner * columns >= NATIVE_PRODUCT_MACS:
+            self.fns.products = True
+            return f"matmul({x}, {y}, {1 if self.part is not None else self.fns.threads})"
+        return f"np.matmul({x}, {y})"
 
     def operand(self, n: Node, have: tuple[int, ...], batch: Sequence[int], rows: Sequence[int],
                 cols: Sequence[int]) -> str:
@@ -2166,7 +2196,7 @@ def generate_module(p: BlockProgram, target: Target | str | None = None, threads
     for t in p.tensors:
         names[t] = _identifier(t, set(names.values()))
     taken = set(names.values())
-    fns = _Functions(taken=taken, native=native)
+    fns = _Functions(taken=taken, native=native, threads=threads)
     kernels: list[_Code] = []
     ks = [coarsened(p, ungridded(p, summed_inward(p, masks_as_offsets(k))),
                     target.local_capacity) for k in p.kernels]
@@ -2230,6 +2260,8 @@ def generate_module(p: BlockProgram, target: Target | str | None = None, threads
     groups = [g for g in fns.groups.values() if g.name in used]
     if groups:
         out[-1:] = ["from bbrules.codegen.native import compiled", ""]
+    if fns.products:
+        out[-1:] = ["from bbrules.codegen.native_matmul import compiled_matmul", ""]
     out.append("f32 = np.float32")
     out += [f"{name} = {ref}" for name, ref in sorted(fns.aliases.items())]
     if groups:
@@ -2238,6 +2270,9 @@ def generate_module(p: BlockProgram, target: Target | str | None = None, threads
         out += [f"{g.name} = NATIVE.function({g.name!r}, {g.dims!r}, {g.leaves!r}"
                 + (f", {g.reduce!r}" if g.reduce else "") + (", keeps=True)" if g.keeps else ")")
                 for g in groups]
+    if fns.products:
+        out += ["", "# the native product, compiled once per machine",
+                "matmul = compiled_matmul()"]
     if fns.known:  # those the kernels read, and those they are computed from
         for code, name in reversed(fns.known.items()):
             if name in used:

@@ -1,0 +1,195 @@
+"""The native product (`bbrules.codegen.native_matmul`, `matmul.c`): against float64 products
+over the shapes its blocking cuts unevenly, every operand layout a generated module hands it
+(transposed, strided, broadcast batches), its threads (shared by concurrent callers, gone after
+a fork), and generated modules that call it against the reference interpreter.  CI has a C
+compiler (gcc), so these run there."""
+
+from __future__ import annotations
+
+import multiprocessing
+import re
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from bbrules import interp
+from bbrules.codegen import native, native_matmul, numpy_gen
+from bbrules.frontend import load_program, parse_program
+from bbrules.fuse import fuse
+from bbrules.inputs import random_inputs
+from bbrules.lower import lower
+from bbrules.packs import load_packs
+from bbrules.targets import get_target
+
+from test_numpy_backend import EXAMPLES, SEVERAL_BLOCKS, assert_close, small_dims
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler")
+
+
+@pytest.fixture(autouse=True)
+def cache(tmp_path_factory, monkeypatch):
+    """One cache folder for the session's compiled code, never the user's."""
+    monkeypatch.setenv("BBRULES_CACHE", str(tmp_path_factory.getbasetemp() / "native-cache"))
+
+
+def check(x: np.ndarray, y: np.ndarray, threads: int = 2) -> None:
+    """`matmul(x, y)` within float32 rounding of the float64 product (each element's error
+    bounded by k ulps of the sum of the terms' magnitudes)."""
+    got = native_matmul.matmul(x, y, threads)
+    want = np.matmul(x.astype(np.float64), y.astype(np.float64))
+    bound = np.matmul(np.abs(x).astype(np.float64), np.abs(y).astype(np.float64))
+    assert got.shape == want.shape and got.dtype == np.float32
+    k = x.shape[-1]
+    np.testing.assert_array_less(np.abs(got - want), k * 2.0 ** -23 * bound + 1e-30)
+
+
+def rand(*shape: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+
+# Rows around the micro-kernel's 6, columns around its panels of 64 (and the 32 and 16 of
+# narrower vector units), a contraction past its blocks of 384, and one of length 1.
+@pytest.mark.parametrize("m", [1, 5, 6, 7, 61])
+@pytest.mark.parametrize("n", [1, 15, 64, 65, 130])
+@pytest.mark.parametrize("k", [1, 9, 64, 800])
+def test_every_shape_matches_the_float64_product(m, n, k):
+    check(rand(m, k, seed=m), rand(k, n, seed=n))
+
+
+@pytest.mark.parametrize("layout", ["transposed", "strided", "column-major x", "both"])
+def test_operands_in_any_layout(layout):
+    """A weight read as W^T (columns contiguous: packed 16 x 16 at a time through registers),
+    every other element of a larger array, a column-major left operand."""
+    x, y = rand(70, 200, seed=1), rand(200, 150, seed=2)
+    if layout in ("transposed", "both"):
+        y = np.ascontiguousarray(y.T).T
+    if layout in ("strided", "both"):
+        x = np.repeat(x, 2, axis=1)[:, ::2]
+        y = np.repeat(y, 3, axis=0)[::3]
+    if layout == "column-major x":
+        x = np.asfortranarray(x)
+    check(x, y)
+
+
+def test_batches_broadcast_as_numpys_do():
+    x = rand(3, 1, 40, 30, seed=3)
+    y = rand(1, 4, 30, 70, seed=4)
+    check(x, y)
+    check(x, np.broadcast_to(rand(30, 70, seed=5), (3, 4, 30, 70)))
+    check(rand(2, 2, 128, 64, seed=6), rand(2, 2, 128, 64, seed=7).transpose(0, 1, 3, 2))
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 8])
+def test_any_number_of_threads(threads):
+    check(rand(300, 257, seed=8), rand(257, 190, seed=9), threads)
+
+
+def test_what_it_cannot_take_goes_to_numpy():
+    x64, y64 = rand(20, 30).astype(np.float64), rand(30, 10).astype(np.float64)
+    got = native_matmul.matmul(x64, y64, 2)
+    assert got.dtype == np.float64
+    np.testing.assert_array_equal(got, np.matmul(x64, y64))
+    v = rand(30)
+    np.testing.assert_allclose(native_matmul.matmul(rand(20, 30), v, 2),
+                               np.matmul(rand(20, 30), v), rtol=1e-6)
+    with pytest.raises(ValueError):
+        native_matmul.matmul(rand(20, 30), rand(31, 10), 2)
+    assert native_matmul.matmul(rand(0, 30), rand(30, 10), 2).shape == (0, 10)
+    np.testing.assert_array_equal(native_matmul.matmul(rand(20, 0), rand(0, 10), 2),
+                                  np.zeros((20, 10), np.float32))
+
+
+def test_concurrent_callers_share_the_threads():
+    """Callers on several Python threads at once (a kernel's parts): one has the workers, the
+    others compute alone; every result is right."""
+    pairs = [(rand(96, 200, seed=s), rand(200, 130, seed=s + 50)) for s in range(16)]
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda xy: native_matmul.matmul(*xy, 2), pairs))
+    for (x, y), g in zip(pairs, got):
+        np.testing.assert_allclose(g, x @ y, rtol=1e-4, atol=1e-4)
+
+
+def _product_in_child(queue) -> None:
+    x, y = rand(64, 100, seed=10), rand(100, 80, seed=11)
+    queue.put(float(np.abs(native_matmul.matmul(x, y, 2) - x @ y).max()))
+
+
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
+def test_a_forked_child_starts_its_own_threads():
+    """The workers do not survive fork(): the child's first product starts new ones instead
+    of waiting on threads it does not have."""
+    native_matmul.matmul(rand(64, 100), rand(100, 80), 2)  # the parent's workers exist
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+    child = context.Process(target=_product_in_child, args=(queue,))
+    child.start()
+    child.join(timeout=60)
+    alive = child.is_alive()
+    if alive:
+        child.kill()
+    assert not alive, "the child hung in its product"
+    assert queue.get(timeout=5) < 1e-3
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
+def test_every_example_matches_the_interpreter(fused, monkeypatch):
+    """Every product of every example through the native product (no size floor), against
+    the interpreter."""
+    monkeypatch.setattr(numpy_gen, "NATIVE_PRODUCT_MACS", 1)
+    monkeypatch.setattr(numpy_gen, "NATIVE_PRODUCT_ROWS", 1)
+    multiplied = 0
+    for path in EXAMPLES:
+        ast = load_program(path, dims=small_dims(path, SEVERAL_BLOCKS))
+        p = lower(ast)
+        if fused:
+            p = fuse(p, load_packs([]), get_target("h100")).program
+        inputs = random_inputs(ast, seed=5)
+        source = numpy_gen.generate(p, threads=2, native=True)
+        multiplied += "matmul = compiled_matmul()" in source
+        got = numpy_gen.module_from_source(source).run(**inputs)
+        want = interp.run(p, inputs)
+        for name in got:
+            assert_close(got[name], want[name], f"{path.stem}: {name} vs interpreter")
+    assert multiplied >= len(EXAMPLES) // 2, multiplied
+
+
+PRODUCT = ("dim r = 256 / 128\ndim c = 512 / 128\ndim k = 256 / 256\ninput X[r, k] : f32\n"
+           "input W[k, c] : f32\nY[r, c] = sum[k] X[r, k] * W[k, c]\noutput Y\n")
+
+
+def test_a_kernel_run_whole_threads_its_product_and_a_part_does_not(monkeypatch):
+    p = lower(parse_program(PRODUCT))
+    whole = numpy_gen.generate_module(p, threads=2, split=False, native=True).source
+    assert re.search(r"= matmul\(.*, 2\)", whole), whole
+    monkeypatch.setattr(numpy_gen, "_parts_pay", lambda *_: True)
+    parts = numpy_gen.generate_module(p, threads=2, split=True, native=True)
+    assert max(parts.parts) > 1
+    assert re.search(r"= matmul\(.*, 1\)", parts.source) and \
+        not re.search(r"= matmul\(.*, 2\)", parts.source), parts.source
+    inputs = random_inputs(parse_program(PRODUCT), seed=12)
+    want = interp.run(p, inputs)["Y"]
+    for source in (whole, parts.source):
+        assert_close(numpy_gen.module_from_source(source).run(**inputs)["Y"], want,
+                     "native product vs interpreter")
+
+
+def test_small_products_stay_numpys():
+    small = PRODUCT.replace("dim r = 256 / 128", "dim r = 8 / 8")
+    p = lower(parse_program(small))
+    source = numpy_gen.generate(p, threads=2, native=True)
+    assert "np.matmul(" in source and "compiled_matmul" not in source
+
+
+def test_without_a_compiler_products_are_numpys(monkeypatch):
+    p = lower(parse_program(PRODUCT))
+    inputs = random_inputs(parse_program(PRODUCT), seed=13)
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    native_matmul.library.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match="without native"):
+            module = numpy_gen.load(p, threads=2, native=True)
+        assert not hasattr(module, "matmul")
+        assert_close(module.run(**inputs)["Y"], interp.run(p, inputs)["Y"], "numpy fallback")
+    finally:
+        native_matmul.library.cache_clear()
