@@ -82,11 +82,12 @@ Why it looks the way it does:
   compiling fails; `generate` writes numpy code alone unless asked (`bbrules codegen
   --native`).  Results agree with the numpy code's to float rounding (glibc's functions,
   not numpy's), not bit for bit.
-- *Native products* (with native groups, `codegen.native_matmul`): a matmul of at least
-  `NATIVE_PRODUCT_ROWS` rows and `NATIVE_PRODUCT_MACS` multiply-adds is `matmul(x, y, T)`,
-  a C product on its own threads, in place of numpy's BLAS, which threads small products
-  poorly (LLaMA's layer at 128 tokens: 1.75 -> 1.16 ms on 2 cores).  T is the module's
-  threads in a kernel run whole, 1 in a part.
+- *Native products* (with native groups, `codegen.native_matmul`): every matmul is
+  `matmul(x, y, T)`, a C product on its own threads in place of numpy's BLAS, which threads
+  small products poorly (LLaMA's layer at 128 tokens: 1.75 -> 1.16 ms on 2 cores), numpy's
+  below a size where its call costs less.  T is the module's threads in a kernel run whole,
+  1 in a part.  A gather by positions that step evenly (a convolution's window) is then a
+  view of its values, which the product reads in place (`gather_one_hot`'s `window`).
 """
 
 from __future__ import annotations
@@ -230,13 +231,6 @@ MAX_NESTING = 50
 # a multiply-add over 4,096 broadcast floats took 3.1 µs as one call and as numpy's two, over
 # 1,024 2.8 against 1.7 µs, over 16,384 4.4 against 9.6 µs (the Xeon of the README).
 NATIVE_ELEMENTS = 1 << 12
-
-# A native product (`_KernelWriter.matmul`) has at least this many rows and multiply-adds: below
-# either, numpy's call costs less (2 cores of an AVX-512 Xeon, medians of 400 calls: 8 x 256 by
-# 256 x 256, 10.0 µs native against 7.1; 64 x 64 by 64 x 64, 5.7 against 3.9; 32 x 128 by
-# 128 x 128, 7.3 against 8.9; 128 x 64 by 64 x 128, 9.0 against 16.9).
-NATIVE_PRODUCT_ROWS = 16
-NATIVE_PRODUCT_MACS = 1 << 19
 
 # A native group has at most this many operators (a deeper expression is left to numpy): the C
 # compiler's time grows with a function's size, and a program's expressions are not its to
@@ -690,7 +684,8 @@ def _neutral_operand(n: Node, known: Mapping[Node, float]) -> Node | None:
 
 @STEP.on(Dot)
 def _(n: Dot, w: _KernelWriter) -> _Stmt:
-    return w.array(n, w.fresh("dot"), w.dot(n))
+    code = w.dot(n)  # a gather may be a view of the values it picks from (`_window`)
+    return w.array(n, w.fresh("dot"), code, fresh=not code.startswith("gather_one_hot("))
 
 
 class _KernelWriter:
@@ -868,10 +863,10 @@ class _KernelWriter:
             return code
         return None
 
-    def array(self, n: Node, name: str, text: str) -> _Stmt:
-        """A step defining array `name` as `text`."""
+    def array(self, n: Node, name: str, text: str, fresh: bool = True) -> _Stmt:
+        """A step defining array `name` as `text` (`fresh`: a new array, never a view)."""
         self.scopes[-1][n] = name
-        owned = frozenset() if isinstance(n, Load) else frozenset((name,))
+        owned = frozenset((name,)) if fresh and not isinstance(n, Load) else frozenset()
         return _Stmt([f"{name} = {text}"], (name,), frozenset(self.reads), owned=owned)
 
     def alias(self, n: Node, same: Node | None, code: Code) -> _Stmt | None:
@@ -1168,22 +1163,16 @@ class _KernelWriter:
             # and sums over a row run across contiguous columns, two to three times faster
             x = _from_layout(self.tile(n.x), xs, [[i] for i in batch] + [cs, xfree])
             y = _from_layout(self.tile(n.y), ys, [[i] for i in batch] + [yfree, cs])
-            product = self.matmul(y, x, *(prod(ys[i] for i in d) for d in (batch, yfree, cs)),
-                                  prod(xs[i] for i in xfree))
-            return _to_layout(f"{product}.swapaxes(-1, -2)", parts, dims)
+            return _to_layout(f"{self.matmul(y, x)}.swapaxes(-1, -2)", parts, dims)
         x = self.operand(n.x, xs, batch, xfree, cs)
         y = self.operand(n.y, ys, batch, cs, yfree)
-        product = self.matmul(x, y, *(prod(xs[i] for i in d) for d in (batch, xfree, cs)),
-                              prod(ys[i] for i in yfree))
-        return _to_layout(product, parts, dims)
+        return _to_layout(self.matmul(x, y), parts, dims)
 
-    def matmul(self, x: str, y: str, batch: int, rows: int, inner: int, columns: int) -> str:
-        """The product of operands `x` (batch, rows, inner) and `y` (batch, inner, columns):
-        numpy's, or in native modules the native product (`codegen.native_matmul`) where it is
-        faster, on one thread in a kernel's part (the parts take every core) and on the
-        module's threads in a kernel run whole."""
-        if self.fns.native and rows >= NATIVE_PRODUCT_ROWS and \
-                batch * rows * inner * columns >= NATIVE_PRODUCT_MACS:
+    def matmul(self, x: str, y: str) -> str:
+        """The product of operands `x` and `y`: numpy's, or in native modules the native
+        product (`codegen.native_matmul`), on one thread in a kernel's part (the parts take
+        every core) and on the module's threads in a kernel run whole."""
+        if self.fns.native:
             self.fns.products = True
             return f"matmul({x}, {y}, {1 if self.part is not None else self.fns.threads})"
         return f"np.matmul({x}, {y})"
@@ -1275,7 +1264,8 @@ class _KernelWriter:
             guards = ", ".join(self.lookup(g) for g in pick.guards)
             codes.append(f"({at}, ({guards}{',' * (len(pick.guards) == 1)}))")
         self.fns.runtime.add("gather_one_hot")
-        return f"gather_one_hot({self.tile(values)}, {c}, ({', '.join(codes)},))"
+        window = ", window=True" if self.fns.native else ""  # (read in place by `matmul`)
+        return f"gather_one_hot({self.tile(values)}, {c}, ({', '.join(codes)},){window})"
 
     def loop(self, loop: Loop) -> list[_Stmt]:
         """Accumulators, the loop over the axis' blocks, the finalizers.
@@ -1941,11 +1931,16 @@ def relaid(array: np.ndarray, relayout: Callable[[np.ndarray], np.ndarray],
 
 
 def gather_one_hot(values: np.ndarray, axis: int,
-                   picks: Sequence[tuple[np.ndarray, Sequence[np.ndarray]]]) -> np.ndarray:
+                   picks: Sequence[tuple[np.ndarray, Sequence[np.ndarray]]],
+                   window: bool = False) -> np.ndarray:
     """The sum along `axis` of `values` times a one-hot that is 1 at each pick's position
     (relative to the block `values` holds: a position outside it, or not a whole number,
     picks nothing) where the pick's guards hold; two picks of one position count once, as the
-    one-hot's `or` does."""
+    one-hot's `or` does.  With `window`, one pick that steps evenly is a read-only view of the
+    values (`_window`): for the native product, which reads any strides (numpy's matmul
+    copies a window whose rows overlap, or worse: 3.9 ms for magika's, 1.9 from the copy)."""
+    if window and len(picks) == 1 and (view := _window(values, axis, *picks[0])) is not None:
+        return view
     size = values.shape[axis]
     total, zeroed = None, None
     taken: list[tuple[np.ndarray, np.ndarray]] = []
@@ -1980,6 +1975,47 @@ def gather_one_hot(values: np.ndarray, axis: int,
         picked = [np.shape(x) for at, guards in picks for x in (at, *guards)]
         return np.zeros(np.broadcast_shapes(shape, *picked), np.float32)
     return total
+
+
+def _window(values: np.ndarray, axis: int, at: np.ndarray, guards: Sequence[np.ndarray]
+            ) -> np.ndarray | None:
+    """The pick as a read-only strided view of `values` where its positions are whole numbers
+    that step evenly (forwards) along each of their dimensions the values do not span, and its
+    guards all hold: a convolution's window (position + tap), a slice, a shift; else None.
+    Positions past the values read zeros from a padded copy of them.  A product then reads the
+    window in place: magika's convolution gathered 2.6 MB and copied it into the product's
+    order (0.4 ms); its product reads the window of its 0.5 MB of values instead."""
+    at = np.asarray(at)
+    spans = [d for d in range(values.ndim) if d != axis and at.shape[d] > 1]
+    if at.ndim != values.ndim or at.shape[axis] != 1 or \
+            any(values.shape[d] > 1 for d in spans) or \
+            not all(np.all(np.asarray(g) != 0) for g in guards):
+        return None
+    index = at.astype(np.intp)
+    if not np.array_equal(index, at):
+        return None
+    base = int(index.flat[0])
+    steps = {d: int(index[tuple(int(e == d) for e in range(at.ndim))]) - base for d in spans}
+    even = base + sum((np.arange(at.shape[d]) * s).reshape([-1 if e == d else 1
+                                                            for e in range(at.ndim)])
+                      for d, s in steps.items())
+    if any(s < 0 for s in steps.values()) or not np.array_equal(
+            np.broadcast_to(even, index.shape), index):
+        return None
+    last = base + sum(s * (at.shape[d] - 1) for d, s in steps.items())
+    below, above = max(0, -base), max(0, last + 1 - values.shape[axis])
+    if below or above:  # (in the values' own order: the window's strides then merge as theirs)
+        order = sorted(range(values.ndim), key=lambda d: -abs(values.strides[d]))
+        shape = [values.shape[d] + (below + above if d == axis else 0) for d in order]
+        padded = np.zeros(shape, values.dtype).transpose(np.argsort(order))
+        padded[(slice(None),) * axis + (slice(below, below + values.shape[axis]),)] = values
+        values = padded
+    start = values[(slice(None),) * axis + (slice(base + below, None),)]
+    shape = [1 if d == axis else max(at.shape[d], values.shape[d]) for d in range(values.ndim)]
+    strides = [steps[d] * values.strides[axis] if d in steps
+               else values.strides[d] if d != axis and values.shape[d] > 1 else 0
+               for d in range(values.ndim)]
+    return np.lib.stride_tricks.as_strided(start, shape, strides, writeable=False)
 
 
 def _take(values: np.ndarray, axis: int, index: np.ndarray) -> np.ndarray:

@@ -169,6 +169,12 @@ def tune(p: BlockProgram, inputs: Mapping[str, np.ndarray], threads: int | None 
     return Tuned(modules[best], best == "parts", seconds)
 
 
+# A pause before tuning: threads of earlier work (OpenBLAS's after numpy's products, for some
+# 0.1 s) spin on the cores the modules need.  Tuned right after the numpy code's own tuning,
+# magika's native module chose parts in two runs of three (4.1-4.3 ms, whole 2.8 ms).
+SETTLE_SECONDS = 0.25
+
+
 def _fastest_runs(modules: Mapping[str, types.ModuleType], inputs: Mapping[str, np.ndarray],
                   runs: int) -> dict[str, float]:
     """Each module's fastest run over `runs` rounds of one run each, the order of the modules
@@ -179,6 +185,7 @@ def _fastest_runs(modules: Mapping[str, types.ModuleType], inputs: Mapping[str, 
     whole module ran 4.3 ms in most rounds and 8.7-9.5 ms in two of five, against 6.1-11 ms
     for its parts; a median over such rounds once chose the parts, which then ran 6.0 ms
     against the whole module's 4.1."""
+    time.sleep(SETTLE_SECONDS)
     for module in modules.values():
         module.run(**inputs)
     times: dict[str, list[float]] = {name: [] for name in modules}

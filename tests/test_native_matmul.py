@@ -49,10 +49,10 @@ def rand(*shape: int, seed: int = 0) -> np.ndarray:
 
 
 # Rows around the micro-kernel's 6, columns around its panels of 64 (and the 32 and 16 of
-# narrower vector units), a contraction past its blocks of 384, and one of length 1.
+# narrower vector units), a contraction past its blocks of 1024, and one of length 1.
 @pytest.mark.parametrize("m", [1, 5, 6, 7, 61])
 @pytest.mark.parametrize("n", [1, 15, 64, 65, 130])
-@pytest.mark.parametrize("k", [1, 9, 64, 800])
+@pytest.mark.parametrize("k", [1, 9, 64, 1100])
 def test_every_shape_matches_the_float64_product(m, n, k):
     check(rand(m, k, seed=m), rand(k, n, seed=n))
 
@@ -136,8 +136,8 @@ def test_a_forked_child_starts_its_own_threads():
 def test_every_example_matches_the_interpreter(fused, monkeypatch):
     """Every product of every example through the native product (no size floor), against
     the interpreter."""
-    monkeypatch.setattr(numpy_gen, "NATIVE_PRODUCT_MACS", 1)
-    monkeypatch.setattr(numpy_gen, "NATIVE_PRODUCT_ROWS", 1)
+    monkeypatch.setattr(native_matmul, "MIN_MACS", 1)
+    monkeypatch.setattr(native_matmul, "MIN_ROWS", 1)
     multiplied = 0
     for path in EXAMPLES:
         ast = load_program(path, dims=small_dims(path, SEVERAL_BLOCKS))
@@ -174,11 +174,57 @@ def test_a_kernel_run_whole_threads_its_product_and_a_part_does_not(monkeypatch)
                      "native product vs interpreter")
 
 
-def test_small_products_stay_numpys():
-    small = PRODUCT.replace("dim r = 256 / 128", "dim r = 8 / 8")
-    p = lower(parse_program(small))
+def test_small_products_are_numpys(monkeypatch):
+    """Below `MIN_ROWS` rows or `MIN_MACS` multiply-adds numpy's call costs less; an operand
+    whose rows overlap (a convolution's window) is copied for it first."""
+    called = []
+    real = native_matmul.library()
+
+    class Spy:
+        def bb_matmul(self, *args):
+            called.append(args[1].shape)
+            return real.bb_matmul(*args)
+    monkeypatch.setattr(native_matmul, "library", lambda: Spy())
+    for x, y in [(rand(8, 256), rand(256, 256)), (rand(64, 64), rand(64, 64))]:
+        np.testing.assert_array_equal(native_matmul.matmul(x, y, 2), np.matmul(x, y))
+    assert called == []
+    native_matmul.matmul(rand(128, 64), rand(64, 128), 2)
+    assert called == [(128, 64)]
+    rows = rand(40, 8)
+    window = np.lib.stride_tricks.as_strided(rows, (36, 40), (32, 4))  # 5 taps x 8 channels
+    assert not np.shares_memory(native_matmul._blas_ready(window), rows)
+    np.testing.assert_allclose(native_matmul.matmul(window, rand(40, 3), 2),
+                               np.ascontiguousarray(window) @ rand(40, 3), rtol=1e-6)
+
+
+CONVOLUTION = ("dim o = 60 / 30\ndim s = 5 / 1\ndim j = 64\ndim c = 256 / 64\n"
+               "dim m = 128\ninput X[j, c], W[m, c, s] : f32\n"
+               "Y[o, m] = sum[s, c] W[m, c, s] * sum[j] where(j == o + s, 1, 0) * X[j, c]\n"
+               "output Y\n")
+
+
+def test_a_convolutions_window_is_read_in_place():
+    """In native modules a gather by positions that step evenly is a view of its values: the
+    product reads the convolution's window from X itself (numpy code gathers it)."""
+    ast = parse_program(CONVOLUTION)
+    p = lower(ast)
     source = numpy_gen.generate(p, threads=2, native=True)
-    assert "np.matmul(" in source and "compiled_matmul" not in source
+    assert "window=True)" in source
+    assert "window=True" not in numpy_gen.generate(p)
+    module = numpy_gen.module_from_source(source)
+    inputs = random_inputs(ast, seed=14)
+    gathered = []
+
+    def gather(*args, **kw):
+        gathered.append(real(*args, **kw))
+        return gathered[-1]
+    real, module.gather_one_hot = module.gather_one_hot, gather
+    got = module.run(**inputs)["Y"]
+    assert gathered and all(np.shares_memory(g, inputs["X"]) for g in gathered)
+    x, w = inputs["X"].astype(np.float64), inputs["W"].astype(np.float64)
+    want = np.einsum("osc,mcs->om", np.stack([x[o:o + 5] for o in range(60)]), w)
+    assert_close(got, want, "vs numpy")
+    assert_close(got, interp.run(p, inputs)["Y"], "vs interpreter")
 
 
 def test_without_a_compiler_products_are_numpys(monkeypatch):

@@ -892,6 +892,35 @@ def test_the_online_softmax_rescales_its_output_in_the_contributions_buffer():
                  attention_reference(inputs["Q"], inputs["K"], inputs["V"]), "vs numpy")
 
 
+@pytest.mark.parametrize("start, step", [(0, 1), (-2, 1), (3, 2), (0, 0)])
+def test_a_window_is_a_view_with_what_the_gather_picks(start, step):
+    """`window=True`: positions that step evenly (by position and tap, from `start`, taps
+    `step` apart) are a read-only view of the values, in the values' own order, zero-padded
+    where they run past either end; what it holds is what the gather picks."""
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((64, 4, 16)).astype(np.float32)  # X[j, c, e]
+    values = x.transpose(1, 2, 0).reshape(1, 1, 4, 16, 64)  # positions innermost
+    at = (start + np.arange(60, dtype=np.float32)[:, None]
+          + step * np.arange(5)).reshape(60, 5, 1, 1, 1)
+    guard = np.ones((1, 5, 1, 1, 1), np.float32)
+    got = numpy_gen.gather_one_hot(values, 4, ((at, (guard,)),), window=True)
+    want = numpy_gen.gather_one_hot(values, 4, ((at, (guard,)),))
+    np.testing.assert_array_equal(got, want)
+    assert not got.flags.writeable
+    inside = start >= 0 and start + 59 + 4 * step < 64
+    assert np.shares_memory(got, x) == inside
+
+
+def test_a_window_is_not_taken_where_positions_jump_or_a_guard_fails():
+    values = np.arange(40, dtype=np.float32).reshape(1, 40)
+    even = np.arange(8, dtype=np.float32).reshape(8, 1)
+    for at, guards in [(even[::-1].copy(), ()), (even ** 2, ()), (even + 0.5, ()),
+                       (even, (np.array([[1], [0]] * 4, np.float32),))]:
+        assert numpy_gen._window(values, 1, at, guards) is None
+        got = numpy_gen.gather_one_hot(values, 1, ((at, guards),), window=True)
+        np.testing.assert_array_equal(got, numpy_gen.gather_one_hot(values, 1, ((at, guards),)))
+
+
 def test_a_gather_that_picks_nothing_is_zeros_of_the_contractions_shape():
     values = np.ones((1, 4, 10), np.float32)
     far = np.full((3, 1, 1), 50.0, np.float32)
