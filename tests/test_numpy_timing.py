@@ -133,6 +133,9 @@ def test_a_module_is_timed_by_its_fastest_run(monkeypatch):
             self.run = lambda **_: None
     # the clock at each run's start and end, the rounds ordered a b, b a, a b
     ticks = iter([0, 9, 9, 11, 11, 13, 13, 14, 14, 23, 23, 25])
-    monkeypatch.setattr(numpy_timing, "time", SimpleNamespace(perf_counter=lambda: next(ticks)))
+    slept = []
+    monkeypatch.setattr(numpy_timing, "time", SimpleNamespace(perf_counter=lambda: next(ticks),
+                                                              sleep=slept.append))
     seconds = numpy_timing._fastest_runs({"a": Module(), "b": Module()}, {}, runs=3)
     assert seconds == {"a": 1.0, "b": 2.0}
+    assert slept == [numpy_timing.SETTLE_SECONDS]  # once, before the first run
