@@ -248,7 +248,8 @@ def function(g: Group) -> str:
     by rows where every array's rows are contiguous, vectorised along them (a reduction folds
     each row into `LANES` partial results, combined at its end); else by columns where the
     columns are (a transposed view, attention's column-major scores: a reduction folds a
-    whole column of results at once); else element by element, strided."""
+    whole column of results at once), or where the outputs' are, the leaves read at their
+    strides; else element by element, strided."""
     kept = g.kept()
     nd, k = len(kept), len(g.leaves)
     values, reduced = g.reduce is None or g.keeps, g.reduce is not None
@@ -305,11 +306,13 @@ def function(g: Group) -> str:
                     *(["    float *qa = pa + j * ca;"] if reduced else []),
                     *(f"    const float *q{i} = p{i} + j * c{i};" for i in range(k)),
                     *(f"    {s}" for s in row(g, inner, contiguous, "qv", "qa", "q")), "}"]
-        contiguous = " && ".join([*(["c == 1"] if values else []),
-                                  *(["ca == 1"] if reduced else []),
-                                  *(f"c{i} == 1" for i in across)])
-        block += _branches([(rows, by_row(True)), (contiguous, _columns(g, inner, across)),
-                            ("", by_row(False))])
+        outputs = [*(["c == 1"] if values else []), *(["ca == 1"] if reduced else [])]
+        contiguous = " && ".join([*outputs, *(f"c{i} == 1" for i in across)])
+        mixed = [(" && ".join(outputs), _columns(g, inner, across, strided=True))] \
+            if across else []
+        block += _branches([(rows, by_row(True)),
+                            (contiguous, _columns(g, inner, across, strided=False)),
+                            *mixed, ("", by_row(False))])
     lines += [indent + "{", *(f"{indent}    {s}" for s in block), indent + "}",
               "    Py_END_ALLOW_THREADS",
               f"    bb_release({arrays}, v);",
@@ -380,11 +383,14 @@ def _row(g: Group, inner: Sequence[int], contiguous: bool, values: str, result: 
     return [*lines, f"{result}[0] = acc;"]
 
 
-def _columns(g: Group, inner: Sequence[int], across: Sequence[int]) -> list[str]:
+def _columns(g: Group, inner: Sequence[int], across: Sequence[int], strided: bool
+             ) -> list[str]:
     """Strided rows whose next dimension is contiguous, walked a column at a time: every
     element of a column at once, vectorised (a reduction folds a column of results, one row
-    element at a time)."""
-    reads = [f"p{i}[{' + '.join(([] if i not in across else ['j'])
+    element at a time).  `strided`: the outputs' columns are contiguous, some leaf's are not
+    (a causal mask laid out by rows, beside column-major scores), read at its strides."""
+    column = "j * c{}" if strided else "j"
+    reads = [f"p{i}[{' + '.join(([] if i not in across else [column.format(i)])
                                  + ([] if i not in inner else ['r * t' + str(i)])) or '0'}]"
              for i in range(len(g.leaves))]
     init: list[str] = []
