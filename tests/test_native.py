@@ -15,7 +15,7 @@ import pytest
 
 from bbrules import dense, interp
 from bbrules.cli import main
-from bbrules.codegen import native, numpy_gen, numpy_timing
+from bbrules.codegen import native, native_matmul, numpy_gen, numpy_timing
 from bbrules.frontend import load_program, parse_program
 from bbrules.fuse import fuse
 from bbrules.inputs import random_inputs
@@ -198,8 +198,12 @@ def run_both(p, inputs, **kw):
 
 @pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
 def test_every_example_matches_the_interpreter(fused, monkeypatch):
+    """Every example's groups, and every product through the native product (no size floor
+    for either), against the interpreter and the float64 dense evaluation."""
     monkeypatch.setattr(numpy_gen, "NATIVE_ELEMENTS", 1)  # the small shapes' groups too
-    grouped = 0
+    monkeypatch.setattr(native_matmul, "MIN_MACS", 1)
+    monkeypatch.setattr(native_matmul, "MIN_ROWS", 1)
+    grouped = multiplied = 0
     for path in EXAMPLES:
         ast = load_program(path, dims=small_dims(path, SEVERAL_BLOCKS))
         p = lower(ast)
@@ -208,12 +212,14 @@ def test_every_example_matches_the_interpreter(fused, monkeypatch):
         inputs = random_inputs(ast, seed=5)
         source, got, want = run_both(p, inputs)
         grouped += "NATIVE = compiled(" in source
+        multiplied += "matmul = compiled_matmul()" in source
         dense_want = dense.evaluate(ast, inputs, dtype=np.float64)
         for name in got:
             assert_close(got[name], want[name], f"{path.stem}: {name} vs interpreter")
             if name in dense_want:
                 assert_close(got[name], dense_want[name], f"{path.stem}: {name} vs dense")
     assert grouped >= len(EXAMPLES) // 2, grouped
+    assert multiplied >= len(EXAMPLES) // 2, multiplied
 
 
 @pytest.mark.usefixtures("split_small")

@@ -1,7 +1,8 @@
 """The native product (`bbrules.codegen.native_matmul`, `matmul.c`): against float64 products
 over the shapes its blocking cuts unevenly, every operand layout a generated module hands it
 (transposed, strided, broadcast batches), its threads (shared by concurrent callers, gone after
-a fork), and generated modules that call it against the reference interpreter.  CI has a C
+a fork), and generated modules that call it against the reference interpreter (the examples
+in `test_native.py`).  CI has a C
 compiler (gcc), so these run there."""
 
 from __future__ import annotations
@@ -15,14 +16,11 @@ import pytest
 
 from bbrules import interp
 from bbrules.codegen import native, native_matmul, numpy_gen
-from bbrules.frontend import load_program, parse_program
-from bbrules.fuse import fuse
+from bbrules.frontend import parse_program
 from bbrules.inputs import random_inputs
 from bbrules.lower import lower
-from bbrules.packs import load_packs
-from bbrules.targets import get_target
 
-from test_numpy_backend import EXAMPLES, SEVERAL_BLOCKS, assert_close, small_dims
+from test_numpy_backend import assert_close
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler")
 
@@ -130,28 +128,6 @@ def test_a_forked_child_starts_its_own_threads():
         child.kill()
     assert not alive, "the child hung in its product"
     assert queue.get(timeout=5) < 1e-3
-
-
-@pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
-def test_every_example_matches_the_interpreter(fused, monkeypatch):
-    """Every product of every example through the native product (no size floor), against
-    the interpreter."""
-    monkeypatch.setattr(native_matmul, "MIN_MACS", 1)
-    monkeypatch.setattr(native_matmul, "MIN_ROWS", 1)
-    multiplied = 0
-    for path in EXAMPLES:
-        ast = load_program(path, dims=small_dims(path, SEVERAL_BLOCKS))
-        p = lower(ast)
-        if fused:
-            p = fuse(p, load_packs([]), get_target("h100")).program
-        inputs = random_inputs(ast, seed=5)
-        source = numpy_gen.generate(p, threads=2, native=True)
-        multiplied += "matmul = compiled_matmul()" in source
-        got = numpy_gen.module_from_source(source).run(**inputs)
-        want = interp.run(p, inputs)
-        for name in got:
-            assert_close(got[name], want[name], f"{path.stem}: {name} vs interpreter")
-    assert multiplied >= len(EXAMPLES) // 2, multiplied
 
 
 PRODUCT = ("dim r = 256 / 128\ndim c = 512 / 128\ndim k = 256 / 256\ninput X[r, k] : f32\n"
