@@ -153,9 +153,10 @@ def tune(p: BlockProgram, inputs: Mapping[str, np.ndarray], threads: int | None 
          runs: int = 5, native: bool | None = None) -> Tuned:
     """The faster on `inputs` of `p`'s module with every kernel of enough work in parts on
     `threads` threads (default: `default_threads()`) and its module of whole kernels, BLAS
-    (or the native product, on `threads` threads) threading their products; each run once, then `runs` times in alternation.  A program
-    with no kernel to split, or one thread, has one module, which is not timed.  Both have
-    native groups or neither (default: `default_native()`)."""
+    (or the native product, on `threads` threads) threading their products; each run once,
+    then `runs` times in alternation.  A program with no kernel to split, or one thread, has
+    one module, which is not timed.  Both have native groups or neither (default:
+    `default_native()`)."""
     threads = default_threads() if threads is None else threads
     native = default_native() if native is None else native
     modules = {"whole": loaded(p, threads, native, split=False)[1]}
