@@ -141,6 +141,7 @@ block(const float *a, long sm, long sk, const float *panel, long kc, float *out,
 
 typedef struct {
     long batch, m, n, k;              /* sizes */
+    long chunks;                      /* runs of rows a panel is cut into (`run`) */
     int dims;                         /* batch dimensions */
     long shape[MAX_DIMS];             /* the batch's shape */
     long sa[MAX_DIMS + 2], sb[MAX_DIMS + 2], so[MAX_DIMS + 2];  /* strides in floats */
@@ -191,9 +192,20 @@ static void rows(const Product *p, long e, long j, long r0, long r1, float *pane
 #define YIELD_NS 20000L
 #define MAX_WORKERS 255
 
+/* An item of work: `item` of a job, with the calling thread's `scratch` (a `Scratch`). */
+typedef void (*Work)(const void *ctx, long item, void *scratch);
+
+/* A thread's scratch: the panel it packs a product's columns into, and which batch entry and
+   panel it holds there (-1: none, at the start of each job). */
 typedef struct {
-    const Product *product;
-    long items, chunks;         /* the product's work: `items` runs of rows (`take`) */
+    float *panel;
+    long packed;
+} Scratch;
+
+typedef struct {
+    Work work;
+    const void *ctx;
+    long items;
     atomic_long next;           /* the next item to take */
     int helpers;                /* workers that take items in this job */
     atomic_int busy;            /* workers not done with this job */
@@ -224,25 +236,16 @@ static long now_ns(void) {
     return t.tv_sec * 1000000000L + t.tv_nsec;
 }
 
-/* Take items of the pool's job until none is left; `last` is the batch entry and panel this
-   thread packed last (-1: none), kept across items while the contraction is one block. */
-static void take(Job *job, float *panel) {
-    const Product *p = job->product;
-    const long panels = (p->n + NR - 1) / NR, blocks = (p->m + MR - 1) / MR;
-    long last = -1;
-    for (long i; (i = atomic_fetch_add(&job->next, 1)) < job->items;) {
-        const long group = i / job->chunks, chunk = i % job->chunks;
-        const long r0 = blocks * chunk / job->chunks * MR;
-        const long r1 = blocks * (chunk + 1) / job->chunks * MR;
-        rows(p, group / panels, group % panels * NR, r0, r1 < p->m ? r1 : p->m, panel,
-             group == last && p->k <= KC);
-        last = group;
-    }
+/* Take items of `job` until none is left. */
+static void take(Job *job, Scratch *scratch) {
+    scratch->packed = -1;
+    for (long i; (i = atomic_fetch_add(&job->next, 1)) < job->items;)
+        job->work(job->ctx, i, scratch);
 }
 
 static void *worker(void *arg) {
     const int index = (int)(long)arg;
-    float *panel = aligned_alloc(64, sizeof(float) * KC * NR);  /* (a multiple of 64) */
+    Scratch scratch = {aligned_alloc(64, sizeof(float) * KC * NR), -1};  /* (a multiple of 64) */
     long seen = pool.born[index];
     for (;;) {
         const long start = now_ns();
@@ -262,8 +265,8 @@ static void *worker(void *arg) {
             relax();
         }
         seen = atomic_load(&pool.generation);
-        if (index < pool.job.helpers && panel != NULL)
-            take(&pool.job, panel);
+        if (index < pool.job.helpers && scratch.panel != NULL)
+            take(&pool.job, &scratch);
         atomic_fetch_sub(&pool.job.busy, 1);
     }
     return NULL;
@@ -277,21 +280,11 @@ static void forget_workers(void) {
     pool.workers = 0;
 }
 
-/* The product on `threads` threads (the caller and threads - 1 workers), its runs of rows
-   taken one at a time: a thread slowed by another process's work takes fewer.  Each panel's
-   rows are cut into as few runs as give every thread four, so that a thread packs a panel
-   once per run.  Alone where another caller holds the workers.  0 when done, 1 where memory
-   for a panel could not be had. */
-static int run(const Product *p, int threads) {
-    const long panels = (p->n + NR - 1) / NR, blocks = (p->m + MR - 1) / MR;
-    long chunks = 1;
-    while (p->batch * panels * chunks < 4L * threads && chunks * 2 <= blocks)
-        chunks *= 2;
-    Job *job = &pool.job;
-    float *panel = aligned_alloc(64, sizeof(float) * KC * NR);
-    if (panel == NULL)
-        return 1;
-    if (threads > 1 && pthread_mutex_trylock(&pool.owner) == 0) {
+/* Items 0 .. items - 1 of `work` on `threads` threads (the caller and threads - 1 workers),
+   taken one at a time: a thread slowed by other work takes fewer.  Alone where another
+   caller holds the workers. */
+static void dispatch(Work work, const void *ctx, long items, int threads, Scratch *mine) {
+    if (threads > 1 && items > 1 && pthread_mutex_trylock(&pool.owner) == 0) {
         static int registered;
         if (!registered)
             registered = pthread_atfork(NULL, NULL, forget_workers) == 0;
@@ -303,8 +296,8 @@ static int run(const Product *p, int threads) {
             pthread_detach(t);
             pool.workers++;
         }
-        job->product = p, job->chunks = chunks, job->items = p->batch * panels * chunks;
-        job->helpers = threads - 1;
+        Job *job = &pool.job;
+        job->work = work, job->ctx = ctx, job->items = items, job->helpers = threads - 1;
         atomic_store(&job->next, 0);
         atomic_store(&job->busy, pool.workers);
         atomic_fetch_add(&pool.generation, 1);
@@ -313,15 +306,50 @@ static int run(const Product *p, int threads) {
             pthread_cond_broadcast(&pool.wake);
             pthread_mutex_unlock(&pool.lock);
         }
-        take(job, panel);
+        take(job, mine);
         while (atomic_load(&job->busy) > 0)
             relax();
         pthread_mutex_unlock(&pool.owner);
     } else {
-        Job alone = {.product = p, .items = p->batch * panels * chunks, .chunks = chunks};
-        take(&alone, panel);
+        Job alone = {.work = work, .ctx = ctx, .items = items};
+        take(&alone, mine);
     }
-    free(panel);
+}
+
+/* Native groups (`codegen.native`) run their rows on the same threads: `work`'s items 0 ..
+   items - 1 on `threads` threads, its scratch unused. */
+void bb_parallel_for(Work work, const void *ctx, long items, int threads) {
+    Scratch none = {NULL, -1};
+    dispatch(work, ctx, items, threads, &none);
+}
+
+/* A product's item: one batch entry's panel over a run of rows (`Product.chunks` runs a
+   panel).  The panel is packed unless this thread holds it already (once per item where the
+   contraction is longer than a block). */
+static void product_item(const void *ctx, long i, void *scratch) {
+    const Product *p = ctx;
+    Scratch *s = scratch;
+    const long panels = (p->n + NR - 1) / NR, blocks = (p->m + MR - 1) / MR;
+    const long group = i / p->chunks, chunk = i % p->chunks;
+    const long r0 = blocks * chunk / p->chunks * MR, r1 = blocks * (chunk + 1) / p->chunks * MR;
+    rows(p, group / panels, group % panels * NR, r0, r1 < p->m ? r1 : p->m, s->panel,
+         group == s->packed && p->k <= KC);
+    s->packed = group;
+}
+
+/* The product on `threads` threads.  Each panel's rows are cut into as few runs as give every
+   thread four items, so that a thread packs a panel once per run.  0 when done, 1 where
+   memory for a panel could not be had. */
+static int run(Product *p, int threads) {
+    const long panels = (p->n + NR - 1) / NR, blocks = (p->m + MR - 1) / MR;
+    p->chunks = 1;
+    while (p->batch * panels * p->chunks < 4L * threads && p->chunks * 2 <= blocks)
+        p->chunks *= 2;
+    Scratch mine = {aligned_alloc(64, sizeof(float) * KC * NR), -1};
+    if (mine.panel == NULL)
+        return 1;
+    dispatch(product_item, p, p->batch * panels * p->chunks, threads, &mine);
+    free(mine.panel);
     return 0;
 }
 

@@ -133,6 +133,53 @@ static inline float bb_expf(float x) {
     return x < -87.33f ? 0.0f : (x != x ? x : y);
 }
 
+typedef void (*bb_work)(const void *ctx, long item, void *scratch);
+
+/* The native product's threads (`bb_parallel_for` in matmul.c), set when the module loads;
+   NULL where that library is not there: every group then runs on the calling thread. */
+static void (*bb_parallel)(bb_work, const void *, long, int);
+
+void bb_set_parallel(void *fn) {
+    bb_parallel = (void (*)(bb_work, const void *, long, int))fn;
+}
+
+/* Every row of a group (`work`, over the merged dimensions `n`: rows of n[nd - 1] elements),
+   in runs (`*run` rows) of at least BB_PARALLEL_ELEMENTS elements, about four a thread,
+   on `threads` threads where there are two runs or more. */
+static void bb_rows(bb_work work, void *ctx, long *run, const long *n, int nd, int threads) {
+    long rows = 1;
+    for (int d = 0; d < nd - 1; d++)
+        rows *= n[d];
+    const long length = n[nd - 1] > 1 ? n[nd - 1] : 1;
+    const long least = (BB_PARALLEL_ELEMENTS + length - 1) / length;
+    const long share = (rows + 4L * threads - 1) / (4L * threads);
+    *run = share > least ? share : least;
+    if (threads > 1 && bb_parallel != NULL && rows > *run) {
+        bb_parallel(work, ctx, (rows + *run - 1) / *run, threads);
+    } else {
+        *run = rows > 1 ? rows : 1;
+        work(ctx, 0, NULL);
+    }
+}
+
+/* A group without a reduction that merging made one long row (the dimension before it left at
+   1): cut into rows of whole pieces, as many as give `threads` threads about four each and
+   each BB_PARALLEL_ELEMENTS elements at least, for `bb_rows` to share. */
+static void bb_split(int nd, int arrays, long *n, long *s, int threads) {
+    if (nd < 2 || n[nd - 2] != 1 || threads < 2)
+        return;
+    const long m = n[nd - 1];
+    long pieces = 4L * threads;
+    while (pieces > 1 && (m % pieces != 0 || m / pieces < BB_PARALLEL_ELEMENTS))
+        pieces--;
+    if (pieces < 2)
+        return;
+    n[nd - 2] = pieces;
+    n[nd - 1] = m / pieces;
+    for (int k = 0; k < arrays; k++)
+        s[k * nd + nd - 2] = s[k * nd + nd - 1] * (m / pieces);
+}
+
 /* Merge adjacent dimensions that every array walks in step (a stride is its inner
    neighbour's times that neighbour's extent): the innermost loop then runs as long as
    memory allows.  A merged dimension is left with extent 1. */
@@ -177,6 +224,10 @@ REDUCTIONS: dict[str, tuple[str, str]] = {
 # Partial results a reduction keeps per row, combined at its end: one vector register of
 # floats, so the loop over a row vectorises (and a sum adds 16 interleaved sums, not one).
 LANES = 16
+
+# A run of rows that one thread takes (`bb_rows`) has at least this many elements: below it,
+# handing a run to another thread costs more than it saves.
+PARALLEL_ELEMENTS = 1 << 14
 
 
 @dataclass(frozen=True)
@@ -239,9 +290,9 @@ def statements(root: Node, group: set[Node], leaf: Callable[[Node], str]) -> tup
 
 
 def function(g: Group) -> str:
-    """The C function of one group: `int name(PyObject *out, ..., PyObject *leaf0, ...)`
-    (its `outputs`, then its leaves), 0 once it has written its outputs, 1 where some array
-    is not a float32 array of its dimensions.
+    """The C function of one group: `int name(PyObject *out, ..., PyObject *leaf0, ...,
+    int threads)` (its `outputs`, then its leaves), 0 once it has written its outputs, 1
+    where some array is not a float32 array of its dimensions.
 
     Adjacent dimensions are merged at run time (`bb_merge`; never a reduced one with another,
     since the reduction's result does not walk it).  The last two dimensions left are walked
@@ -249,7 +300,13 @@ def function(g: Group) -> str:
     each row into `LANES` partial results, combined at its end); else by columns where the
     columns are (a transposed view, attention's column-major scores: a reduction folds a
     whole column of results at once), or where the outputs' are, the leaves read at their
-    strides; else element by element, strided."""
+    strides; else element by element, strided.
+
+    The rows (every row of the last two dimensions, under every index of the others; a map
+    merged into one row is first cut into pieces, `bb_split`) are cut into runs of at least `PARALLEL_ELEMENTS` elements that `threads` threads take one
+    at a time (`bb_parallel`, the native product's threads).  A row is never split; a walk by
+    columns may put an element in a vector loop's remainder, where libmvec's vector function
+    and glibc's scalar one can differ in the last place."""
     kept = g.kept()
     nd, k = len(kept), len(g.leaves)
     values, reduced = g.reduce is None or g.keeps, g.reduce is not None
@@ -257,26 +314,35 @@ def function(g: Group) -> str:
     arrays = outs + k
     v_at, a_at = 0, outs - 1  # the arrays of the values and of the reduction's result
     shapes = ", ".join(str(n) for dims in (*g.outputs(), *g.leaves) for n in dims)
-    lines = [f"int {g.name}({', '.join(f'PyObject *x{i}' for i in range(arrays))}) {{",
-             f"    PyObject *arrays[{arrays}] = {{{', '.join(f'x{i}' for i in range(arrays))}}};",
-             f"    static const long shapes[] = {{{shapes}}};",
-             f"    static const int kept[] = {{{', '.join(map(str, kept))}}};",
-             f"    long n[{nd}] = {{{', '.join(str(g.dims[d]) for d in kept)}}}, "
-             f"s[{arrays}][{nd}];",
-             f"    Py_buffer v[{arrays}];",
-             f"    if (bb_buffers({arrays}, {outs}, arrays, v, {len(g.dims)}, shapes, {nd}, "
-             "kept, &s[0][0]))",
-             "        return 1;",
-             *([f"    float *ov = v[{v_at}].buf;"] if values else []),
-             *([f"    float *oa = v[{a_at}].buf;"] if reduced else []),
-             *(f"    const float *a{i} = v[{outs + i}].buf;" for i in range(k)),
-             "    Py_BEGIN_ALLOW_THREADS",
-             f"    bb_merge({nd}, {arrays}, n, &s[0][0]);"]
-    outer = max(nd - 2, 0)  # loops written out; the last two dimensions are the block's
-    indent = "    "
-    for j in range(outer):
-        lines.append(f"{indent}for (long i{j} = 0; i{j} < n[{j}]; i{j}++)")
-        indent += "    "
+    outer = max(nd - 2, 0)  # dimensions above the block's last two, walked by the runs
+    ctx = f"{g.name}_ctx"
+    header = [f"typedef struct {{",
+              *(["    float *ov;"] if values else []),
+              *(["    float *oa;"] if reduced else []),
+              *([f"    const float *a[{k}];"] if k else []),
+              f"    long n[{nd}], s[{arrays}][{nd}], run;",
+              f"}} {ctx};",
+              "",
+              f"/* Rows [item * run, (item + 1) * run) of {g.name}. */",
+              f"static void {g.name}_rows(const void *cx, long item, void *scratch) {{",
+              f"    const {ctx} *x = cx;",
+              "    (void)scratch;",
+              "    const long *n = x->n;",
+              f"    const long (*s)[{nd}] = x->s;",
+              *(["    float *ov = x->ov;"] if values else []),
+              *(["    float *oa = x->oa;"] if reduced else []),
+              *(f"    const float *a{i} = x->a[{i}];" for i in range(k)),
+              f"    const long w = {f'n[{nd - 2}]' if nd > 1 else '1'};",
+              f"    const long total = w{''.join(f' * n[{j}]' for j in range(outer))};",
+              "    const long last = (item + 1) * x->run < total ? (item + 1) * x->run : total;",
+              "    for (long f = item * x->run; f < last;) {",
+              "        const long o = f / w, j0 = f % w;",
+              "        const long j1 = last - o * w < w ? last - o * w : w;",
+              *([f"        long rest = o;"] if outer else []),
+              *(line for j in reversed(range(outer)) for line in (
+                  f"        const long i{j} = rest % n[{j}];", f"        rest /= n[{j}];")),
+              *(["        (void)j0, (void)j1;"] if nd == 1 else [])]
+    indent = "        "
 
     def offset(array: int) -> str:
         return "".join(f" + i{j} * s[{array}][{j}]" for j in range(outer))
@@ -295,13 +361,12 @@ def function(g: Group) -> str:
                             ("", row(g, inner, False, "pv", "pa", "p"))])
     else:
         across = [i for i in range(k) if kept[-2] in g.spans(i)]  # leaves walking columns
-        block += [f"const long w = n[{nd - 2}];",
-                  *([f"const long c = s[{v_at}][{nd - 2}];"] if values else []),
+        block += [*([f"const long c = s[{v_at}][{nd - 2}];"] if values else []),
                   *([f"const long ca = s[{a_at}][{nd - 2}];"] if reduced else []),
                   *(f"const long c{i} = s[{outs + i}][{nd - 2}];" for i in range(k))]
 
         def by_row(contiguous: bool) -> list[str]:
-            return ["for (long j = 0; j < w; j++) {",
+            return ["for (long j = j0; j < j1; j++) {",
                     *(["    float *qv = pv + j * c;"] if values else []),
                     *(["    float *qa = pa + j * ca;"] if reduced else []),
                     *(f"    const float *q{i} = p{i} + j * c{i};" for i in range(k)),
@@ -313,11 +378,34 @@ def function(g: Group) -> str:
         block += _branches([(rows, by_row(True)),
                             (contiguous, _columns(g, inner, across, strided=False)),
                             *mixed, ("", by_row(False))])
-    lines += [indent + "{", *(f"{indent}    {s}" for s in block), indent + "}",
-              "    Py_END_ALLOW_THREADS",
-              f"    bb_release({arrays}, v);",
-              "    return 0;",
-              "}"]
+    header += [indent + "{", *(f"{indent}    {s}" for s in block), indent + "}",
+               "        f = o * w + j1;",
+               "    }",
+               "}",
+               ""]
+    lines = [*header,
+             f"int {g.name}({', '.join(f'PyObject *x{i}' for i in range(arrays))}, "
+             "int threads) {",
+             f"    PyObject *arrays[{arrays}] = {{{', '.join(f'x{i}' for i in range(arrays))}}};",
+             f"    static const long shapes[] = {{{shapes}}};",
+             f"    static const int kept[] = {{{', '.join(map(str, kept))}}};",
+             f"    {ctx} x = {{.n = {{{', '.join(str(g.dims[d]) for d in kept)}}}}};",
+             f"    Py_buffer v[{arrays}];",
+             f"    if (bb_buffers({arrays}, {outs}, arrays, v, {len(g.dims)}, shapes, {nd}, "
+             "kept, &x.s[0][0]))",
+             "        return 1;",
+             *([f"    x.ov = v[{v_at}].buf;"] if values else []),
+             *([f"    x.oa = v[{a_at}].buf;"] if reduced else []),
+             *(f"    x.a[{i}] = v[{outs + i}].buf;" for i in range(k)),
+             "    Py_BEGIN_ALLOW_THREADS",
+             f"    bb_merge({nd}, {arrays}, x.n, &x.s[0][0]);",
+             *([f"    bb_split({nd}, {arrays}, x.n, &x.s[0][0], threads);"]
+               if not reduced else []),
+             f"    bb_rows({g.name}_rows, &x, &x.run, x.n, {nd}, threads);",
+             "    Py_END_ALLOW_THREADS",
+             f"    bb_release({arrays}, v);",
+             "    return 0;",
+             "}"]
     return "\n".join(lines)
 
 
@@ -397,19 +485,20 @@ def _columns(g: Group, inner: Sequence[int], across: Sequence[int], strided: boo
     done = ["pv[j + r * t] = out;"] if g.reduce is None or g.keeps else []
     if g.reduce is not None:
         identity, combine = REDUCTIONS[g.reduce[0]]
-        init = [f"for (long j = 0; j < w; j++) pa[j] = {identity};"]
+        init = [f"for (long j = j0; j < j1; j++) pa[j] = {identity};"]
         done.append(f"pa[j] = {combine.format(x='pa[j]', y='out')};")
     return [*init,
             "for (long r = 0; r < m; r++) {",
             "    #pragma omp simd",
-            "    for (long j = 0; j < w; j++)",
+            "    for (long j = j0; j < j1; j++)",
             *(f"    {s}" for s in _element(g, reads, done)),
             "}"]
 
 
 def source(groups: Sequence[Group]) -> str:
     """The C file of a module's groups."""
-    return "\n".join([_PRELUDE, *(function(g) + "\n" for g in groups)])
+    return "\n".join([f"#define BB_PARALLEL_ELEMENTS {PARALLEL_ELEMENTS}", _PRELUDE,
+                      *(function(g) + "\n" for g in groups)])
 
 
 # --------------------------------------------------------------------------------------------
@@ -501,10 +590,23 @@ class Library:
     def __init__(self, lib: ctypes.CDLL, vector_math: bool):
         self.lib = lib
         self.vector_math = vector_math  # whether its loops call libmvec's vector functions
+        if hasattr(lib, "bb_set_parallel"):  # (not in a module written before it was)
+            lib.bb_set_parallel.argtypes = [ctypes.c_void_p]
+            lib.bb_set_parallel(_parallel_for())
 
     def function(self, name: str, dims: tuple[int, ...], leaves: tuple[tuple[int, ...], ...],
                  reduce: tuple[str, int] | None = None, keeps: bool = False) -> Call:
         return Call(getattr(self.lib, name), Group(name, dims, leaves, (), reduce, keeps))
+
+
+def _parallel_for() -> ctypes.c_void_p:
+    """The native product's threads (`bb_parallel_for`), which the groups' rows share
+    (`bb_rows`); NULL where that library cannot be had: every group on the calling thread."""
+    from bbrules.codegen.native_matmul import library  # (which builds on this module)
+    try:
+        return ctypes.cast(library().bb_parallel_for, ctypes.c_void_p)
+    except NativeUnavailable:
+        return ctypes.c_void_p(None)
 
 
 class Call:
@@ -514,7 +616,7 @@ class Call:
     into a new array (`new`), and returns it.  A reduction's result is always a new array:
     it holds partial results while the leaves are read; a group that `keeps` its values
     returns (values, reduction).  The function reads the arrays' memory through the buffer
-    protocol and releases the GIL while it loops."""
+    protocol and releases the GIL while it loops, its rows on `threads` threads."""
 
     def __init__(self, fn: Callable[..., int], g: Group):
         self.dims = g.outputs()[0]
@@ -522,20 +624,20 @@ class Call:
         self.both = len(g.outputs()) == 2
         self.leaf_dims = g.leaves
         fn.restype = ctypes.c_int
-        fn.argtypes = [ctypes.py_object] * (len(g.outputs()) + len(g.leaves))
+        fn.argtypes = [ctypes.py_object] * (len(g.outputs()) + len(g.leaves)) + [ctypes.c_int]
         self.fn = fn
 
-    def __call__(self, out: np.ndarray | None, *leaves: np.ndarray
+    def __call__(self, out: np.ndarray | None, *leaves: np.ndarray, threads: int = 1
                  ) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
         if out is None or any(a is not out and np.may_share_memory(out, a) for a in leaves):
             out = self.new(leaves)
         outs = (out, np.empty(self.reduced, np.float32)) if self.both else (out,)
-        if self.fn(*outs, *leaves):  # a numpy scalar, another dtype, an odd view: converted
+        if self.fn(*outs, *leaves, threads):  # a numpy scalar, another dtype, an odd view
             try:
                 converted = [_as_leaf(a, dims) for a, dims in zip(leaves, self.leaf_dims)]
             except ValueError:
                 converted = None
-            if converted is None or self.fn(*outs, *converted):
+            if converted is None or self.fn(*outs, *converted, threads):
                 raise ValueError(f"native group of dimensions {self.dims}: its arrays have "
                                  f"shapes {[np.shape(a) for a in (*outs, *leaves)]}")
         return outs if self.both else out

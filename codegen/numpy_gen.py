@@ -175,7 +175,7 @@ class _Functions:
     known: dict[str, str] = field(default_factory=dict)  # code -> name, computed on loading
     native: bool = False  # whether elementwise groups and products are native C
     groups: dict[tuple, native_c.Group] = field(default_factory=dict)  # by what they compute
-    threads: int = 1  # the threads a native product runs on in a kernel run whole
+    threads: int = 1  # the threads native products and groups run on in a kernel run whole
     products: bool = False  # whether the code calls the native product (`matmul`)
 
     def native_group(self, dims: tuple[int, ...], leaves: tuple[tuple[int, ...], ...],
@@ -992,6 +992,8 @@ class _KernelWriter:
         body = native_c.statements(top, members, native_c.leaf_reader(leaves, numbers))
         fn = self.fns.native_group(self.dims(top), tuple(dims), body, reduce, also is not None)
         args = ", ".join(codes)
+        if self.part is None and self.fns.threads > 1:  # (a part's rows stay on its thread)
+            args += f", threads={self.fns.threads}"
         names = (name,) if also is None else (name, self.fresh(f"b{also.op}"))
         defined = ", ".join(names)
         stmt = _Stmt([f"{defined} = {fn}(None, {args})"], names, frozenset(self.reads),

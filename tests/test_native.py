@@ -189,6 +189,50 @@ def test_column_major_scores_beside_a_row_major_mask_are_walked_by_columns(reduc
         np.testing.assert_array_equal(got, want.max(axis=2, keepdims=True))
 
 
+@pytest.mark.parametrize("layout", ["rows", "columns", "mixed", "strided"])
+@pytest.mark.parametrize("reduce", [None, ("sum", 2)], ids=["map", "sum"])
+def test_a_groups_rows_on_several_threads_give_the_same_result(layout, reduce):
+    """A group's rows, in runs shared by the native product's threads (`bb_rows`): what one
+    thread computes, whatever the walk.  A row is never split, so rows give the same bits;
+    columns cut into runs may put an element in a vector loop's remainder, where libmvec's
+    vector tanhf and glibc's scalar one differ in the last place."""
+    g = native.Group(f"shared_{layout}_{bool(reduce)}", (3, 300, 200),
+                     ((3, 300, 200), (3, 300, 200), (1, 300, 1)),
+                     ("const float v0 = l0 * l2 - l1;", "out = tanhf(v0);"), reduce, False)
+    fn = native.compiled(native.source([g])).function(g.name, g.dims, g.leaves, g.reduce)
+    rng = np.random.default_rng(13)
+    x, y = (rng.standard_normal((3, 300, 200)).astype(np.float32) for _ in range(2))
+    z = rng.standard_normal((1, 300, 1)).astype(np.float32)
+    if layout in ("columns", "mixed"):
+        x = np.ascontiguousarray(x.transpose(0, 2, 1)).transpose(0, 2, 1)
+        if layout == "columns":
+            y = np.ascontiguousarray(y.transpose(0, 2, 1)).transpose(0, 2, 1)
+    if layout == "strided":
+        x = np.ascontiguousarray(x.transpose(2, 1, 0)).transpose(2, 1, 0)
+    alone = fn(None, x, y, z)
+    for threads in (2, 3):
+        shared = fn(None, x, y, z, threads=threads)
+        if layout == "rows":
+            np.testing.assert_array_equal(shared, alone)
+        np.testing.assert_allclose(shared, alone, rtol=3e-7, atol=1e-5 if reduce else 0)
+    want = np.tanh(x * z - y)
+    want = want if reduce is None else want.sum(axis=2, keepdims=True)
+    np.testing.assert_allclose(alone, want, rtol=2e-5, atol=2e-5)
+
+
+def test_a_map_merged_into_one_row_is_cut_into_pieces_for_the_threads():
+    """Contiguous arrays merge into one row; a map group cuts it into whole pieces (1 << 17
+    elements: 8 pieces on 2 threads) that the threads share, with the same bits."""
+    g = native.Group("pieces", (512, 256), ((512, 256), (512, 256)),
+                     ("const float v0 = l0 * l1;", "out = v0 + 1.0f;"))
+    text = native.source([g])
+    assert "bb_split(2, 3, x.n, &x.s[0][0], threads);" in text
+    fn = native.compiled(text).function(g.name, g.dims, g.leaves)
+    rng = np.random.default_rng(14)
+    x, y = (rng.standard_normal((512, 256)).astype(np.float32) for _ in range(2))
+    np.testing.assert_array_equal(fn(None, x, y, threads=2), x * y + np.float32(1))
+
+
 def run_both(p, inputs, **kw):
     """`p` run with native groups (checking it has some) and through the interpreter."""
     source = numpy_gen.generate(p, native=True, **kw)
@@ -225,7 +269,8 @@ def test_every_example_matches_the_interpreter(fused, monkeypatch):
 @pytest.mark.usefixtures("split_small")
 def test_parts_on_two_threads_each_call_a_group():
     """A kernel split into parts: every part's function calls its group (the C releases the
-    GIL, so the threads run them at once), and the parts together match the interpreter."""
+    GIL, so the threads run them at once) on its own thread, and the parts together match the
+    interpreter; run whole, the kernel's group shares its rows between the threads."""
     ast = parse_program("dim r = 512 / 16\ndim c = 256 / 64\ninput X[r, c] : f32\n"
                         "input B[c] : f32\n"
                         "Y[r, c] = gelu(X[r, c] + B[c]) * sigmoid(X[r, c])\noutput Y\n")
@@ -237,9 +282,13 @@ def test_parts_on_two_threads_each_call_a_group():
     for fn in functions:
         body = generated.source[generated.source.index(f"def {fn}("):]
         body = body[:body.index("\ndef ")]
-        assert re.search(r"= native_\d+\(", body), body
+        assert re.search(r"= native_\d+\(", body) and "threads=" not in body, body
     got = numpy_gen.module_from_source(generated.source).run(**inputs)["Y"]
     assert_close(got, interp.run(p, inputs)["Y"], "parts vs interpreter")
+    whole = numpy_gen.generate_module(p, threads=2, split=False, native=True).source
+    assert re.search(r"= native_\d+\(.*, threads=2\)", whole), whole
+    got = numpy_gen.module_from_source(whole).run(**inputs)["Y"]
+    assert_close(got, interp.run(p, inputs)["Y"], "whole vs interpreter")
 
 
 def test_a_chain_is_one_call_and_a_stored_or_shared_tile_ends_it():
