@@ -316,7 +316,7 @@ def function(g: Group) -> str:
     shapes = ", ".join(str(n) for dims in (*g.outputs(), *g.leaves) for n in dims)
     outer = max(nd - 2, 0)  # dimensions above the block's last two, walked by the runs
     ctx = f"{g.name}_ctx"
-    header = [f"typedef struct {{",
+    header = ["typedef struct {",
               *(["    float *ov;"] if values else []),
               *(["    float *oa;"] if reduced else []),
               *([f"    const float *a[{k}];"] if k else []),
@@ -338,7 +338,7 @@ def function(g: Group) -> str:
               "    for (long f = item * x->run; f < last;) {",
               "        const long o = f / w, j0 = f % w;",
               "        const long j1 = last - o * w < w ? last - o * w : w;",
-              *([f"        long rest = o;"] if outer else []),
+              *(["        long rest = o;"] if outer else []),
               *(line for j in reversed(range(outer)) for line in (
                   f"        const long i{j} = rest % n[{j}];", f"        rest /= n[{j}];")),
               *(["        (void)j0, (void)j1;"] if nd == 1 else [])]
