@@ -8,7 +8,7 @@
    is made of (128 x 256 by 256 x 512), OpenBLAS reached 227 GFLOP/s on 2 cores of an AVX-512
    Xeon where onnxruntime's MLAS reached 347; this reaches 340.  It runs on as many threads as
    the caller asks for (one inside a kernel's parts, which already run on every core): its own
-   (`run`).
+   (`dispatch`), which native groups share (`bb_parallel_for`).
 
    The micro-kernel keeps an MR x NR block of out in registers (with AVX-512, 6 rows of 4 vectors
    of 16 floats: 24 of the 32 registers; with 16 registers of 8 floats, 6 rows of 2) and adds,
@@ -212,7 +212,7 @@ typedef struct {
 } Job;
 
 static struct {
-    pthread_mutex_t owner;      /* held by the caller whose product the workers share */
+    pthread_mutex_t owner;      /* held by the caller whose work the workers share */
     pthread_mutex_t lock;       /* with `wake`: where idle workers sleep */
     pthread_cond_t wake;
     atomic_long generation;     /* bumped for each job */
