@@ -225,8 +225,9 @@ REDUCTIONS: dict[str, tuple[str, str]] = {
 # floats, so the loop over a row vectorises (and a sum adds 16 interleaved sums, not one).
 LANES = 16
 
-# A run of rows that one thread takes (`bb_rows`) has at least this many elements: below it,
-# handing a run to another thread costs more than it saves.
+# A run of rows that one thread takes (`bb_rows`) has at least this many elements: 5-15 µs
+# of work at 0.3-1 ns an element, several times what handing it to a spinning worker costs.
+# (Chosen, not swept; magika's groups, of 65,536-262,144 elements, gained 3.40 -> 3.17 ms.)
 PARALLEL_ELEMENTS = 1 << 14
 
 
