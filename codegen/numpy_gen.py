@@ -1266,7 +1266,9 @@ class _KernelWriter:
             guards = ", ".join(self.lookup(g) for g in pick.guards)
             codes.append(f"({at}, ({guards}{',' * (len(pick.guards) == 1)}))")
         self.fns.runtime.add("gather_one_hot")
-        window = ", window=True" if self.fns.native else ""  # (read in place by `matmul`)
+        # positions (not data: token ids) may step evenly, for `matmul` to read in place
+        window = ", window=True" if self.fns.native and not any(
+            isinstance(m, Load) for pick in picks for m in postorder(pick.at)) else ""
         return f"gather_one_hot({self.tile(values)}, {c}, ({', '.join(codes)},){window})"
 
     def loop(self, loop: Loop) -> list[_Stmt]:

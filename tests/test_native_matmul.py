@@ -187,6 +187,11 @@ def test_a_convolutions_window_is_read_in_place():
     source = numpy_gen.generate(p, threads=2, native=True)
     assert "window=True)" in source
     assert "window=True" not in numpy_gen.generate(p)
+    lookup = parse_program("dim t = 64 / 16\ndim v = 100\ndim e = 32\ninput IDS[t] : f32\n"
+                           "input E[v, e] : f32\n"
+                           "Y[t, e] = sum[v] where(v == IDS[t], 1, 0) * E[v, e]\noutput Y\n")
+    ids = numpy_gen.generate(lower(lookup), threads=2, native=True)
+    assert "gather_one_hot(" in ids and "window=True" not in ids  # ids are data
     module = numpy_gen.module_from_source(source)
     inputs = random_inputs(ast, seed=14)
     gathered = []
