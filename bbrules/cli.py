@@ -708,8 +708,9 @@ def rule_table(r: FuseResult) -> str:
 
 def _native_arg(p: argparse.ArgumentParser, default: str) -> None:
     p.add_argument("--native", action=argparse.BooleanOptionalAction,
-                   help="numpy: chains of elementwise operators as C loops the module compiles "
-                        f"when it loads (needs a C compiler, $CC or cc; default: {default})")
+                   help="numpy: chains of elementwise operators, and matrix products, as C the "
+                        "module compiles when it loads (needs a C compiler, $CC or cc; "
+                        f"default: {default})")
 
 
 def _native(args: argparse.Namespace, default: bool) -> bool:

@@ -3,10 +3,11 @@
 For each case, in one run: the dense numpy evaluation of the program (`bbrules.dense`, the
 baseline the speed-up and memory ratios are taken against), the unfused block program and the
 fused block program through the numpy backend on `--threads` threads (default: the backend's
-own, `numpy_gen.default_threads`), the fused program with native groups where a C compiler is
-found (`codegen/native.py`), the fused program again on one thread, onnxruntime on the
-same program written as an ONNX graph (attention: the opset-23 `Attention` operator; the
-norms written out as the programs compute them, `NORM_GRAPHS`), and for attention torch's
+own, `numpy_gen.default_threads`), the fused program with native groups and products where a
+C compiler is found (`codegen/native.py`, `codegen/matmul.c`), the fused program again on one
+thread, onnxruntime on the same program written as an ONNX graph (attention: the opset-23
+`Attention` operator; the norms written out as the programs compute them, `NORM_GRAPHS`),
+and for attention torch's
 `scaled_dot_product_attention` on the CPU and the hand-written blocked online-softmax loop in
 plain numpy (`blocked_attention.py`, the single-threaded ceiling for a numpy backend).  torch
 runs in this process when it imports, else under `--torch-python PYTHON` (an environment with
@@ -362,7 +363,7 @@ def run_case(case: Case, overrides: dict[str, tuple[int, int | None]],
            note=origin)
     if native.available():
         with_c = numpy_gen.load(fused, threads=threads, native=True)
-        record(f"fused (native groups, {threads} {each})", lambda: with_c.run(**inputs), want)
+        record(f"fused (native, {threads} {each})", lambda: with_c.run(**inputs), want)
     if threads > 1:
         one = numpy_gen.load(fused, threads=1, native=False)
         record("fused (numpy, 1 thread)", lambda: one.run(**inputs), want)

@@ -684,8 +684,8 @@ def _neutral_operand(n: Node, known: Mapping[Node, float]) -> Node | None:
 
 @STEP.on(Dot)
 def _(n: Dot, w: _KernelWriter) -> _Stmt:
-    code = w.dot(n)  # a gather may be a view of the values it picks from (`_window`)
-    return w.array(n, w.fresh("dot"), code, fresh=not code.startswith("gather_one_hot("))
+    code = w.dot(n)  # a windowed gather may be a view of the values it picks (`_window`)
+    return w.array(n, w.fresh("dot"), code, fresh=not code.endswith(", window=True)"))
 
 
 class _KernelWriter:
@@ -2416,7 +2416,8 @@ def loaded(p: BlockProgram, threads: int, native: bool, split: bool | None = Non
             generated = generate_module(p, threads=threads, split=split, native=True)
             return generated, module_from_source(generated.source)
         except native_c.NativeUnavailable as e:
-            warnings.warn(f"bbrules: numpy code without native groups: {e}", stacklevel=3)
+            warnings.warn(f"bbrules: numpy code without native groups or products: {e}",
+                          stacklevel=3)
     generated = generate_module(p, threads=threads, split=split)
     return generated, module_from_source(generated.source)
 

@@ -170,8 +170,8 @@ def tune(p: BlockProgram, inputs: Mapping[str, np.ndarray], threads: int | None 
     return Tuned(modules[best], best == "parts", seconds)
 
 
-# A pause before tuning: threads of earlier work (OpenBLAS's after numpy's products, for some
-# 0.1 s) spin on the cores the modules need.  Tuned right after the numpy code's own tuning,
+# A pause before tuning: threads of earlier work (OpenBLAS's after numpy's products) spin for
+# a while on the cores the modules need.  Tuned right after the numpy code's own tuning,
 # magika's native module chose parts in two runs of three (4.1-4.3 ms, whole 2.8 ms).
 SETTLE_SECONDS = 0.25
 
