@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import multiprocessing
 import re
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -106,6 +108,26 @@ def test_concurrent_callers_share_the_threads():
         got = list(pool.map(lambda xy: native_matmul.matmul(*xy, 2), pairs))
     for (x, y), g in zip(pairs, got):
         np.testing.assert_allclose(g, x @ y, rtol=1e-4, atol=1e-4)
+
+
+def test_products_between_which_the_workers_sleep():
+    """Workers asleep (idle for longer than they spin) are woken for the next products, not
+    handed the one that wakes them; awake ones are: every result is right either way, and no
+    product waits forever (it runs on a thread the test gives up on after a minute)."""
+    x, y = rand(96, 300, seed=20), rand(300, 200, seed=21)
+    want = x @ y
+    errors: list[float] = []
+
+    def products() -> None:
+        for i in range(12):
+            if i % 3 == 0:
+                time.sleep(0.005)  # past the workers' 1 ms of spinning
+            errors.append(float(np.abs(native_matmul.matmul(x, y, 3) - want).max()))
+    runner = threading.Thread(target=products, daemon=True)
+    runner.start()
+    runner.join(timeout=60)
+    assert not runner.is_alive(), "a product waited on its workers for a minute"
+    assert len(errors) == 12 and max(errors) < 1e-3
 
 
 def _product_in_child(queue) -> None:
