@@ -900,10 +900,12 @@ class _KernelWriter:
         operator joins the group of the operators reading it where they all are in one group,
         have its dimensions and it is not stored.  A group is at least two operators over at
         least `NATIVE_ELEMENTS` elements, or one a reduction within the tile reads (the C
-        reduces it, and returns the values too where other steps read them: `also`), and at
-        most `NATIVE_OPERATORS`.  Only operators that compute (not `aliased`, not a
-        `known_tile`) join; a selection by known positions joins (the C selects by a tile of
-        them) where it would otherwise set slices (`fill`)."""
+        reduces it, and returns the values too where other steps read them: `also`), or none:
+        a reduction of a tile no operator computes (a softmax's max over loaded scores, but
+        not a sum of products, which is one matmul), and at most `NATIVE_OPERATORS`.  Only
+        operators that compute (not `aliased`, not a `known_tile`) join; a selection by known
+        positions joins (the C selects by a tile of them) where it would otherwise set slices
+        (`fill`)."""
         for n in body:  # a loop's body is written once per segment, each with its own knowns
             self.groups.pop(n, None)
             self.also.pop(n, None)
@@ -936,10 +938,15 @@ class _KernelWriter:
                 members[n] = members.pop(x)
             elif x not in also:
                 also[x] = n
+        for n in body:
+            if isinstance(n, BlockReduce) and n not in members and n.x not in root_of and \
+                    n.op in native_c.REDUCTIONS and self.innermost(n.x, n.axis) and \
+                    _summed_contraction(n, self) is None:
+                members[n] = []
         for root, group in members.items():
             reduces = isinstance(root, BlockReduce) or root in also
             if (reduces or len(group) > 1) and len(group) <= NATIVE_OPERATORS and \
-                    prod(self.dims(group[-1])) >= NATIVE_ELEMENTS:
+                    prod(self.dims(group[-1] if group else root.x)) >= NATIVE_ELEMENTS:
                 self.groups[root] = group
                 self.absorbed.update(m for m in group if m is not root)
                 if root in also:
@@ -977,7 +984,8 @@ class _KernelWriter:
         codes: list[str] = []
         dims: list[tuple[int, ...]] = []
         numbers: dict[Node, float] = {}
-        for c in (c for m in group for c in children(m) if c not in members):
+        operands = [c for m in group for c in children(m) if c not in members] if group else [top]
+        for c in operands:
             if c in leaves or c in numbers:
                 continue
             value = self.known[c] if c in self.known else _constant_value(c, self.constants)
@@ -989,7 +997,8 @@ class _KernelWriter:
                 codes.append(code)
                 dims.append(self.dims(c))
             leaves[c] = codes.index(code)
-        body = native_c.statements(top, members, native_c.leaf_reader(leaves, numbers))
+        read = native_c.leaf_reader(leaves, numbers)
+        body = native_c.statements(top, members, read) if group else (f"out = {read(top)};",)
         fn = self.fns.native_group(self.dims(top), tuple(dims), body, reduce, also is not None)
         args = ", ".join(codes)
         if self.part is None and self.fns.threads > 1:  # (a part's rows stay on its thread)
@@ -1948,18 +1957,24 @@ def gather_one_hot(values: np.ndarray, axis: int,
     size = values.shape[axis]
     total, zeroed = None, None
     taken: list[tuple[np.ndarray, np.ndarray]] = []
+    # (C calls only where a lookup by ids runs every call: numpy's Python-level helpers,
+    # `any`, `all`, `moveaxis`, cost several times their warm time after a product has
+    # streamed its operands through the caches)
     for at, guards in picks:
         at = np.asarray(at)
         index = at.astype(np.intp)
         held = (index == at) & (index >= 0) & (index < size)
         for guard in guards:
             held = held & (np.asarray(guard) != 0)
-        for other, other_held in taken:
-            held = held & ~(other_held & (other == index))
-        taken.append((index, held))
-        if not held.any():  # ONNX's second pick, of negative ids, where there are none
+        count = np.count_nonzero(held)
+        if count and taken:
+            for other, other_held in taken:
+                held = held & ~(other_held & (other == index))
+            count = np.count_nonzero(held)
+        if not count:  # ONNX's second pick, of negative ids, where there are none
             continue
-        if held.all():
+        taken.append((index, held))
+        if count == held.size:
             part = _take(values, axis, index)
         elif values.size <= prod(np.broadcast_shapes(
                 values.shape[:axis] + (1,) + values.shape[axis + 1:], held.shape)):
@@ -2030,7 +2045,7 @@ def _take(values: np.ndarray, axis: int, index: np.ndarray) -> np.ndarray:
     others = [d for d in range(values.ndim) if d != axis]
     if any(index.shape[d] > 1 and values.shape[d] > 1 for d in others):
         return np.take_along_axis(values, index, axis=axis)
-    rows = np.moveaxis(values, axis, 0)[index.reshape(-1)]
+    rows = values.transpose(axis, *others)[index.reshape(-1)]
     rows = rows.reshape(tuple(index.shape[d] for d in others) + rows.shape[1:])
     n = len(others)  # pair each dimension of the index with the same one of the values
     paired = rows.transpose([k for i in range(n) for k in (i, n + i)])
