@@ -1167,11 +1167,13 @@ class _KernelWriter:
         parts += [[(i, xs[i]) for i in xfree], [(i, ys[i]) for i in yfree]]
         summed = {self.layout.element_dim(a) for a in also}
         dims = tuple(1 if i in summed else d for i, d in enumerate(self.dims(n)))
-        if xfree and len(yfree) == 1 and \
+        if xfree and len(yfree) == 1 and not self.fns.native and \
                 any(self.layout.element_dim(a) == yfree[0] for a in self.folding):
             # columns over the block of a folding loop, which the fold reduces across: the
-            # product computed column-major (y^T x^T, then viewed transposed), so the maxima
-            # and sums over a row run across contiguous columns, two to three times faster
+            # product computed column-major (y^T x^T, then viewed transposed), so that numpy's
+            # maxima and sums over a row run across contiguous columns, two to three times
+            # faster.  Native groups reduce rows fastest where they are contiguous: attention's
+            # exp and sum over 4 x 1024 x 256 scores took 830 µs column-major, 290 by rows.
             x = _from_layout(self.tile(n.x), xs, [[i] for i in batch] + [cs, xfree])
             y = _from_layout(self.tile(n.y), ys, [[i] for i in batch] + [yfree, cs])
             return _to_layout(f"{self.matmul(y, x)}.swapaxes(-1, -2)", parts, dims)

@@ -336,7 +336,9 @@ def test_a_masked_maximum_over_padded_positions_is_one_call():
 
 def test_a_softmaxs_exponentials_and_their_sum_are_one_call():
     """Fused attention's exp(S - M) is read by the product with V and by its sum: one call
-    computes both (the values laid out as the column-major scores are)."""
+    computes both.  The scores are multiplied row by row, not column-major as numpy code
+    multiplies them: the C reduces a row fastest where it is contiguous (4 x 1024 x 256
+    scores' exp and sum: 830 µs column-major, 290 by rows)."""
     ast = load_program(EXAMPLES[0].parent / "attention.bbp",
                        dims={"q": (256, 64), "k": (512, 128), "d": (64, 64)})
     p = fuse(lower(ast), load_packs([]), get_target("cpu"), "traffic").program
@@ -344,6 +346,7 @@ def test_a_softmaxs_exponentials_and_their_sum_are_one_call():
     source, got, want = run_both(p, inputs)
     assert re.search(r"t\d+_exp, t\d+_bsum = native_\d+\(", source), source
     assert "np.sum(" not in source[source.index("def kernel_"):], source
+    assert "for k0 in" in source and ".swapaxes(-1, -2)" not in source, source
     for name in got:
         assert_close(got[name], want[name], f"{name} vs interpreter")
 
