@@ -351,6 +351,22 @@ def test_a_softmaxs_exponentials_and_their_sum_are_one_call():
         assert_close(got[name], want[name], f"{name} vs interpreter")
 
 
+def test_an_online_softmaxs_rescaled_output_is_one_call():
+    """Flash attention's combine rescales the output so far and adds the block's: o * a +
+    pv * b, one C pass into pv's dying buffer where numpy makes three; the factors, one per
+    row, stay numpy's.  The first block's o is still the identity, a number."""
+    ast = load_program(EXAMPLES[0].parent / "attention.bbp",
+                       dims={"q": (256, 64), "k": (512, 128), "d": (64, 64)})
+    p = fuse(lower(ast), load_packs([]), get_target("cpu"), "traffic").program
+    inputs = random_inputs(ast, seed=16)
+    source, got, want = run_both(p, inputs)
+    loop = source[source.index("for k0 in"):source.index("def _input")]
+    assert re.search(r"(t\d+_dot) = native_\d+\(\1, t\d+_o, ", loop), loop
+    assert "out=" not in loop, loop
+    assert_close(got["O"], want["O"], "O vs interpreter")
+    assert_close(got["O"], dense.evaluate(ast, inputs, dtype=np.float64)["O"], "O vs float64")
+
+
 @pytest.mark.parametrize("op", ["max", "min", "sum"])
 def test_a_reduction_of_a_loaded_tile_is_one_call(op):
     """A softmax's max over stored scores reads no operator of its kernel: the C reduces the
