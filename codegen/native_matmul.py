@@ -10,9 +10,10 @@ of OpenBLAS (magika's convolution, 512 x 1280 by 1280 x 512: 1.7-1.9 against 2.0
 `matmul(x, y, threads)` computes `np.matmul(x, y)` for float32 operands of two or more
 dimensions (the batch broadcast as numpy's is) on `threads` threads (`matmul.c`'s own): a
 kernel run whole asks for every core, a kernel's part for one (the parts already take every
-core).  Anything else (another dtype, a vector operand, a product too small to gain) goes to
-numpy.  Rounding differs from BLAS's: fused
-multiply-adds, accumulated along k in blocks.  The library is compiled once per machine, as
+core).  Anything else (another dtype, a 1-D operand, a product too small to gain that numpy's
+OpenBLAS keeps on one thread) goes to numpy: OpenBLAS's own threads, once woken, spin on the
+cores the native threads need.  Rounding differs from BLAS's: fused multiply-adds,
+accumulated along k in blocks.  The library is compiled once per machine, as
 native groups are (`codegen.native`); `compiled_matmul()` raises `NativeUnavailable` where it
 cannot be.
 """
@@ -56,21 +57,37 @@ def compiled_matmul() -> Callable[[np.ndarray, np.ndarray, int], np.ndarray]:
     return matmul
 
 
-# A product through `matmul.c` has at least this many rows and multiply-adds: below either,
-# numpy's call costs less (2 cores of an AVX-512 Xeon, medians of 400 calls: 8 x 256 by
-# 256 x 256, 10.0 µs native against 7.1; 64 x 64 by 64 x 64, 5.7 against 3.9; 32 x 128 by
-# 128 x 128, 7.3 against 8.9; 128 x 64 by 64 x 128, 9.0 against 16.9).
+# Below this many rows or multiply-adds numpy's call costs less than `matmul.c`'s (2 cores of
+# an AVX-512 Xeon, medians of 400 calls: 8 x 256 by 256 x 256, 10.0 µs native against 7.1;
+# 64 x 64 by 64 x 64, 5.7 against 3.9; 32 x 128 by 128 x 128, 7.3 against 8.9; 128 x 64 by
+# 64 x 128, 9.0 against 16.9), and the native product runs on one thread.
 MIN_ROWS = 16
 MIN_MACS = 1 << 19
 
+# But not where numpy's OpenBLAS would run the product on its own threads (its defaults: from
+# 2^18 multiply-adds a matrix, a product by a vector from 9,216 matrix elements): those spin
+# after it, on the cores the native product and groups need.  LayerNorm + matmul's 2048 x 1024
+# by 1024 x 1024 product took 16.2 ms right after its bias' 1 x 1024 by 1024 x 1024 through
+# numpy, 10.8 alone.
+BLAS_THREADS_MACS = 1 << 18
+BLAS_THREADS_VECTOR = 9216
+
 
 def matmul(x: np.ndarray, y: np.ndarray, threads: int = 1) -> np.ndarray:
-    """`np.matmul(x, y)` through `matmul.c` on `threads` threads where both are float32 arrays
-    of two or more dimensions and the product is large enough, else through numpy (given
-    operands BLAS can read: a window whose rows overlap is copied)."""
-    if x.ndim < 2 or y.ndim < 2 or x.dtype != np.float32 or y.dtype != np.float32 or \
-            x.shape[-2] < MIN_ROWS or x.size * y.shape[-1] < MIN_MACS:
+    """`np.matmul(x, y)` through `matmul.c` where both are float32 arrays of two or more
+    dimensions, on `threads` threads where the product is large enough; through numpy (given
+    operands BLAS can read: a window whose rows overlap is copied) where numpy's call costs
+    less and its BLAS stays on one thread."""
+    if x.ndim < 2 or y.ndim < 2 or x.dtype != np.float32 or y.dtype != np.float32:
         return np.matmul(_blas_ready(x), _blas_ready(y))
+    (m, k), n = x.shape[-2:], y.shape[-1]
+    macs = x.size * n
+    vector = m == 1 or n == 1
+    if (m < MIN_ROWS or macs < MIN_MACS) and \
+            m * k * n < (BLAS_THREADS_VECTOR if vector else BLAS_THREADS_MACS + 1):
+        return np.matmul(_blas_ready(x), _blas_ready(y))
+    if macs < MIN_MACS:
+        threads = 1
     if x.ndim != 2 or y.ndim != 2:
         batch = np.broadcast_shapes(x.shape[:-2], y.shape[:-2])
         x = np.broadcast_to(x, batch + x.shape[-2:])

@@ -34,9 +34,12 @@ def cache(tmp_path_factory, monkeypatch):
 
 
 def check(x: np.ndarray, y: np.ndarray, threads: int = 2) -> None:
-    """`matmul(x, y)` within float32 rounding of the float64 product (each element's error
-    bounded by k ulps of the sum of the terms' magnitudes)."""
-    got = native_matmul.matmul(x, y, threads)
+    """`matmul(x, y)` within float32 rounding of the float64 product."""
+    close_to_float64(native_matmul.matmul(x, y, threads), x, y)
+
+
+def close_to_float64(got: np.ndarray, x: np.ndarray, y: np.ndarray) -> None:
+    """Each element's error bounded by k ulps of the sum of the terms' magnitudes."""
     want = np.matmul(x.astype(np.float64), y.astype(np.float64))
     bound = np.matmul(np.abs(x).astype(np.float64), np.abs(y).astype(np.float64))
     assert got.shape == want.shape and got.dtype == np.float32
@@ -55,6 +58,21 @@ def rand(*shape: int, seed: int = 0) -> np.ndarray:
 @pytest.mark.parametrize("k", [1, 9, 64, 1100])
 def test_every_shape_matches_the_float64_product(m, n, k):
     check(rand(m, k, seed=m), rand(k, n, seed=n))
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["rows", "columns"])
+@pytest.mark.parametrize("m", [1, 2, 5])
+@pytest.mark.parametrize("n", [1, 3, 64, 67, 130])
+@pytest.mark.parametrize("k", [1, 17, 64, 1100])
+def test_thin_products_read_the_matrix_in_place(m, n, k, transposed):
+    """Fewer rows than the micro-kernel's: the matrix read by rows where they are contiguous,
+    by columns (dot products) where those are, any remainders of vectors and column groups."""
+    x, y = rand(m, k, seed=m), rand(k, n, seed=n)
+    if transposed:
+        y = np.ascontiguousarray(y.T).T
+    out = np.empty((m, n), np.float32)
+    assert native_matmul.library().bb_matmul(out, x, y, 2) == 0
+    close_to_float64(out, x, y)
 
 
 @pytest.mark.parametrize("layout", ["transposed", "strided", "column-major x", "both"])
@@ -172,22 +190,30 @@ def test_a_kernel_run_whole_threads_its_product_and_a_part_does_not(monkeypatch)
                      "native product vs interpreter")
 
 
-def test_small_products_are_numpys(monkeypatch):
-    """Below `MIN_ROWS` rows or `MIN_MACS` multiply-adds numpy's call costs less; an operand
-    whose rows overlap (a convolution's window) is copied for it first."""
+def test_small_products_are_numpys_unless_its_blas_would_thread_them(monkeypatch):
+    """Below `MIN_ROWS` rows or `MIN_MACS` multiply-adds numpy's call costs less, except where
+    numpy's OpenBLAS would run the product on its own threads (from 2^18 multiply-adds; by a
+    vector, from 9,216 matrix elements), which then spin on the native threads' cores: those
+    products are native, on one thread below `MIN_MACS`.  An operand whose rows overlap (a
+    convolution's window) is copied for numpy first."""
     called = []
     real = native_matmul.library()
 
     class Spy:
-        def bb_matmul(self, *args):
-            called.append(args[1].shape)
-            return real.bb_matmul(*args)
+        def bb_matmul(self, out, x, y, threads):
+            called.append((x.shape, y.shape, threads))
+            return real.bb_matmul(out, x, y, threads)
     monkeypatch.setattr(native_matmul, "library", lambda: Spy())
-    for x, y in [(rand(8, 256), rand(256, 256)), (rand(64, 64), rand(64, 64))]:
+    for x, y in [(rand(8, 32), rand(32, 256)), (rand(64, 64), rand(64, 64)),
+                 (rand(1, 64), rand(64, 128))]:
         np.testing.assert_array_equal(native_matmul.matmul(x, y, 2), np.matmul(x, y))
     assert called == []
-    native_matmul.matmul(rand(128, 64), rand(64, 128), 2)
-    assert called == [(128, 64)]
+    for x, y, threads in [(rand(128, 64), rand(64, 128), 2), (rand(8, 256), rand(256, 256), 2),
+                          (rand(1, 128), rand(128, 128), 1), (rand(1, 1024), rand(1024, 1024), 2),
+                          (rand(3, 512), rand(300, 512).T, 1)]:
+        got = native_matmul.matmul(x, y, 2)
+        assert called[-1] == (x.shape, y.shape, threads)
+        close_to_float64(got, x, y)
     rows = rand(40, 8)
     window = np.lib.stride_tricks.as_strided(rows, (36, 40), (32, 4))  # 5 taps x 8 channels
     assert not np.shares_memory(native_matmul._blas_ready(window), rows)
