@@ -4,8 +4,9 @@ For each case, in one run: the dense numpy evaluation of the program (`bbrules.d
 baseline the speed-up and memory ratios are taken against), the unfused block program and the
 fused block program through the numpy backend on `--threads` threads (default: the backend's
 own, `numpy_gen.default_threads`), the fused program with native groups and products where a
-C compiler is found (`codegen/native.py`, `codegen/matmul.c`), the fused program again on one
-thread, onnxruntime on the same program written as an ONNX graph (attention: the opset-23
+C compiler is found (`codegen/native.py`, `codegen/matmul.c`; both fused modules in parts or
+whole, whichever `numpy_timing.tune` times faster, as the ONNX benchmarks run them), the fused
+program again on one thread, onnxruntime on the same program written as an ONNX graph (attention: the opset-23
 `Attention` operator; the norms written out as the programs compute them, `NORM_GRAPHS`),
 and for attention torch's
 `scaled_dot_product_attention` on the CPU and the hand-written blocked online-softmax loop in
@@ -16,7 +17,8 @@ torch, such as the CPU wheel for Python 3.11), in a subprocess given the same in
 
 Times are the median of `--repeat` runs after a first (warm-up) run, taken in rounds of one
 run of every variant (so that load from other processes, coming and going, weighs on every
-variant alike and the ratios between them hold); peak memory is the tracemalloc peak of the
+variant alike and the ratios between them hold), each after a pause (`SETTLE`: the other
+variants' threads stop spinning) and 20 ms of untimed runs (`WARM_UP`: the cores back to speed); peak memory is the tracemalloc peak of the
 first run (numpy reports its buffers to tracemalloc; torch and onnxruntime do not, so their
 memory is not shown).  Every variant's outputs are checked against the dense evaluation, so a
 fast wrong answer shows up as an error, not a speed-up.  The table (markdown) gives each
@@ -68,6 +70,7 @@ from blocked_attention import blocked_attention
 from bbrules import dense
 from bbrules.blockfile import load_block_program
 from bbrules.codegen import native, numpy_gen
+from bbrules.codegen.numpy_timing import Tuned, tune
 from bbrules.errors import UsageError
 from bbrules.frontend import load_program, parse_dim_override
 from bbrules.inputs import random_inputs
@@ -117,6 +120,11 @@ class Measurement:
     vs_torch: float | None = None  # this time / torch's
     vs_ort: float | None = None  # this time / onnxruntime's
     note: str = ""
+
+
+def _ran(tuned: Tuned) -> str:
+    """How `tune` ran the fused program: in parts or whole, whichever it timed faster."""
+    return "in parts" if tuned.parts else "whole"
 
 
 def fused_program(unfused: BlockProgram, given: Path | None, objective: str
@@ -169,6 +177,12 @@ def timed(fn: Callable[[], object]) -> Callable[[], float]:
 # a machine of few cores they would slow whichever variant runs next.
 SETTLE = 0.25
 
+# Then runs, untimed, for at least this long: after a pause the cores take a few milliseconds
+# to come back to speed (a 0.12 ms product took 3-5 times as long for its first 20 calls),
+# and a worker pool that slept wakes up; timed straight after the pause, attention at
+# N = 1024 took 3.9 ms native where it runs in 1.6.
+WARM_UP = 0.02
+
 
 def interleave(timers: list[tuple[Measurement, Callable[[], float]]], repeat: int) -> None:
     """`repeat` rounds of one timed run of every variant in turn; each variant's median.
@@ -180,6 +194,10 @@ def interleave(timers: list[tuple[Measurement, Callable[[], float]]], repeat: in
         for m, once in timers:
             gc.collect()
             time.sleep(SETTLE)
+            until = time.perf_counter() + WARM_UP
+            once()
+            while time.perf_counter() < until:
+                once()
             m.times.append(once())
     for m, _ in timers:
         m.seconds = statistics.median(m.times)
@@ -358,12 +376,13 @@ def run_case(case: Case, overrides: dict[str, tuple[int, int | None]],
     module = numpy_gen.load(unfused, threads=threads, native=False)
     record(f"unfused (numpy, {threads} {each})", lambda: module.run(**inputs), want)
     fused, origin = fused_program(unfused, given.get(case.name), objective)
-    fused_module = numpy_gen.load(fused, threads=threads, native=False)
-    record(f"fused (numpy, {threads} {each})", lambda: fused_module.run(**inputs), want,
-           note=origin)
+    fused_module = tune(fused, inputs, threads, native=False)
+    record(f"fused (numpy, {threads} {each})", lambda: fused_module.module.run(**inputs), want,
+           note=f"{origin}, {_ran(fused_module)}")
     if native.available():
-        with_c = numpy_gen.load(fused, threads=threads, native=True)
-        record(f"fused (native, {threads} {each})", lambda: with_c.run(**inputs), want)
+        with_c = tune(fused, inputs, threads, native=True)
+        record(f"fused (native, {threads} {each})", lambda: with_c.module.run(**inputs), want,
+               note=_ran(with_c))
     if threads > 1:
         one = numpy_gen.load(fused, threads=1, native=False)
         record("fused (numpy, 1 thread)", lambda: one.run(**inputs), want)
