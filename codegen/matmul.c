@@ -2,7 +2,8 @@
    dimensions, the dimensions before them a batch (all three arrays have the same number of
    dimensions; numpy_gen's `matmul` broadcasts the batch beforehand, broadcast dimensions have
    stride 0).  Any strides: a's elements are broadcast one at a time, so its layout does not
-   matter; b is copied into panels of NR columns (`pack`); out's rows must be contiguous.
+   matter; b is copied into panels of NR columns (`pack`), except in products of fewer rows
+   than MR, which read it in place (`thin`); out's rows must be contiguous.
 
    Why not numpy's BLAS: on small products, the ones a transformer layer at a few hundred tokens
    is made of (128 x 256 by 256 x 512), OpenBLAS reached 227 GFLOP/s on 2 cores of an AVX-512
@@ -15,9 +16,9 @@
    for each k, a's 6 elements broadcast times b's packed row: 24 fused multiply-adds per 4 loads
    and 6 broadcasts (on one core, 183 GFLOP/s of the 236 its FMA units peak at; OpenBLAS 153,
    MLAS 180).  The contraction is walked in blocks of KC, so that a packed panel stays in the
-   core's L2 cache, each block's products added to out (blocks of 1024 ran magika's convolution,
-   512 x 1280 by 1280 x 512, at 375-385 GFLOP/s on 2 cores, blocks of 384 at 345-365).  Rounding differs from BLAS's (fused
-   multiply-adds, another order). */
+   core's L2 cache, each block's products added to out (blocks of 1024 ran magika's
+   convolution, 512 x 1280 by 1280 x 512, at 375-385 GFLOP/s on 2 cores, blocks of 384 at
+   345-365).  Rounding differs from BLAS's (fused multiply-adds, another order). */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
