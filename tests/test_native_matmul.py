@@ -129,9 +129,9 @@ def test_concurrent_callers_share_the_threads():
 
 
 def test_products_between_which_the_workers_sleep():
-    """Workers asleep (idle for longer than they spin) are woken for the next products, not
-    handed the one that wakes them; awake ones are: every result is right either way, and no
-    product waits forever (it runs on a thread the test gives up on after a minute)."""
+    """Workers asleep (idle for longer than they spin) are woken by the next product and join
+    it, or a later one, whenever they get there: every result is right whoever computed it,
+    and no product waits forever (it runs on a thread the test gives up on after a minute)."""
     x, y = rand(96, 300, seed=20), rand(300, 200, seed=21)
     want = x @ y
     errors: list[float] = []
