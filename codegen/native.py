@@ -268,22 +268,24 @@ class Group:
         return tuple(d for d in self.kept() if self.leaves[leaf][d] > 1)
 
 
-def statements(root: Node, group: set[Node], leaf: Callable[[Node], str]) -> tuple[str, ...]:
+def statements(root: Node, group: set[Node], leaf: Callable[[Node], str],
+               operand: Callable[[Node], Node] = lambda c: c) -> tuple[str, ...]:
     """C statements computing `root` into `out` from the operators in `group` (root
-    included), reading every other operand through `leaf` (an `l<i>` or a literal)."""
+    included), reading every other operand through `leaf` (an `l<i>` or a literal); each
+    operand is `operand(c)` (what a selection by a known condition is)."""
     names: dict[Node, str] = {}
     lines: list[str] = []
     stack = [root]
     while stack:  # operands first, without recursion (groups may be deep)
         n = stack[-1]
-        pending = [c for c in children(n) if c in group and c not in names]
+        pending = [c for c in map(operand, children(n)) if c in group and c not in names]
         if pending:
             stack += pending
             continue
         stack.pop()
         if n in names:
             continue
-        args = [names[c] if c in group else leaf(c) for c in children(n)]
+        args = [names[c] if c in group else leaf(c) for c in map(operand, children(n))]
         text = C_OPS[operator(n).name].format(**dict(zip("xyz", args)))
         names[n] = f"v{len(names)}"
         lines.append(f"const float {names[n]} = {text};")

@@ -735,6 +735,7 @@ class _KernelWriter:
         self.groups: dict[Node, list[Node]] = {}
         self.also: dict[Node, BlockReduce] = {}  # a root -> the reduction its call computes too
         self.absorbed: set[Node] = set()
+        self.via: dict[Node, Node] = {}  # a selection or neutral operation -> the operand it is
         self.users: dict[Node, set[Node]] = {}  # the distinct nodes reading each node
         for s in kernel.stores if fns.native else ():
             for m in postorder(s.value):
@@ -895,6 +896,22 @@ class _KernelWriter:
             return lambda: self.alias(n, same, self.lookup(same))
         return None
 
+    def passes(self, n: Node) -> Node | None:
+        """The operand of its tile's dimensions that `n` is on these blocks (a selection by a
+        known condition, an operation with a neutral operand: `aliased`), else None."""
+        if n in self.known or not is_elementwise(n):
+            return None
+        same = (n.x if self.known[n.c] else n.y) if isinstance(n, Where) and n.c in self.known \
+            else _neutral_operand(n, self.known)
+        return same if same is not None and (isinstance(same, Const) or
+                                             self.dims(same) == self.dims(n)) else None
+
+    def through(self, n: Node) -> Node:
+        """What `n` is, through the selections and neutral operations that are an operand."""
+        while n in self.via:
+            n = self.via[n]
+        return n
+
     def native_groups(self, body: Sequence[Node]) -> None:
         """The native groups among the nodes one body computes (`codegen.native`): an
         operator joins the group of the operators reading it where they all are in one group,
@@ -915,11 +932,23 @@ class _KernelWriter:
             if is_elementwise(n) and self.of_positions(
                     n, [c in static or self.static_code(c) is not None for c in children(n)]):
                 static.add(n)
+        for n in body:
+            self.via.pop(n, None)
+            if (same := self.passes(n)) is not None:
+                self.via[n] = same
+
+        def readers(x: Node) -> set[Node]:
+            """The nodes reading `x`, through the selections that are it (a stored one reads
+            it for the store)."""
+            found: set[Node] = set()
+            for u in self.users.get(x, set()):
+                found |= readers(u) | ({u} & self.stored) if self.via.get(u) is x else {u}
+            return found
         root_of: dict[Node, Node] = {}
         for n in reversed(body):  # readers first
-            if n in static or not self.plain(n):
+            if n in static or not self.plain(n) or n in self.via:
                 continue
-            users = self.users.get(n, set())
+            users = readers(n)
             roots = {root_of.get(u) for u in users}
             joins = len(roots) == 1 and None not in roots and n not in self.stored and \
                 all(self.dims(u) == self.dims(n) for u in users)
@@ -952,6 +981,11 @@ class _KernelWriter:
                 if root in also:
                     self.also[root] = also[root]
                     self.absorbed.add(also[root])
+        grouped = {m for root, group in self.groups.items() for m in (root, *group)}
+        for n in reversed(body):  # a selection only groups read: their C reads what it is
+            if n in self.via and n not in self.stored and \
+                    self.users.get(n, set()) <= grouped | self.absorbed:
+                self.absorbed.add(n)
 
     def innermost(self, x: Node, axis: Axis) -> bool:
         """Is `axis` the innermost dimension of more than one element of `x`'s tile (a
@@ -984,8 +1018,8 @@ class _KernelWriter:
         codes: list[str] = []
         dims: list[tuple[int, ...]] = []
         numbers: dict[Node, float] = {}
-        operands = [c for m in group for c in children(m) if c not in members] if group else [top]
-        for c in operands:
+        operands = [self.through(c) for m in group for c in children(m)] if group else [top]
+        for c in (c for c in operands if c not in members):
             if c in leaves or c in numbers:
                 continue
             value = self.known[c] if c in self.known else _constant_value(c, self.constants)
@@ -998,7 +1032,8 @@ class _KernelWriter:
                 dims.append(self.dims(c))
             leaves[c] = codes.index(code)
         read = native_c.leaf_reader(leaves, numbers)
-        body = native_c.statements(top, members, read) if group else (f"out = {read(top)};",)
+        body = native_c.statements(top, members, read, self.through) if group else \
+            (f"out = {read(top)};",)
         fn = self.fns.native_group(self.dims(top), tuple(dims), body, reduce, also is not None)
         args = ", ".join(codes)
         if self.part is None and self.fns.threads > 1:  # (a part's rows stay on its thread)
