@@ -301,13 +301,14 @@ def function(g: Group) -> str:
     since the reduction's result does not walk it).  The last two dimensions left are walked
     by rows where every array's rows are contiguous, vectorised along them (a reduction folds
     each row into `LANES` partial results, combined at its end); else by columns where the
-    columns are (a transposed view, attention's column-major scores: a reduction folds a
-    whole column of results at once), or where the outputs' are, the leaves read at their
-    strides; else element by element, strided.
+    columns are (a transposed view: a reduction folds a whole column of results at once), or
+    where the outputs' are, the leaves read at their strides; else element by element,
+    strided.
 
     The rows (every row of the last two dimensions, under every index of the others; a map
-    merged into one row is first cut into pieces, `bb_split`) are cut into runs of at least `PARALLEL_ELEMENTS` elements that `threads` threads take one
-    at a time (`bb_parallel`, the native product's threads).  A row is never split; a walk by
+    merged into one row is first cut into pieces, `bb_split`) are cut into runs of at least
+    `PARALLEL_ELEMENTS` elements that `threads` threads take one at a time (`bb_parallel`,
+    the native product's threads).  A row is never split; a walk by
     columns may put an element in a vector loop's remainder, where libmvec's vector function
     and glibc's scalar one can differ in the last place."""
     kept = g.kept()
@@ -479,7 +480,8 @@ def _columns(g: Group, inner: Sequence[int], across: Sequence[int], strided: boo
     """Strided rows whose next dimension is contiguous, walked a column at a time: every
     element of a column at once, vectorised (a reduction folds a column of results, one row
     element at a time).  `strided`: the outputs' columns are contiguous, some leaf's are not
-    (a causal mask laid out by rows, beside column-major scores), read at its strides."""
+    (a causal mask laid out by rows, beside scores a product left column-major), read at its
+    strides."""
     column = "j * c{}" if strided else "j"
     reads = [f"p{i}[{' + '.join(([] if i not in across else [column.format(i)])
                                  + ([] if i not in inner else ['r * t' + str(i)])) or '0'}]"
@@ -647,7 +649,7 @@ class Call:
 
     def new(self, leaves: Sequence[np.ndarray]) -> np.ndarray:
         """A result array laid out in memory as the first leaf of its shape is (as numpy's
-        ufuncs lay out theirs: attention's column-major scores stay so), else C order."""
+        ufuncs lay out theirs: a transposed product's result stays so), else C order."""
         like = next((a for a in leaves if isinstance(a, np.ndarray) and a.shape == self.dims
                      and a.dtype == np.float32), None)
         return np.empty(self.dims, np.float32) if like is None else np.empty_like(like)

@@ -685,7 +685,7 @@ def _neutral_operand(n: Node, known: Mapping[Node, float]) -> Node | None:
 @STEP.on(Dot)
 def _(n: Dot, w: _KernelWriter) -> _Stmt:
     code = w.dot(n)  # a windowed gather may be a view of the values it picks (`_window`)
-    return w.array(n, w.fresh("dot"), code, fresh=not code.endswith(", window=True)"))
+    return w.array(n, w.fresh("dot"), code, fresh=n not in w.windows)
 
 
 class _KernelWriter:
@@ -736,6 +736,7 @@ class _KernelWriter:
         self.also: dict[Node, BlockReduce] = {}  # a root -> the reduction its call computes too
         self.absorbed: set[Node] = set()
         self.via: dict[Node, Node] = {}  # a selection or neutral operation -> the operand it is
+        self.windows: set[Dot] = set()  # gathers that may be views of their values (`_window`)
         self.users: dict[Node, set[Node]] = {}  # the distinct nodes reading each node
         for s in kernel.stores if fns.native else ():
             for m in postorder(s.value):
@@ -1313,9 +1314,12 @@ class _KernelWriter:
             codes.append(f"({at}, ({guards}{',' * (len(pick.guards) == 1)}))")
         self.fns.runtime.add("gather_one_hot")
         # positions (not data: token ids) may step evenly, for `matmul` to read in place
-        window = ", window=True" if self.fns.native and not any(
-            isinstance(m, Load) for pick in picks for m in postorder(pick.at)) else ""
-        return f"gather_one_hot({self.tile(values)}, {c}, ({', '.join(codes)},){window})"
+        window = self.fns.native and not any(isinstance(m, Load) for pick in picks
+                                             for m in postorder(pick.at))
+        if window:
+            self.windows.add(n)
+        return (f"gather_one_hot({self.tile(values)}, {c}, ({', '.join(codes)},)"
+                f"{', window=True' if window else ''})")
 
     def loop(self, loop: Loop) -> list[_Stmt]:
         """Accumulators, the loop over the axis' blocks, the finalizers.
@@ -2046,9 +2050,9 @@ def gather_one_hot(values: np.ndarray, axis: int,
     size = values.shape[axis]
     total, zeroed = None, None
     taken: list[tuple[np.ndarray, np.ndarray]] = []
-    # (C calls only where a lookup by ids runs every call: numpy's Python-level helpers,
-    # `any`, `all`, `moveaxis`, cost several times their warm time after a product has
-    # streamed its operands through the caches)
+    # (no Python-level numpy helpers, `any`, `all`, `moveaxis`, where a lookup by ids runs
+    # every call: they cost several times their warm time after a product has streamed its
+    # operands through the caches)
     for at, guards in picks:
         at = np.asarray(at)
         index = at.astype(np.intp)
