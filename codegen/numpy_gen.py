@@ -2055,16 +2055,22 @@ def gather_one_hot(values: np.ndarray, axis: int,
     # operands through the caches)
     for at, guards in picks:
         at = np.asarray(at)
+        lo, hi = (at.min(), at.max()) if at.size else (0, -1)
+        if hi < 0 or lo >= size:  # ONNX's second pick, of negative ids, where there are none
+            continue
         index = at.astype(np.intp)
+        if lo >= 0 and hi < size and not guards and not taken and (index == at).all():
+            # a lookup by ids all in range (a handful of calls, not the mask's dozen)
+            taken.append((index, np.True_))
+            total = _take(values, axis, index)
+            continue
         held = (index == at) & (index >= 0) & (index < size)
         for guard in guards:
             held = held & (np.asarray(guard) != 0)
+        for other, other_held in taken:
+            held = held & ~(other_held & (other == index))
         count = np.count_nonzero(held)
-        if count and taken:
-            for other, other_held in taken:
-                held = held & ~(other_held & (other == index))
-            count = np.count_nonzero(held)
-        if not count:  # ONNX's second pick, of negative ids, where there are none
+        if not count:
             continue
         taken.append((index, held))
         if count == held.size:
