@@ -1337,11 +1337,14 @@ class _KernelWriter:
                             + ([f"storing {stores}"] if stores else []))
         init = [f"# loop over {loop.axis} ({d.blocks} x {d.block}) {does}" if looping
                 else f"# {folds} over {loop.axis}: one block, no loop"]
+        unrolled = self.unrolled(loop) if looping else None
+        segments = unrolled or (self.segments(loop) if looping else [_Segment("", {}, True)])
+        once = self.combined_once(loop, unrolled) if unrolled else set()
         states: list[tuple[Reduce, list[str]]] = []
         for r in loop.reduces:
             m = r.monoid
             acc = [self.fresh(c) for c in m.state] if looping else []
-            if looping:
+            if looping and r not in once:
                 shared, identity = _expressions(m.identity, {}, self.fns, self.fresh)
                 init += shared + [f"{', '.join(acc)} = {', '.join(identity)}"]
             states.append((r, acc))
@@ -1354,12 +1357,11 @@ class _KernelWriter:
         was_folding = loop.axis in self.folding
         if folds_only:
             self.folding.add(loop.axis)
-        unrolled = self.unrolled(loop) if looping else None
-        segments = unrolled or (self.segments(loop) if looping else [_Segment("", {}, True)])
         bodies = []
         outer, was_unrolling = self.known, self.unrolling
         self.unrolling |= unrolled is not None
         surely_combined: set[Reduce] = set()  # on blocks every case visits
+        fresh = {r: _fresh_state(r) for r in loop.reduces}  # (a fold taken once: as taken)
         for segment in segments:
             self.known = {**outer, **segment.known}
             self.scopes.append({})
@@ -1368,7 +1370,11 @@ class _KernelWriter:
                 self.reads = set()
                 if looping and self.known.get(skip_predicate(r), 1.0) == 0.0:
                     continue  # it contributes its identity on these blocks
-                body.append(self.combine(r, acc) if looping else self.fold_once(r, acc))
+                if r in once:
+                    stmt, fresh[r] = self.take_once(r, acc)
+                    body.append(stmt)
+                else:
+                    body.append(self.combine(r, acc) if looping else self.fold_once(r, acc))
                 if segment.always:
                     surely_combined.add(r)
             self.scopes.pop()
@@ -1388,7 +1394,7 @@ class _KernelWriter:
             return [_Stmt(init), *bodies[0][1], self.finalize(states)]
         accs = tuple(a for _, acc in states for a in acc)
         owned = frozenset(a for r, acc in states if r in surely_combined
-                          for a, fresh in zip(acc, _fresh_state(r)) if fresh)
+                          for a, new in zip(acc, fresh[r]) if new)
         self.owned |= owned
         lines = init
         for blocks, body in bodies:
@@ -1398,6 +1404,13 @@ class _KernelWriter:
         escapes = frozenset().union(*(s.escapes for s in every))
         stmt = _Stmt(lines, accs, uses, owned, escapes=escapes)
         return [stmt, self.finalize(states, surely_combined)] if states else [stmt]
+
+    def combined_once(self, loop: Loop, runs: Sequence[_Segment]) -> set[Reduce]:
+        """The reductions of an unrolled loop that only one of its runs combines (the others
+        contribute the identity): a one-hot selection of one chunk, rotate-half's halves.  Such
+        a fold takes that run's contribution (`take_once`), with no accumulator to fill."""
+        return {r for r in loop.reduces if sum(
+            {**self.known, **run.known}.get(skip_predicate(r), 1.0) != 0.0 for run in runs) == 1}
 
     def segments(self, loop: Loop) -> list[_Segment]:
         """The loop's visited blocks as code, each run with what is known there (the value of
@@ -1517,10 +1530,7 @@ class _KernelWriter:
         when this is its last use (the accumulator then takes over that buffer).
         """
         m = r.monoid
-        contribution = self.lookup(r.x)
-        parts = contribution if isinstance(contribution, tuple) else (contribution,)
-        env = {f"a.{c}": a for c, a in zip(m.state, acc)}
-        env |= {f"b.{c}": b for c, b in zip(m.state, parts)}
+        env = {f"a.{c}": a for c, a in zip(m.state, acc)} | self.contribution_env(r)
         shared, new = _expressions(m.combine, env, self.fns, self.fresh)
         escapes = frozenset(env[e.name] for e in m.combine if isinstance(e, Var))
         stmt = _Stmt(shared + [f"{', '.join(acc)} = {', '.join(new)}"],
@@ -1605,16 +1615,9 @@ class _KernelWriter:
         contribution itself, not a pass adding zero to it.  A component that simplifies to an
         operand *is* that operand: `acc` gets its name, and no array is copied.
         """
-        m = r.monoid
-        contribution = self.lookup(r.x)
-        parts = contribution if isinstance(contribution, tuple) else (contribution,)
-        env = {f"b.{c}": b for c, b in zip(m.state, parts)}
-        identity = {f"a.{c}": e for c, e in zip(m.state, m.identity)}
-        folded = [_with_identity(e, identity) for e in m.combine]
-        shared, texts = _expressions(folded, env, self.fns, self.fresh)
+        shared, folded, texts = self.with_identity(r)
         lines, defs, owned = list(shared), [], set()
-        t = type_of(r.x)
-        for c, e, text, part in zip(m.state, folded, texts, t if isinstance(t, tuple) else (t,)):
+        for c, e, text, new in zip(r.monoid.state, folded, texts, _fresh(r, folded)):
             if isinstance(e, (Var, Const)):
                 acc.append(text)
                 continue
@@ -1622,10 +1625,38 @@ class _KernelWriter:
             lines.append(f"{name} = {text}")
             acc.append(name)
             defs.append(name)
-            if is_elementwise(e) and part.shape:
+            if new:
                 owned.add(name)
         self.owned |= owned
         return _Stmt(lines, tuple(defs), frozenset(self.reads), frozenset(owned))
+
+    def take_once(self, r: Reduce, acc: list[str]) -> tuple[_Stmt, tuple[bool, ...]]:
+        """The one combine of a fold that one run of an unrolled loop takes
+        (`combined_once`): its accumulators set to combine(identity, contribution),
+        simplified as in `fold_once` (a one-hot selection's sum is the selected chunk, not a
+        pass adding it to zeros), and which of them are arrays of their own."""
+        shared, folded, texts = self.with_identity(r)
+        env = self.contribution_env(r)
+        stmt = _Stmt(shared + [f"{', '.join(acc)} = {', '.join(texts)}"],
+                     uses=frozenset(self.reads),
+                     escapes=frozenset(env[e.name] for e in folded if isinstance(e, Var)))
+        return stmt, _fresh(r, folded)
+
+    def contribution_env(self, r: Reduce) -> dict[str, str]:
+        """The names of the contribution's components, as a monoid's expressions read them
+        (`b.<component>`)."""
+        contribution = self.lookup(r.x)
+        parts = contribution if isinstance(contribution, tuple) else (contribution,)
+        return {f"b.{c}": b for c, b in zip(r.monoid.state, parts)}
+
+    def with_identity(self, r: Reduce) -> tuple[list[str], list[Node], list[str]]:
+        """combine(identity, contribution) of `r`'s monoid, simplified (`_with_identity`):
+        the lines it needs first, its expressions, their code."""
+        m = r.monoid
+        identity = {f"a.{c}": e for c, e in zip(m.state, m.identity)}
+        folded = [_with_identity(e, identity) for e in m.combine]
+        shared, texts = _expressions(folded, self.contribution_env(r), self.fns, self.fresh)
+        return shared, folded, texts
 
     def finalize(self, states: list[tuple[Reduce, list[str]]],
                  combined: AbstractSet[Reduce] | None = None) -> _Stmt:
@@ -1747,17 +1778,17 @@ def _rescaled_sum(r: Reduce) -> tuple[int, Node, Node] | None:
     return None
 
 
-def _fresh_state(r: Reduce) -> tuple[bool, ...]:
-    """Per state component: whether every combine makes it a new array of its own.
-
-    True when the component's combine is an operator (not a bare operand, which would alias
-    the contribution) and its tile spans an axis (so it is an array, not a numpy scalar).
-    """
-    m = r.monoid
+def _fresh(r: Reduce, combine: Sequence[Node]) -> tuple[bool, ...]:
+    """Per state component: whether `combine` (`r`'s, or a simplification of it) makes it a
+    new array of its own: an operator (not a bare operand) over a tile that spans an axis."""
     t = type_of(r.x)
     parts = t if isinstance(t, tuple) else (t,)
-    return tuple(is_elementwise(e) and bool(p.shape)
-                 for e, p in zip(m.combine, parts))
+    return tuple(is_elementwise(e) and bool(p.shape) for e, p in zip(combine, parts))
+
+
+def _fresh_state(r: Reduce) -> tuple[bool, ...]:
+    """Per state component: whether every combine makes it a new array of its own."""
+    return _fresh(r, r.monoid.combine)
 
 
 def _axes_of(n: Node) -> tuple[Axis, ...]:
