@@ -737,6 +737,8 @@ class _KernelWriter:
         self.absorbed: set[Node] = set()
         self.via: dict[Node, Node] = {}  # a selection or neutral operation -> the operand it is
         self.windows: set[Dot] = set()  # gathers that may be views of their values (`_window`)
+        # a native group's root -> its call's statement, which a store may redirect (`into`)
+        self.calls: dict[Node, tuple[_Stmt, str]] = {}
         self.users: dict[Node, set[Node]] = {}  # the distinct nodes reading each node
         for s in kernel.stores if fns.native else ():
             for m in postorder(s.value):
@@ -1043,6 +1045,8 @@ class _KernelWriter:
         defined = ", ".join(names)
         stmt = _Stmt([f"{defined} = {fn}(None, {args})"], names, frozenset(self.reads),
                      owned=frozenset(names))
+        if also is None and reduce is None:
+            self.calls[n] = (stmt, f"{fn}({{}}, {args})")
         # a dying leaf of the values' dimensions may hold them; never a reduction's result,
         # which holds partial results while the leaves are read
         for code, d in zip(codes, dims):
@@ -1140,10 +1144,15 @@ class _KernelWriter:
 
     def load(self, n: Load) -> str:
         """A view of the global array: the loop's block of looped axes, all blocks of grid axes."""
+        return self.view(self.params[n.tensor], n.axes, self.dims(n))
+
+    def view(self, array: str, axes: Sequence[Axis], dims: Sequence[int]) -> str:
+        """`array`, a global array over `axes`, at the blocks being written, in the kernel layout
+        of `dims`."""
         lay = self.layout
         index: list[str] = []
         parts: list[list[tuple[int, int]]] = []
-        for a in n.axes:
+        for a in axes:
             d = self.p.dims[a]
             if a in self.loop_vars:
                 v = self.loop_vars[a]
@@ -1158,8 +1167,8 @@ class _KernelWriter:
                 parts.append([(lay.element_dim(a), d.block)])
         while index and index[-1] == ":":
             index.pop()
-        code = self.params[n.tensor] + (f"[{', '.join(index)}]" if index else "")
-        return _to_layout(code, parts, self.dims(n))
+        code = array + (f"[{', '.join(index)}]" if index else "")
+        return _to_layout(code, parts, dims)
 
     def position(self, n: Pos) -> str:
         """The positions along the axis: the loop's block, or every block of a grid axis."""
@@ -1714,6 +1723,8 @@ class _KernelWriter:
         while index and index[-1] == ":":
             index.pop()
         uses = frozenset(self.reads)
+        if index and (stmt := self.into(k)) is not None:
+            return stmt
         if index:
             return _Stmt([f"{out}[{', '.join(index)}] = {tile}"], uses=uses)
         if value in self.owned and value not in self.returned:
@@ -1722,6 +1733,74 @@ class _KernelWriter:
         extents = tuple(self.p.padded(a) for a in k.axes)
         return _Stmt([f"{out} = np.empty({_shape_text(extents)}, f32)", f"{out}[...] = {tile}"],
                      uses=uses)
+
+
+    def into(self, k: Store) -> _Stmt | None:
+        """A store of a native group's values computed in this body, by their call writing into
+        the stored block (viewed in the kernel layout) in place of a temporary that the store
+        copies: the call's statement becomes the store, and this returns a statement that does
+        nothing.  RoPE's rotate-half writes each half so (LLaMA's layer at 128 tokens: 1.040
+        -> 1.019 ms).  None where the values are not such a call's, do not span every stored
+        axis or their block cannot be viewed so (`_writable_view`).  The call never finds its
+        destination among its operands' memory (then it would write a new array): it is the
+        kernel's own output, which no kernel reads (`ir.program.validate`)."""
+        if k.value not in self.scopes[-1] or k.value not in self.calls:
+            return None
+        stmt, call = self.calls.pop(k.value)  # (a second store of the values copies them)
+        dims = self.dims(k.value)
+        extents = tuple(self.p.padded(a) for a in k.axes)
+        block = tuple(self.p.block(a) if a in self.loop_vars
+                      else self.part.blocks * self.p.block(a) if self.part_slice(a) else n
+                      for a, n in zip(k.axes, extents))
+        if prod(block) != prod(dims):  # (a value broadcast along a stored axis)
+            return None
+        dest = self.view(self.outputs[k.tensor], k.axes, dims)
+        names = [*self.loop_vars.values(), *([self.part.start] if self.part else [])]
+        if not _writable_view(dest, self.outputs[k.tensor], extents, names):
+            return None
+        name = self.scopes[-1][k.value]
+        read = self.users.get(k.value) or sum(s.value == k.value for s in self.kernel.stores) > 1
+        stmt.lines = [(f"{name} = " if read else "") + call.format(dest)]
+        stmt.defs, stmt.owned, stmt.in_place = (), frozenset(), {}
+        self.owned.discard(name)
+        return _Stmt([])
+
+
+def _writable_view(code: str, array: str, extents: Sequence[int], names: Sequence[str]) -> bool:
+    """Is `code`, slices, transposes and reshapes of `array` (a C-ordered array of `extents`)
+    with integers for `names`, a view of it, which a call may write through?  numpy reshapes a
+    block by a copy where its strides do not allow a view; the code is run on a stand-in
+    without memory whose reshapes refuse to copy (`numpy.reshape(copy=False)`, numpy 2.1
+    on; before it nothing counts as a view)."""
+    strides = [4 * prod(extents[d + 1:]) for d in range(len(extents))]
+    probe = _Probe(np.lib.stride_tricks.as_strided(np.zeros(1, np.float32), extents, strides))
+    try:
+        eval(code, {"__builtins__": {}}, {array: probe, **dict.fromkeys(names, 0)})
+    except (ValueError, TypeError):
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class _Probe:
+    """An array's shape and strides, as `_writable_view` runs a block's view code on them:
+    indexing and transposing view the array; reshaping raises ValueError where numpy would
+    copy.  Nothing reads the array's elements, which are not there."""
+
+    a: np.ndarray
+
+    def __getitem__(self, index) -> _Probe:
+        return _Probe(self.a[index])
+
+    @property
+    def T(self) -> _Probe:  # noqa: N802 (numpy's name)
+        return _Probe(self.a.T)
+
+    def transpose(self, *axes: int) -> _Probe:
+        return _Probe(self.a.transpose(*axes))
+
+    def reshape(self, *shape: int) -> _Probe:
+        return _Probe(np.reshape(self.a, shape, copy=False))
 
 
 # (operator, constant) pairs where the constant is a neutral element on that side

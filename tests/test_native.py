@@ -282,7 +282,8 @@ def test_parts_on_two_threads_each_call_a_group():
     for fn in functions:
         body = generated.source[generated.source.index(f"def {fn}("):]
         body = body[:body.index("\ndef ")]
-        assert re.search(r"= native_\d+\(", body) and "threads=" not in body, body
+        # (a part's group writes its block of Y where the caller's array holds it)
+        assert re.search(r"native_\d+\(Y\[r_start:", body) and "threads=" not in body, body
     got = numpy_gen.module_from_source(generated.source).run(**inputs)["Y"]
     assert_close(got, interp.run(p, inputs)["Y"], "parts vs interpreter")
     whole = numpy_gen.generate_module(p, threads=2, split=False, native=True).source
@@ -305,8 +306,8 @@ def test_a_chain_is_one_call_and_a_stored_or_shared_tile_ends_it():
     for name in got:
         assert_close(got[name], want[name], f"{name} vs interpreter")
     body = source[source.index("def kernel_"):source.index("def _input")]
-    calls = re.findall(r"= (native_\d+)\(", body)
-    assert len(calls) == 2, body  # gelu(H) * H, and exp(X - 1) before the sum
+    calls = re.findall(r"(native_\d+)\(", body)
+    assert len(calls) == 2, body  # gelu(H) * H (into Y's block), and exp(X - 1) before the sum
     assert "tanh" not in body and "elementwise_gelu" not in body, body
     assert re.search(r"= t\d+_X \+ t\d+_B\n", body), body  # H, stored, on its own
     small = lower(parse_program("dim r = 16 / 16\ndim c = 64 / 64\ninput X[r, c] : f32\n"
@@ -391,9 +392,37 @@ def test_a_selection_by_a_known_position_is_read_through():
     inputs = random_inputs(ast, seed=17)
     source, got, want = run_both(p, inputs)
     kernel = source[source.index("def kernel_R"):source.index("def _input")]
-    assert kernel.count("= native_") == 2 and "broadcast_to" not in kernel, kernel
+    assert len(re.findall(r"native_\d+\(", kernel)) == 2 and "broadcast_to" not in kernel, kernel
     assert_close(got["R"], want["R"], "R vs interpreter")
     assert_close(got["R"], dense.evaluate(ast, inputs, dtype=np.float64)["R"], "R vs float64")
+
+
+def test_a_native_block_is_written_where_it_is_stored_and_a_selected_chunk_is_not_copied():
+    """Each block of R is computed by its group's call straight into R's block, viewed in the
+    kernel layout, not into a temporary the store copies; X1 and X2 (a one-hot sum over the
+    unrolled chunks of d2) are the chunk the one block it selects holds, with no accumulator
+    of zeros added to (LLaMA's layer at 128 tokens: 1.058 -> 1.017 ms).  Stores whose block
+    numpy cannot view in the layout copy (`_writable_view`)."""
+    ast = parse_program(ROTATE_HALF)
+    p = lower(ast)
+    inputs = random_inputs(ast, seed=23)
+    source, got, want = run_both(p, inputs)
+    kernel = source[source.index("def kernel_R"):source.index("def _input")]
+    assert len(re.findall(r"native_\d+\(R\[:, :, d20:d20 \+ 1\]\.reshape\(", kernel)) == 2, kernel
+    assert "R[:, :, d20:d20 + 1] =" not in kernel, kernel
+    for half in ("X1", "X2"):
+        kernel = source[source.index(f"def kernel_{half}"):source.index("def kernel_R")]
+        assert "f32(0.0)" not in kernel and re.search(r"t\d+_s = t\d+_Q\w*\n", kernel), kernel
+    for name in ("X1", "X2", "R"):
+        assert_close(got[name], want[name], f"{name} vs interpreter")
+    assert_close(got["R"], dense.evaluate(ast, inputs, dtype=np.float64)["R"], "R vs float64")
+    write = numpy_gen._writable_view
+    assert write("R[:, :, d:d + 1].reshape(4, 1, 2, 64, 1, 32, 1)", "R", (4, 128, 2, 32), ["d"])
+    assert write("R[:, d:d + 64].transpose(1, 0, 2, 3)", "R", (4, 128, 2, 32), ["d"])
+    assert not write("R[:, :, d:d + 1].reshape(4, 128 * 32)", "R", (4, 128, 2, 32), ["d"]) \
+        or np.lib.NumpyVersion(np.__version__) < "2.1.0"
+    assert not write("R[:, d:d + 64].transpose(1, 0, 2, 3).reshape(256, 64)", "R",
+                     (4, 128, 2, 32), ["d"])
 
 
 @pytest.mark.parametrize("op", ["max", "min", "sum"])
