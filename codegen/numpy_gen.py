@@ -1734,7 +1734,6 @@ class _KernelWriter:
         return _Stmt([f"{out} = np.empty({_shape_text(extents)}, f32)", f"{out}[...] = {tile}"],
                      uses=uses)
 
-
     def into(self, k: Store) -> _Stmt | None:
         """A store of a native group's values computed in this body, by their call writing into
         the stored block (viewed in the kernel layout) in place of a temporary that the store
