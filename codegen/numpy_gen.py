@@ -1792,7 +1792,7 @@ class _Probe:
         return _Probe(self.a[index])
 
     @property
-    def T(self) -> _Probe:  # noqa: N802 (numpy's name)
+    def T(self) -> _Probe:
         return _Probe(self.a.T)
 
     def transpose(self, *axes: int) -> _Probe:

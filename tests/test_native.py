@@ -409,8 +409,10 @@ def test_a_native_block_is_written_where_it_is_stored_and_a_selected_chunk_is_no
     inputs = random_inputs(ast, seed=23)
     source, got, want = run_both(p, inputs)
     kernel = source[source.index("def kernel_R"):source.index("def _input")]
-    assert len(re.findall(r"native_\d+\(R\[:, :, d20:d20 \+ 1\]\.reshape\(", kernel)) == 2, kernel
-    assert "R[:, :, d20:d20 + 1] =" not in kernel, kernel
+    views = np.lib.NumpyVersion(np.__version__) >= "2.1.0"  # (reshape's copy=False)
+    writes = re.findall(r"native_\d+\(R\[:, :, d20:d20 \+ 1\]\.reshape\(", kernel)
+    assert len(writes) == (2 if views else 0), kernel
+    assert ("R[:, :, d20:d20 + 1] =" in kernel) != views, kernel
     for half in ("X1", "X2"):
         kernel = source[source.index(f"def kernel_{half}"):source.index("def kernel_R")]
         assert "f32(0.0)" not in kernel and re.search(r"t\d+_s = t\d+_Q\w*\n", kernel), kernel
@@ -418,10 +420,10 @@ def test_a_native_block_is_written_where_it_is_stored_and_a_selected_chunk_is_no
         assert_close(got[name], want[name], f"{name} vs interpreter")
     assert_close(got["R"], dense.evaluate(ast, inputs, dtype=np.float64)["R"], "R vs float64")
     write = numpy_gen._writable_view
-    assert write("R[:, :, d:d + 1].reshape(4, 1, 2, 64, 1, 32, 1)", "R", (4, 128, 2, 32), ["d"])
+    assert write("R[:, :, d:d + 1].reshape(4, 1, 2, 64, 1, 32, 1)", "R", (4, 128, 2, 32),
+                 ["d"]) == views
     assert write("R[:, d:d + 64].transpose(1, 0, 2, 3)", "R", (4, 128, 2, 32), ["d"])
-    assert not write("R[:, :, d:d + 1].reshape(4, 128 * 32)", "R", (4, 128, 2, 32), ["d"]) \
-        or np.lib.NumpyVersion(np.__version__) < "2.1.0"
+    assert not write("R[:, :, d:d + 1].reshape(4, 128 * 32)", "R", (4, 128, 2, 32), ["d"])
     assert not write("R[:, d:d + 64].transpose(1, 0, 2, 3).reshape(256, 64)", "R",
                      (4, 128, 2, 32), ["d"])
 

@@ -926,7 +926,7 @@ def test_a_window_is_not_taken_where_positions_jump_or_a_guard_fails():
 def test_a_lookup_by_ids_picks_rows_as_onnx_gather_does(ids):
     """An embedding lookup as imported: position i picks row ids[i], or ids[i] + 10 for a
     negative id (ONNX's Gather), a row of zeros where neither is a row.  Ids all in range
-    take the lookup's few calls (they ran 43 µs of LLaMA's first kernel, the mask's dozen 49);
+    take the lookup's few calls (they ran 43 µs of LLaMA's first kernel, the mask's dozen 48);
     the others, the mask's, and a row two picks both name counts once."""
     table = np.arange(40, dtype=np.float32).reshape(10, 4)
     at = np.array(ids, np.float32).reshape(4, 1, 1)
