@@ -669,17 +669,29 @@ def _(n: Node, w: _KernelWriter) -> _Stmt | None:
 
 def _neutral_operand(n: Node, known: Mapping[Node, float]) -> Node | None:
     """The operand `n` equals where its other operand is a neutral element (`x + 0`, `1 * x`:
-    a selection folded in an unrolled loop leaves them), else None."""
+    a selection folded in an unrolled loop leaves them; `x + 0 * pos(h)`, the repeat along h
+    that an import writes for an ONNX Expand or grouped-query attention's shared heads), else
+    None."""
     if not isinstance(n, Binary):
         return None
 
     def value(c: Node) -> float | None:
-        return c.value if isinstance(c, Const) else known.get(c)
+        if isinstance(c, Const):
+            return c.value
+        return 0.0 if _zero_positions(c) else known.get(c)
     if (n.op, value(n.y)) in _RIGHT_NEUTRAL:
         return n.x
     if (n.op, value(n.x)) in _LEFT_NEUTRAL:
         return n.y
     return None
+
+
+def _zero_positions(n: Node) -> bool:
+    """Is `n` zero times a position (`0 * pos(h)`: zero everywhere, positions being finite),
+    a tile that only gives its sum with another value the position's axis?"""
+    return isinstance(n, Binary) and n.op == "mul" and any(
+        isinstance(a, Const) and a.value == 0.0 and isinstance(b, Pos)
+        for a, b in ((n.x, n.y), (n.y, n.x)))
 
 
 @STEP.on(Dot)
@@ -892,22 +904,38 @@ class _KernelWriter:
         operand; else None."""
         if n in self.known:
             return lambda: self.alias(n, None, _literal(self.known[n]))
-        if isinstance(n, Where) and n.c in self.known:
-            same = n.x if self.known[n.c] else n.y
-            return lambda: self.alias(n, same, self.lookup(same))
-        if (same := _neutral_operand(n, self.known)) is not None:
+        if (same := self.same_as(n)) is not None:
             return lambda: self.alias(n, same, self.lookup(same))
         return None
 
+    def same_as(self, n: Node) -> Node | None:
+        """The operand that elementwise `n` is on these blocks, maybe broadcast (a selection by
+        a known condition, an operation with a neutral operand), else None."""
+        if isinstance(n, Where) and n.c in self.known:
+            return n.x if self.known[n.c] else n.y
+        return _neutral_operand(n, self.known)
+
     def passes(self, n: Node) -> Node | None:
-        """The operand of its tile's dimensions that `n` is on these blocks (a selection by a
-        known condition, an operation with a neutral operand: `aliased`), else None."""
+        """The operand of its tile's dimensions that `n` is on these blocks (`same_as`), else
+        None."""
         if n in self.known or not is_elementwise(n):
             return None
-        same = (n.x if self.known[n.c] else n.y) if isinstance(n, Where) and n.c in self.known \
-            else _neutral_operand(n, self.known)
+        same = self.same_as(n)
         return same if same is not None and (isinstance(same, Const) or
                                              self.dims(same) == self.dims(n)) else None
+
+    def written_view(self, n: Node) -> bool:
+        """Is `n`'s tile a view of a tensor that a kernel wrote (`same_as`, through views and
+        broadcasts)?  That memory is never written again, so a store may return the view:
+        grouped-query attention's key and value heads repeated for each query head (`x + 0 *
+        pos(h)`) then cost nothing to store, and a product reads them with a batch stride of 0
+        (LLaMA's layer at 128 tokens: two copies of 10-13 µs).  An input's memory is the
+        caller's, and a store copies it."""
+        while not isinstance(n, Load):
+            if n in self.known or not is_elementwise(n) or (n := self.same_as(n)) is None:
+                return False
+        tensors = self.p.tensors
+        return tensors[tensors[n.tensor].storage].role != "input"
 
     def through(self, n: Node) -> Node:
         """What `n` is, through the selections and neutral operations that are an operand."""
@@ -1730,6 +1758,8 @@ class _KernelWriter:
         if value in self.owned and value not in self.returned:
             self.returned.add(value)
             return _Stmt([f"{out} = {tile}"], uses=uses, escapes=frozenset((value,)))
+        if self.written_view(k.value):
+            return _Stmt([f"{out} = {tile}"], uses=uses)
         extents = tuple(self.p.padded(a) for a in k.axes)
         return _Stmt([f"{out} = np.empty({_shape_text(extents)}, f32)", f"{out}[...] = {tile}"],
                      uses=uses)
