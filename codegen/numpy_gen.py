@@ -687,8 +687,8 @@ def _neutral_operand(n: Node, known: Mapping[Node, float]) -> Node | None:
 
 
 def _zero_positions(n: Node) -> bool:
-    """Is `n` zero times a position (`0 * pos(h)`: zero everywhere, positions being finite),
-    a tile that only gives its sum with another value the position's axis?"""
+    """Is `n` zero times a position (`0 * pos(h)`): zero everywhere, positions being finite,
+    so that added to a value it only gives the value the position's axis?"""
     return isinstance(n, Binary) and n.op == "mul" and any(
         isinstance(a, Const) and a.value == 0.0 and isinstance(b, Pos)
         for a, b in ((n.x, n.y), (n.y, n.x)))
