@@ -855,11 +855,16 @@ def test_a_kept_copy_lives_as_long_as_its_array():
     ((1, 2, 1, 64, 40), (3, 1, 5, 1, 1), 4),  # disjoint dimensions: rows taken at once
     ((3, 2, 1, 40), (3, 1, 7, 1), 3),  # a dimension both span: numpy's own take_along_axis
     ((40, 6), (1, 6), 0),
+    ((1, 1, 2, 8, 40), (1, 5, 1, 1, 1), 4),  # ids outside the row: the rows' order as it is
+    ("table", (1, 5, 1, 1, 1), 4),  # an embedding's table (rows contiguous), read transposed
 ])
 def test_a_gather_takes_what_take_along_axis_takes(values, index, axis):
     rng = np.random.default_rng(7)
-    v = rng.standard_normal(values).astype(np.float32)
-    i = rng.integers(0, values[axis], index)
+    if values == "table":  # as the lookup's kernel reads it: embed.T.reshape(...)
+        v = rng.standard_normal((40, 16)).astype(np.float32).T.reshape(1, 1, 2, 8, 40)
+    else:
+        v = rng.standard_normal(values).astype(np.float32)
+    i = rng.integers(0, v.shape[axis], index)
     np.testing.assert_array_equal(numpy_gen._take(v, axis, i), np.take_along_axis(v, i, axis))
 
 
