@@ -628,6 +628,7 @@ class Call:
         self.reduced = g.result() if g.reduce is not None else None
         self.both = len(g.outputs()) == 2
         self.leaf_dims = g.leaves
+        self.alike = [i for i, dims in enumerate(g.leaves) if dims == self.dims]  # (`new`)
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.py_object] * (len(g.outputs()) + len(g.leaves)) + [ctypes.c_int]
         self.fn = fn
@@ -650,9 +651,11 @@ class Call:
     def new(self, leaves: Sequence[np.ndarray]) -> np.ndarray:
         """A result array laid out in memory as the first leaf of its shape is (as numpy's
         ufuncs lay out theirs: a transposed product's result stays so), else C order."""
-        like = next((a for a in leaves if isinstance(a, np.ndarray) and a.shape == self.dims
-                     and a.dtype == np.float32), None)
-        return np.empty(self.dims, np.float32) if like is None else np.empty_like(like)
+        for i in self.alike:  # (the leaves declared of its shape: a call's Python costs)
+            a = leaves[i]
+            if isinstance(a, np.ndarray) and a.shape == self.dims and a.dtype == np.float32:
+                return np.empty_like(a)
+        return np.empty(self.dims, np.float32)
 
 
 def _as_leaf(a: np.ndarray, dims: tuple[int, ...]) -> np.ndarray:
