@@ -27,7 +27,7 @@ from typing import Callable
 
 import numpy as np
 
-from bbrules.codegen.native import NativeUnavailable, build
+from bbrules.codegen.native import NativeUnavailable, build, builtins, exported
 
 # -ffp-contract=fast (gcc's default, named): the micro-kernel's `acc += x * row` are fused
 # multiply-adds
@@ -39,15 +39,18 @@ _SOURCE = Path(__file__).with_name("matmul.c")
 
 @lru_cache(maxsize=None)
 def library() -> ctypes.CDLL:
-    """`matmul.c` compiled for this machine, its `bb_matmul` typed."""
+    """`matmul.c` compiled for this machine, with `bb_matmul` as a builtin (`product`)."""
     try:
         text = _SOURCE.read_text()
     except OSError as e:
         raise NativeUnavailable(f"reading {_SOURCE} failed: {e}") from e
-    lib = build(text, [], FLAGS)
-    lib.bb_matmul.restype = ctypes.c_int
-    lib.bb_matmul.argtypes = [ctypes.py_object] * 3 + [ctypes.c_int]
-    return lib
+    return build(text + exported([("bb_matmul", 3)]), [], FLAGS)
+
+
+@lru_cache(maxsize=None)
+def product() -> Callable[[np.ndarray, np.ndarray, np.ndarray, int], int]:
+    """`bb_matmul(out, a, b, threads)`: 0 once out = a @ b, 1 where the arrays do not fit."""
+    return builtins(library())["bb_matmul"]
 
 
 def compiled_matmul() -> Callable[[np.ndarray, np.ndarray, int], np.ndarray]:
@@ -93,7 +96,7 @@ def matmul(x: np.ndarray, y: np.ndarray, threads: int = 1) -> np.ndarray:
         x = np.broadcast_to(x, batch + x.shape[-2:])
         y = np.broadcast_to(y, batch + y.shape[-2:])
     out = np.empty(x.shape[:-1] + y.shape[-1:], np.float32)
-    if library().bb_matmul(out, x, y, threads):  # shapes that do not match: numpy's error
+    if product()(out, x, y, threads):  # shapes that do not match: numpy's error
         return np.matmul(_blas_ready(x), _blas_ready(y))
     return out
 

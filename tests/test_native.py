@@ -121,6 +121,25 @@ def test_a_group_reads_views_broadcasts_and_converts_what_is_not_float32(fma):
         fma(None, x[:3], row, column)
 
 
+def test_groups_are_builtins_and_a_module_written_before_them_calls_through_ctypes():
+    """A group's function is a builtin (`exported`: no ctypes on the way); the C of a module
+    written before that, which has no `bb_functions`, is still called, through ctypes; both
+    compute the same.  A builtin given the wrong number of arguments raises TypeError."""
+    x = np.arange(240, dtype=np.float32).reshape(6, 1, 40) / 7
+    row, column = x[:1] * 0.5, x[:, :, :1] - 1
+    text = native.source([FMA])
+    current = native.compiled(text).function(FMA.name, FMA.dims, FMA.leaves)
+    assert type(current.fn).__name__ == "builtin_function_or_method"
+    older = text[:text.index("static PyObject *bb_call_")]
+    assert "bb_functions" not in older
+    before = native.compiled(older).function(FMA.name, FMA.dims, FMA.leaves)
+    assert type(before.fn).__name__ == "_FuncPtr"
+    for fn in (current, before):
+        np.testing.assert_array_equal(fn(None, x, row, column), x * row + column)
+    with pytest.raises(TypeError, match="takes 4 arrays and the threads, 3 arguments"):
+        current.fn(x, x, row)
+
+
 def test_a_group_writes_into_its_operand_unless_another_shares_its_memory(fma):
     rng = np.random.default_rng(4)
     x = rng.standard_normal((6, 1, 40)).astype(np.float32)

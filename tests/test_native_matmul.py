@@ -71,7 +71,7 @@ def test_thin_products_read_the_matrix_in_place(m, n, k, transposed):
     if transposed:
         y = np.ascontiguousarray(y.T).T
     out = np.empty((m, n), np.float32)
-    assert native_matmul.library().bb_matmul(out, x, y, 2) == 0
+    assert native_matmul.product()(out, x, y, 2) == 0
     close_to_float64(out, x, y)
 
 
@@ -197,13 +197,12 @@ def test_small_products_are_numpys_unless_its_blas_would_thread_them(monkeypatch
     products are native, on one thread below `MIN_MACS`.  An operand whose rows overlap (a
     convolution's window) is copied for numpy first."""
     called = []
-    real = native_matmul.library()
+    real = native_matmul.product()
 
-    class Spy:
-        def bb_matmul(self, out, x, y, threads):
-            called.append((x.shape, y.shape, threads))
-            return real.bb_matmul(out, x, y, threads)
-    monkeypatch.setattr(native_matmul, "library", lambda: Spy())
+    def spy(out, x, y, threads):
+        called.append((x.shape, y.shape, threads))
+        return real(out, x, y, threads)
+    monkeypatch.setattr(native_matmul, "product", lambda: spy)
     for x, y in [(rand(8, 32), rand(32, 256)), (rand(64, 64), rand(64, 64)),
                  (rand(1, 64), rand(64, 128))]:
         np.testing.assert_array_equal(native_matmul.matmul(x, y, 2), np.matmul(x, y))
