@@ -20,7 +20,6 @@ Nothing is asserted: this measures.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import tempfile
 import time
@@ -40,6 +39,7 @@ from bbrules.lower import lower
 from bbrules.onnx_import import import_onnx
 from bbrules.packs import load_packs
 from bbrules.targets import get_target
+from timing import compare
 
 
 def llama(layers: int, tokens: int, width: int, heads: int, kv_heads: int, hidden: int,
@@ -177,42 +177,35 @@ def token_ids(args, seed: int) -> dict[str, np.ndarray]:
 
 
 def cpu_times(model: onnx.ModelProto, imported, program, args) -> str:
-    """Median wall times on this machine: the fused program's generated numpy code (in parts
-    or whole, whichever `tune` timed faster), without and with native groups (where a C
-    compiler is found), against onnxruntime's CPU session of the same model, on the same
-    input."""
+    """Median wall times on this machine (`timing.compare`: rounds, each contender after a
+    pause): the fused program's generated numpy code (in parts or whole, whichever `tune`
+    timed faster), without and with native groups (where a C compiler is found), against
+    onnxruntime's CPU session of the same model, on the same input."""
     feed = token_ids(args, seed=2)
     inputs = imported.bbp_inputs(feed)
     modules = {"numpy": tune(program, inputs, native=False)}
     if native.available():
         modules["native"] = tune(program, inputs, native=True)
 
-    def median(fn) -> float:
-        # after a pause: runtimes' worker threads (OpenBLAS's behind numpy, onnxruntime's) spin
-        # for a while after their work, on the cores whatever is timed next needs (onnxruntime
-        # timed right after the numpy backend took 3x as long)
-        time.sleep(1.0)
-        fn()  # warm up
-        times = []
-        for _ in range(9):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-        return statistics.median(times)
-    ours = {name: median(lambda: tuned.module.run(**inputs)) for name, tuned in modules.items()}
+    contenders = {name: (lambda m: lambda: m.run(**inputs))(tuned.module)
+                  for name, tuned in modules.items()}
     try:
         import onnxruntime
     except ImportError:
-        theirs = None
+        pass
     else:
         session = onnxruntime.InferenceSession(model.SerializeToString(),
                                                providers=["CPUExecutionProvider"])
-        theirs = median(lambda: session.run(None, feed))
+        contenders["onnxruntime"] = lambda: session.run(None, feed)
+    timed = compare(contenders)
+    theirs = timed.pop("onnxruntime", None)
     return ", ".join(
-        f"{name} {seconds * 1e3:.2f} ms {'in parts' if modules[name].parts else 'whole'}"
-        + (f" ({seconds / theirs:.2f}x onnxruntime's)" if theirs else "")
-        for name, seconds in ours.items()) + (
-        f"; onnxruntime {theirs * 1e3:.2f} ms" if theirs else " (onnxruntime is not installed)")
+        f"{name} {t.seconds * 1e3:.2f} ms {'in parts' if modules[name].parts else 'whole'}"
+        f" (rounds {t.low * 1e3:.2f}-{t.high * 1e3:.2f}"
+        + (f"; {t.seconds / theirs.seconds:.2f}x onnxruntime's)" if theirs else ")")
+        for name, t in timed.items()) + (
+        f"; onnxruntime {theirs.seconds * 1e3:.2f} ms (rounds {theirs.low * 1e3:.2f}-"
+        f"{theirs.high * 1e3:.2f})" if theirs else " (onnxruntime is not installed)")
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ must be reachable).  Needs onnxruntime.  Nothing is asserted: this measures.
 from __future__ import annotations
 
 import argparse
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -39,6 +38,7 @@ from bbrules.lower import lower
 from bbrules.onnx_import import import_onnx
 from bbrules.packs import load_packs
 from bbrules.targets import get_target
+from timing import compare
 
 MODEL = "magika/models/standard_v3_3/model.onnx"
 
@@ -51,20 +51,6 @@ def fetch(into: Path) -> Path:
     with zipfile.ZipFile(wheel) as z:
         z.extract(MODEL, into)
     return into / MODEL
-
-
-def median_seconds(fn, repeat: int = 9) -> float:
-    """The median of `repeat` timed calls, after a pause: runtimes' worker threads (OpenBLAS's
-    behind numpy, onnxruntime's) spin for a while after their work, on the cores whatever is
-    timed next needs (onnxruntime measured right after the numpy backend took 3x as long)."""
-    time.sleep(1.0)
-    fn()
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def main() -> int:
@@ -110,15 +96,19 @@ def main() -> int:
         got = imported.onnx_outputs(tuned.module.run(**inputs))["target_label"]
         print(f"{name}: largest difference from onnxruntime {np.abs(got - want).max():.2e}; "
               f"labels agree: {bool((got.argmax(-1) == want.argmax(-1)).all())}")
-    ours = {name: median_seconds(lambda: tuned.module.run(**inputs))
-            for name, tuned in modules.items()}
-    plain = median_seconds(lambda: unfused(**inputs))
-    theirs = median_seconds(lambda: session.run(None, {"bytes": x}))
-    fused = ", ".join(f"{seconds * 1e3:.2f} ms {name} "
-                      f"({'in parts' if modules[name].parts else 'whole'}, "
-                      f"{seconds / theirs:.2f}x onnxruntime's)" for name, seconds in ours.items())
-    print(f"CPU: fused {fused}; unfused numpy {plain * 1e3:.1f} ms; "
-          f"onnxruntime {theirs * 1e3:.2f} ms")
+    timed = compare({**{name: (lambda m: lambda: m.run(**inputs))(tuned.module)
+                        for name, tuned in modules.items()},
+                     "unfused": lambda: unfused(**inputs),
+                     "onnxruntime": lambda: session.run(None, {"bytes": x})})
+    plain, theirs = timed.pop("unfused"), timed.pop("onnxruntime")
+    fused = ", ".join(f"{t.seconds * 1e3:.2f} ms {name} "
+                      f"({'in parts' if modules[name].parts else 'whole'}, rounds "
+                      f"{t.low * 1e3:.2f}-{t.high * 1e3:.2f}, "
+                      f"{t.seconds / theirs.seconds:.2f}x onnxruntime's)"
+                      for name, t in timed.items())
+    print(f"CPU: fused {fused}; unfused numpy {plain.seconds * 1e3:.1f} ms; "
+          f"onnxruntime {theirs.seconds * 1e3:.2f} ms (rounds {theirs.low * 1e3:.2f}-"
+          f"{theirs.high * 1e3:.2f})")
     return 0
 
 

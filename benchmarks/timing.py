@@ -1,0 +1,49 @@
+"""Wall times of whole-model runs, compared fairly: each contender timed in turn, over rounds.
+
+Why rounds and pauses: runtimes' worker threads (OpenBLAS's behind numpy, onnxruntime's, the
+native product's) spin for a while after their work, on the cores whatever is timed next
+needs (onnxruntime timed right after the numpy backend took 3x as long; LLaMA's native layer
+at 128 tokens, alternated call by call with onnxruntime, took 1.47 ms instead of 1.19).  So
+each contender is timed after a pause.  Why many calls a round: nine calls of a 1 ms model
+gave medians 25% apart from one run of the benchmark to the next on the 2-core Xeon; a round
+times at least `LEAST_SECONDS` of calls, and a contender's figure is the median of its rounds'.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable, Mapping
+
+PAUSE_SECONDS = 1.0
+LEAST_SECONDS = 0.3
+LEAST_CALLS = 9
+
+
+@dataclass(frozen=True)
+class Timing:
+    """A contender's median seconds a call, and the lowest and highest of its rounds'."""
+
+    seconds: float
+    low: float
+    high: float
+
+
+def compare(contenders: Mapping[str, Callable[[], object]], rounds: int = 3
+            ) -> dict[str, Timing]:
+    """Each contender's `Timing`: `rounds` rounds, each timing every contender in turn, after
+    a pause and one untimed call, for at least `LEAST_CALLS` calls and `LEAST_SECONDS`."""
+    medians: dict[str, list[float]] = {name: [] for name in contenders}
+    for _ in range(rounds):
+        for name, fn in contenders.items():
+            time.sleep(PAUSE_SECONDS)
+            fn()
+            times: list[float] = []
+            end = time.perf_counter() + LEAST_SECONDS
+            while len(times) < LEAST_CALLS or time.perf_counter() < end:
+                start = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - start)
+            medians[name].append(statistics.median(times))
+    return {name: Timing(statistics.median(m), min(m), max(m)) for name, m in medians.items()}
