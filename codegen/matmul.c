@@ -319,8 +319,7 @@ typedef struct {
 typedef struct {
     Work work;
     const void *ctx;
-    long items;
-    atomic_long next;           /* the next item to take */
+    atomic_long ends;           /* the items left, [front, back): front in the low 32 bits */
     atomic_int seats;           /* workers that may still join: the caller's threads - 1 */
     atomic_int busy;            /* workers inside the job */
     atomic_int running;
@@ -349,11 +348,25 @@ static long now_ns(void) {
     return t.tv_sec * 1000000000L + t.tv_nsec;
 }
 
-/* Take items of `job` until none is left. */
-static void take(Job *job, Scratch *scratch) {
+/* Take items of `job` until none is left: the caller from the front, workers from the back
+   (`back`), so that each thread walks neighbouring items, a product's next panel or a group's
+   next rows, which the core's prefetchers fetched beside its last.  Taking them alternately,
+   as one counter hands them out, made LLaMA's products at 128 tokens 3-7% slower (its
+   attention's batched ones 30%).  (Items fit 32 bits: each is a product's 64 columns of a
+   run of rows, or a group's 16,384 elements at least.) */
+static void take(Job *job, Scratch *scratch, int back) {
     scratch->packed = -1;
-    for (long i; (i = atomic_fetch_add(&job->next, 1)) < job->items;)
-        job->work(job->ctx, i, scratch);
+    for (;;) {
+        long ends = atomic_load(&job->ends), item;
+        do {
+            const long front = ends & 0xffffffffL, end = ends >> 32;
+            if (front >= end)
+                return;
+            item = back ? end - 1 : front;
+        } while (!atomic_compare_exchange_weak(&job->ends, &ends,
+                                               back ? ends - (1L << 32) : ends + 1));
+        job->work(job->ctx, item, scratch);
+    }
 }
 
 /* Until `busy` is 0, yielding the core to any thread woken onto it. */
@@ -389,7 +402,7 @@ static void *worker(void *arg) {
             if (atomic_load(&job->running) && current != joined) {
                 joined = current;
                 if (atomic_fetch_sub(&job->seats, 1) > 0)
-                    take(job, &scratch);
+                    take(job, &scratch, 1);
                 last = now_ns();
             }
             atomic_fetch_sub(&job->busy, 1);
@@ -420,8 +433,8 @@ static void forget_workers(void) {
 }
 
 /* Items 0 .. items - 1 of `work` on `threads` threads (the caller and the workers that join),
-   taken one at a time: a thread slowed by other work takes fewer.  Alone where another
-   caller holds the workers. */
+   taken one at a time (`take`): a thread slowed by other work takes fewer.  Alone where
+   another caller holds the workers. */
 static void dispatch(Work work, const void *ctx, long items, int threads, Scratch *mine) {
     if (threads > 1 && items > 1 && pthread_mutex_trylock(&pool.owner) == 0) {
         static int registered;
@@ -436,8 +449,8 @@ static void dispatch(Work work, const void *ctx, long items, int threads, Scratc
         }
         Job *job = &pool.job;
         wait_idle(job);  /* workers still leaving the last job */
-        job->work = work, job->ctx = ctx, job->items = items;
-        atomic_store(&job->next, 0);
+        job->work = work, job->ctx = ctx;
+        atomic_store(&job->ends, items << 32);
         atomic_store(&job->seats, threads - 1);
         atomic_fetch_add(&pool.generation, 1);
         atomic_store(&job->running, 1);
@@ -446,13 +459,13 @@ static void dispatch(Work work, const void *ctx, long items, int threads, Scratc
             pthread_cond_broadcast(&pool.wake);
             pthread_mutex_unlock(&pool.lock);
         }
-        take(job, mine);
+        take(job, mine, 0);
         wait_idle(job);
         atomic_store(&job->running, 0);
         pthread_mutex_unlock(&pool.owner);
     } else {
-        Job alone = {.work = work, .ctx = ctx, .items = items};
-        take(&alone, mine);
+        Job alone = {.work = work, .ctx = ctx, .ends = items << 32};
+        take(&alone, mine, 0);
     }
 }
 
