@@ -18,7 +18,10 @@ torch, such as the CPU wheel for Python 3.11), in a subprocess given the same in
 Times are the median of `--repeat` runs after a first (warm-up) run, taken in rounds of one
 run of every variant (so that load from other processes, coming and going, weighs on every
 variant alike and the ratios between them hold), each after a pause (`SETTLE`: the other
-variants' threads stop spinning) and 20 ms of untimed runs (`WARM_UP`: the cores back to speed); peak memory is the tracemalloc peak of the
+variants' threads stop spinning) and 20 ms of untimed runs (`WARM_UP`: the cores back to speed),
+with glibc's malloc keeping freed memory (`timing.keep_freed_memory`: otherwise what one variant
+freed gave the next one's allocations fresh pages; the unfused attention at N = 1024 took 41.9
+ms one run, 4.7 the next with it); peak memory is the tracemalloc peak of the
 first run (numpy reports its buffers to tracemalloc; torch and onnxruntime do not, so their
 memory is not shown).  Every variant's outputs are checked against the dense evaluation, so a
 fast wrong answer shows up as an error, not a speed-up.  The table (markdown) gives each
@@ -67,6 +70,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from blocked_attention import blocked_attention
+from timing import keep_freed_memory
 from bbrules import dense
 from bbrules.blockfile import load_block_program
 from bbrules.codegen import native, numpy_gen
@@ -476,6 +480,7 @@ def main(argv: list[str] | None = None) -> int:
                          "in a subprocess (e.g. /tmp/torchenv/bin/python)")
     ap.add_argument("--json", type=Path, metavar="PATH", help="write the report as JSON")
     args = ap.parse_args(argv)
+    keep_freed_memory()  # (each variant's allocations unaffected by what the others freed)
     try:
         overrides = {n: (e, b) for n, e, b in map(parse_dim_override, args.dim)}
     except UsageError as err:
