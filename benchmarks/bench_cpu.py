@@ -20,8 +20,8 @@ run of every variant (so that load from other processes, coming and going, weigh
 variant alike and the ratios between them hold), each after a pause (`SETTLE`: the other
 variants' threads stop spinning) and 20 ms of untimed runs (`WARM_UP`: the cores back to speed),
 with glibc's malloc keeping freed memory (`timing.keep_freed_memory`: otherwise what one variant
-freed gave the next one's allocations fresh pages; the unfused attention at N = 1024 took 41.9
-ms one run, 4.7 the next with it); peak memory is the tracemalloc peak of the
+freed gave the next one's allocations fresh pages; the dense and unfused attention at N = 1024
+took 6-11 ms, once 42, and 4.6-4.7 with it); peak memory is the tracemalloc peak of the
 first run (numpy reports its buffers to tracemalloc; torch and onnxruntime do not, so their
 memory is not shown).  Every variant's outputs are checked against the dense evaluation, so a
 fast wrong answer shows up as an error, not a speed-up.  The table (markdown) gives each
