@@ -422,11 +422,20 @@ def _branches(cases: list[tuple[str, list[str]]]) -> list[str]:
     return [*out, "}"]
 
 
-def _element(g: Group, reads: Sequence[str], done: Sequence[str]) -> list[str]:
-    """One element: its leaves read, the group's statements, and `done` with `out`."""
+def _element(g: Group, reads: Sequence[str | None], done: Sequence[str]) -> list[str]:
+    """One element: its leaves read (those read None are read before its loop: `_row_leaves`),
+    the group's statements, and `done` with `out`."""
     return ["{", *(f"    {s}" for s in [*(f"const float l{i} = {r};" for i, r in
-                                           enumerate(reads)), "float out;", *g.body, *done]),
+                                           enumerate(reads) if r is not None),
+                                         "float out;", *g.body, *done]),
             "}"]
+
+
+def _row_leaves(g: Group, inner: Sequence[int], p: str) -> list[str]:
+    """The leaves a row reads one element of, read once before its loop: what only they
+    decide (a norm's rsqrt(mean + eps)) is then computed once a row, not once an element,
+    which the compiler could not hoist past the loop's stores while the leaf was read in it."""
+    return [f"const float l{i} = {p}{i}[0];" for i in range(len(g.leaves)) if i not in inner]
 
 
 def _map_loop(g: Group, inner: Sequence[int], contiguous: bool, values: str, _: str, p: str
@@ -435,10 +444,9 @@ def _map_loop(g: Group, inner: Sequence[int], contiguous: bool, values: str, _: 
     at `p<i>`."""
     def at(q: str, t: str) -> str:
         return f"{q}[i]" if contiguous else f"{q}[i * {t}]"
-    reads = [at(f"{p}{i}", f"t{i}") if i in inner else f"{p}{i}[0]"
-             for i in range(len(g.leaves))]
-    return [*(["#pragma omp simd"] if contiguous else []), "for (long i = 0; i < m; i++)",
-            *_element(g, reads, [f"{at(values, 't')} = out;"])]
+    reads = [at(f"{p}{i}", f"t{i}") if i in inner else None for i in range(len(g.leaves))]
+    return [*_row_leaves(g, inner, p), *(["#pragma omp simd"] if contiguous else []),
+            "for (long i = 0; i < m; i++)", *_element(g, reads, [f"{at(values, 't')} = out;"])]
 
 
 def _row(g: Group, inner: Sequence[int], contiguous: bool, values: str, result: str, p: str
@@ -450,14 +458,14 @@ def _row(g: Group, inner: Sequence[int], contiguous: bool, values: str, result: 
     def at(q: str, index: str, t: str) -> str:
         return f"{q}[{index}]" if contiguous else f"{q}[({index}) * {t}]"
 
-    def reads(index: str) -> list[str]:
-        return [at(f"{p}{i}", index, f"t{i}") if i in inner else f"{p}{i}[0]"
+    def reads(index: str) -> list[str | None]:
+        return [at(f"{p}{i}", index, f"t{i}") if i in inner else None
                 for i in range(len(g.leaves))]
 
     def fold(index: str, into: str) -> list[str]:
         return [*([f"{at(values, index, 't')} = out;"] if g.keeps else []),
                 f"{into} = {combine.format(x=into, y='out')};"]
-    lines = [f"float acc = {identity};"]
+    lines = [*_row_leaves(g, inner, p), f"float acc = {identity};"]
     if contiguous:
         lines += [f"float part[{LANES}];",
                   f"for (int l = 0; l < {LANES}; l++) part[l] = {identity};",

@@ -982,7 +982,7 @@ class _KernelWriter:
             users = readers(n)
             roots = {root_of.get(u) for u in users}
             joins = len(roots) == 1 and None not in roots and n not in self.stored and \
-                all(self.dims(u) == self.dims(n) for u in users)
+                all(self.dims(u) == self.dims(n) or self.per_row(n, u) for u in users)
             root_of[n] = roots.pop() if joins else n
         members: dict[Node, list[Node]] = {}
         for n in body:
@@ -1017,6 +1017,16 @@ class _KernelWriter:
             if n in self.via and n not in self.stored and \
                     self.users.get(n, set()) <= grouped | self.absorbed:
                 self.absorbed.add(n)
+
+    def per_row(self, n: Node, u: Node) -> bool:
+        """Is `n`'s tile `u`'s broadcast along u's innermost dimension (and perhaps others): a
+        value a row of u, such as a norm's scale rsqrt(mean + eps)?  Joining u's group, it is
+        computed where the C reads it, once a row (the compiler hoists it out of the row's
+        loop), and saves a numpy call of its own."""
+        have, want = self.dims(n), self.dims(u)
+        walked = [d for d, k in enumerate(want) if k > 1]
+        return len(have) == len(want) and bool(walked) and have[walked[-1]] == 1 and \
+            all(h in (1, w) for h, w in zip(have, want))
 
     def innermost(self, x: Node, axis: Axis) -> bool:
         """Is `axis` the innermost dimension of more than one element of `x`'s tile (a

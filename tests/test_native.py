@@ -334,6 +334,26 @@ def test_a_chain_is_one_call_and_a_stored_or_shared_tile_ends_it():
     assert "native_" not in numpy_gen.generate(small, native=True)
 
 
+def test_a_norms_scale_a_row_is_computed_in_the_group_that_applies_it():
+    """RMSNorm: rsqrt(mean + eps), one value a row, joins the group multiplying the row by it
+    (one call, no numpy rsqrt), and its C reads the row's value once, before the row's loop;
+    against the interpreter."""
+    ast = parse_program("dim r = 256 / 256\ndim c = 128 / 128\ninput X[r, c] : f32\n"
+                        "S[r] = mean[c] square(X[r, c])\n"
+                        "Y[r, c] = X[r, c] * rsqrt(S[r] + 1e-5)\n"
+                        "output Y\n")
+    p = fuse(lower(ast), load_packs([]), get_target("h100")).program
+    inputs = random_inputs(ast, seed=9)
+    source, got, want = run_both(p, inputs)
+    assert_close(got["Y"], want["Y"], "Y vs interpreter")
+    kernel = source[source.index("def kernel_Y"):source.index("def _input")]
+    assert "rsqrt" not in kernel, kernel
+    assert len(re.findall(r"native_\d+\(", kernel)) == 2, kernel  # the sum, then the map
+    c = source[source.index('NATIVE = compiled(r"""'):source.index('""")')]
+    assert "1.0f / sqrtf" in c, c
+    assert re.search(r"const float l\d+ = q\d+\[0\];\n\s*#pragma omp simd", c), c  # hoisted
+
+
 def test_a_masked_maximum_over_padded_positions_is_one_call():
     """magika's GELU before its max over 508 positions padded to 512: the bias, the GELU,
     the padding's mask and the max are one call (the mask a tile of positions computed
