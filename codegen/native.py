@@ -6,16 +6,17 @@ GELU is eight passes over its tile; magika's bias, GELU, padding mask and max ov
 positions took 0.5 ms as numpy calls, and 0.2 ms as one C loop (2 cores with AVX-512).  On
 small models numpy's passes are what is left after the products.
 
-What a group is: operators of one tile's dimensions, each read only by others of the group
-(`numpy_gen` decides that from the kernel's schedule), perhaps ending in a sum, max or min
-along the tile's innermost dimension (returning the values too where another step reads
-them: a softmax's exponentials); its *leaves* are the tiles it reads (arrays of its
-dimensions or broadcast along some of them: size 1 in the kernel's layout) and numbers,
-baked into the C as exact hexadecimal literals.  Each group is one C function over the
-dimensions known while generating and the arrays' strides read at run time through the
-buffer protocol (views of inputs, transposed products): adjacent dimensions every array
-walks in step are merged (`bb_merge`), and the innermost loop runs vectorised where every
-array it walks is contiguous there, else strided (`function`).
+What a group is: operators of one tile's dimensions (or of one value a row of it, as a norm's
+scale), each read only by others of the group (`numpy_gen` decides that from the kernel's
+schedule), perhaps ending in a sum, max or min along the tile's innermost dimension
+(returning the values too where another step reads them: a softmax's exponentials); its
+*leaves* are the tiles it reads (arrays of its dimensions or broadcast along some of them:
+size 1 in the kernel's layout) and numbers, baked into the C as exact hexadecimal literals.
+Each group is one C function over the dimensions known while generating and the arrays'
+strides read at run time through the buffer protocol (views of inputs, transposed products):
+adjacent dimensions every array walks in step are merged (`bb_merge`), and the innermost
+loop runs vectorised where every array it walks is contiguous there, else strided
+(`function`).
 
 Numerics: each operator's C follows `bbrules.ops`' numpy definition (the same formula, the
 same order of float32 roundings, no contraction into fused multiply-adds), with glibc's

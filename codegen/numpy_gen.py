@@ -946,11 +946,12 @@ class _KernelWriter:
     def native_groups(self, body: Sequence[Node]) -> None:
         """The native groups among the nodes one body computes (`codegen.native`): an
         operator joins the group of the operators reading it where they all are in one group,
-        have its dimensions and it is not stored.  A group is at least two operators over at
-        least `NATIVE_ELEMENTS` elements, or one a reduction within the tile reads (the C
-        reduces it, and returns the values too where other steps read them: `also`), or none:
-        a reduction of a tile no operator computes (a softmax's max over loaded scores, but
-        not a sum of products, which is one matmul), and at most `NATIVE_OPERATORS`.  Only
+        have its dimensions (or it is a value a row of theirs: `per_row`) and it is not
+        stored.  A group is at least two operators over at least `NATIVE_ELEMENTS` elements,
+        or one a reduction within the tile reads (the C reduces it, and returns the values
+        too where other steps read them: `also`), or none: a reduction of a tile no operator
+        computes (a softmax's max over loaded scores, but not a sum of products, which is one
+        matmul), and at most `NATIVE_OPERATORS`.  Only
         operators that compute (not `aliased`, not a `known_tile`) join; a selection by known
         positions joins (the C selects by a tile of them) where it would otherwise set slices
         (`fill`)."""
@@ -1022,7 +1023,8 @@ class _KernelWriter:
         """Is `n`'s tile `u`'s broadcast along u's innermost dimension (and perhaps others): a
         value a row of u, such as a norm's scale rsqrt(mean + eps)?  Joining u's group, it is
         computed where the C reads it, once a row (the compiler hoists it out of the row's
-        loop), and saves a numpy call of its own."""
+        loop; a group walked by columns computes it once an element), and saves a numpy call
+        of its own."""
         have, want = self.dims(n), self.dims(u)
         walked = [d for d, k in enumerate(want) if k > 1]
         return len(have) == len(want) and bool(walked) and have[walked[-1]] == 1 and \
