@@ -18,14 +18,15 @@ torch, such as the CPU wheel for Python 3.11), in a subprocess given the same in
 Times are the median of `--repeat` runs after a first (warm-up) run, taken in rounds of one
 run of every variant (so that load from other processes, coming and going, weighs on every
 variant alike and the ratios between them hold), each after a pause (`SETTLE`: the other
-variants' threads stop spinning) and 20 ms of untimed runs (`WARM_UP`: the cores back to speed),
-with glibc's malloc keeping freed memory (`timing.keep_freed_memory`: otherwise what one variant
-freed gave the next one's allocations fresh pages; the dense and unfused attention at N = 1024
-took 6-11 ms, once 42, and 4.6-4.7 with it); peak memory is the tracemalloc peak of the
-first run (numpy reports its buffers to tracemalloc; torch and onnxruntime do not, so their
-memory is not shown).  Every variant's outputs are checked against the dense evaluation, so a
-fast wrong answer shows up as an error, not a speed-up.  The table (markdown) gives each
-variant's time over torch's and over onnxruntime's: below 1 is faster.
+variants' threads stop spinning) and 20 ms of untimed runs (`WARM_UP`: the cores back to
+speed), with glibc's malloc keeping freed memory (`timing.keep_freed_memory`: otherwise what
+one variant freed gave the next one's allocations fresh pages: in two runs minutes apart,
+without and with it, dense attention took 7.7 -> 4.7 ms at N = 1024 and 2415 -> 506 ms at
+8192); peak memory is the tracemalloc peak of the first run (numpy reports its buffers to
+tracemalloc; torch and onnxruntime do not, so their memory is not shown).  Every variant's
+outputs are checked against the dense evaluation, so a fast wrong answer shows up as an
+error, not a speed-up.  The table (markdown) gives each variant's time over torch's and over
+onnxruntime's: below 1 is faster.
 
 The fused program comes from `bbrules.fuse.fuse(lower(ast), load_packs([]), get_target("cpu"),
 objective)`, or from `--fused CASE=PATH.bbk`.  The objective defaults to global traffic: on

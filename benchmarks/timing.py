@@ -10,8 +10,8 @@ times at least `LEAST_SECONDS` of calls, and a contender's figure is the median 
 Why glibc's malloc is told to keep what is freed (`keep_freed_memory`): otherwise what one
 runtime frees decides whether the next one's allocations fault in fresh pages.  After
 onnxruntime had run, LLaMA's layer at 2048 tokens took 9,700 page faults a call as numpy code
-(131 -> 189 ms) and its native rounds ranged over 94-158 ms; keeping freed memory, every
-contender's rounds agreed within 3%, as a long-running server's would.
+(131 -> 189 ms) and its native rounds ranged over 94-158 ms; keeping freed memory, as a
+long-running server's would, its rounds agreed within 3% native, 7% as numpy code.
 """
 
 from __future__ import annotations
