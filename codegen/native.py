@@ -520,7 +520,7 @@ def exported(functions: Sequence[tuple[str, int]]) -> str:
     """C that makes each `int name(PyObject *x0, ..., PyObject *x<n - 1>, int threads)` of
     `functions` (name, n) a Python builtin, called with its n objects and the threads through
     the vectorcall protocol and returning its int; `bb_functions()` returns them by name (a
-    dict: `builtins`).
+    dict: `builtin_functions`).
 
     Why not ctypes: its call took 1.0 µs where a builtin's takes 0.05 (warm, on the Xeon of
     the README), and a small model makes some twenty such calls a run, each after a product
@@ -563,7 +563,7 @@ def exported(functions: Sequence[tuple[str, int]]) -> str:
         ""])
 
 
-def builtins(lib: ctypes.CDLL) -> dict[str, Callable[..., int]]:
+def builtin_functions(lib: ctypes.CDLL) -> dict[str, Callable[..., int]]:
     """The builtins `exported` made of `lib`'s functions (`bb_functions`), by name."""
     lib.bb_functions.restype = ctypes.py_object
     lib.bb_functions.argtypes = []
@@ -662,7 +662,7 @@ class Library:
         if hasattr(lib, "bb_set_parallel"):  # (not in a module written before it was)
             lib.bb_set_parallel.argtypes = [ctypes.c_void_p]
             lib.bb_set_parallel(_parallel_for())
-        self.calls = builtins(lib) if hasattr(lib, "bb_functions") else {}  # (likewise)
+        self.calls = builtin_functions(lib) if hasattr(lib, "bb_functions") else {}  # (likewise)
 
     def function(self, name: str, dims: tuple[int, ...], leaves: tuple[tuple[int, ...], ...],
                  reduce: tuple[str, int] | None = None, keeps: bool = False) -> Call:

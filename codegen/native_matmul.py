@@ -27,7 +27,7 @@ from typing import Callable
 
 import numpy as np
 
-from bbrules.codegen.native import NativeUnavailable, build, builtins, exported
+from bbrules.codegen.native import NativeUnavailable, build, builtin_functions, exported
 
 # -ffp-contract=fast (gcc's default, named): the micro-kernel's `acc += x * row` are fused
 # multiply-adds
@@ -50,7 +50,7 @@ def library() -> ctypes.CDLL:
 @lru_cache(maxsize=None)
 def product() -> Callable[[np.ndarray, np.ndarray, np.ndarray, int], int]:
     """`bb_matmul(out, a, b, threads)`: 0 once out = a @ b, 1 where the arrays do not fit."""
-    return builtins(library())["bb_matmul"]
+    return builtin_functions(library())["bb_matmul"]
 
 
 def compiled_matmul() -> Callable[[np.ndarray, np.ndarray, int], np.ndarray]:
