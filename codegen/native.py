@@ -516,30 +516,36 @@ def source(groups: Sequence[Group]) -> str:
                       exported([(g.name, len(g.outputs()) + len(g.leaves)) for g in groups])])
 
 
-def exported(functions: Sequence[tuple[str, int]]) -> str:
+def exported(functions: Sequence[tuple[str, int | None]]) -> str:
     """C that makes each `int name(PyObject *x0, ..., PyObject *x<n - 1>, int threads)` of
     `functions` (name, n) a Python builtin, called with its n objects and the threads through
     the vectorcall protocol and returning its int; `bb_functions()` returns them by name (a
-    dict: `builtin_functions`).
+    dict: `builtin_functions`).  A function of n None takes any number of objects: it is
+    `int name(PyObject *const *objects, long count, int threads)`.
 
     Why not ctypes: its call took 1.0 µs where a builtin's takes 0.05 (warm, on the Xeon of
     the README), and a small model makes some twenty such calls a run, each after a product
     has streamed its operands through the caches that ctypes' longer path runs from."""
     lines: list[str] = []
     for name, n in functions:
-        args = ", ".join([*(f"args[{i}]" for i in range(n)), "(int)threads"])
+        if n is None:
+            check, wanted = "given < 1", "objects and"
+            call = f"{name}(args, given - 1, (int)threads)"
+        else:
+            check, wanted = f"given != {n + 1}", f"{n} arrays and"
+            call = f"{name}({', '.join([*(f'args[{i}]' for i in range(n)), '(int)threads'])})"
         lines += [f"static PyObject *bb_call_{name}(PyObject *self, PyObject *const *args, "
                   "Py_ssize_t given) {",
                   "    (void)self;",
-                  f"    if (given != {n + 1}) {{",
-                  f'        PyErr_Format(PyExc_TypeError, "{name} takes {n} arrays and the '
+                  f"    if ({check}) {{",
+                  f'        PyErr_Format(PyExc_TypeError, "{name} takes {wanted} the '
                   'threads, %zd arguments given", given);',
                   "        return NULL;",
                   "    }",
-                  f"    const long threads = PyLong_AsLong(args[{n}]);",
+                  "    const long threads = PyLong_AsLong(args[given - 1]);",
                   "    if (threads == -1 && PyErr_Occurred())",
                   "        return NULL;",
-                  f"    return PyLong_FromLong({name}({args}));",
+                  f"    return PyLong_FromLong({call});",
                   "}",
                   ""]
     return "\n".join([

@@ -39,18 +39,27 @@ _SOURCE = Path(__file__).with_name("matmul.c")
 
 @lru_cache(maxsize=None)
 def library() -> ctypes.CDLL:
-    """`matmul.c` compiled for this machine, with `bb_matmul` as a builtin (`product`)."""
+    """`matmul.c` compiled for this machine, with `bb_matmul` and `bb_matmuls` as builtins
+    (`product`, `products`)."""
     try:
         text = _SOURCE.read_text()
     except OSError as e:
         raise NativeUnavailable(f"reading {_SOURCE} failed: {e}") from e
-    return build(text + exported([("bb_matmul", 3)]), [], FLAGS)
+    return build(text + exported([("bb_matmul", 3), ("bb_matmuls", None)]), [], FLAGS)
 
 
 @lru_cache(maxsize=None)
 def product() -> Callable[[np.ndarray, np.ndarray, np.ndarray, int], int]:
     """`bb_matmul(out, a, b, threads)`: 0 once out = a @ b, 1 where the arrays do not fit."""
     return builtin_functions(library())["bb_matmul"]
+
+
+@lru_cache(maxsize=None)
+def products() -> Callable[..., int]:
+    """`bb_matmuls(out0, a0, b0, out1, a1, b1, ..., threads)`: 0 once every out = a @ b (one
+    job on the threads), 1 where some triple does not fit or there are more than
+    `MAX_PRODUCTS`."""
+    return builtin_functions(library())["bb_matmuls"]
 
 
 def compiled_matmul() -> Callable[[np.ndarray, np.ndarray, int], np.ndarray]:
@@ -76,29 +85,65 @@ BLAS_THREADS_MACS = 1 << 18
 BLAS_THREADS_VECTOR = 9216
 
 
+# Products `matmuls` runs as one job at most (matmul.c's MAX_PRODUCTS)
+MAX_PRODUCTS = 8
+
+
 def matmul(x: np.ndarray, y: np.ndarray, threads: int = 1) -> np.ndarray:
     """`np.matmul(x, y)` through `matmul.c` where both are float32 arrays of two or more
     dimensions, on `threads` threads where the product is large enough; through numpy (given
     operands BLAS can read: a window whose rows overlap is copied) where numpy's call costs
     less and its BLAS stays on one thread."""
-    if x.ndim < 2 or y.ndim < 2 or x.dtype != np.float32 or y.dtype != np.float32:
+    native = _native(x, y)
+    if native is None:
         return np.matmul(_blas_ready(x), _blas_ready(y))
+    out, x, y, macs = native
+    if product()(out, x, y, threads if macs >= MIN_MACS else 1):  # numpy's error, if any
+        return np.matmul(_blas_ready(x), _blas_ready(y))
+    return out
+
+
+def matmuls(*pairs: tuple[np.ndarray, np.ndarray], threads: int = 1) -> list[np.ndarray]:
+    """`[matmul(x, y, threads) for x, y in pairs]`, the products `matmul.c` takes run as one
+    job (`bb_matmuls`): a kernel's products of one operand (K and V from the normed input, an
+    MLP's gate and up) then share the threads' start and finish."""
+    results: list[np.ndarray | None] = [None] * len(pairs)
+    native = []  # (index, (out, x, y, macs))
+    for i, (x, y) in enumerate(pairs):
+        if (got := _native(x, y)) is None:
+            results[i] = np.matmul(_blas_ready(x), _blas_ready(y))
+        else:
+            native.append((i, got))
+    for start in range(0, len(native), MAX_PRODUCTS):
+        job = native[start:start + MAX_PRODUCTS]
+        macs = sum(got[3] for _, got in job)
+        if products()(*(a for _, got in job for a in got[:3]),
+                      threads if macs >= MIN_MACS else 1):
+            for i, (_, x, y, _) in job:  # numpy's error, if any
+                results[i] = np.matmul(_blas_ready(x), _blas_ready(y))
+        else:
+            for i, got in job:
+                results[i] = got[0]
+    return results
+
+
+def _native(x: np.ndarray, y: np.ndarray
+            ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int] | None:
+    """(out, x, y, multiply-adds) for `matmul.c`'s product of `x` and `y`, their batch
+    broadcast and `out` allocated; None where numpy's product is the one to call."""
+    if x.ndim < 2 or y.ndim < 2 or x.dtype != np.float32 or y.dtype != np.float32:
+        return None
     (m, k), n = x.shape[-2:], y.shape[-1]
     macs = x.size * n
     vector = m == 1 or n == 1
     if (m < MIN_ROWS or macs < MIN_MACS) and \
             m * k * n < (BLAS_THREADS_VECTOR if vector else BLAS_THREADS_MACS + 1):
-        return np.matmul(_blas_ready(x), _blas_ready(y))
-    if macs < MIN_MACS:
-        threads = 1
+        return None
     if x.shape[:-2] != y.shape[:-2]:  # (numpy's helpers cost 6 µs a call: not when equal)
         batch = np.broadcast_shapes(x.shape[:-2], y.shape[:-2])
         x = np.broadcast_to(x, batch + x.shape[-2:])
         y = np.broadcast_to(y, batch + y.shape[-2:])
-    out = np.empty(x.shape[:-1] + y.shape[-1:], np.float32)
-    if product()(out, x, y, threads):  # shapes that do not match: numpy's error
-        return np.matmul(_blas_ready(x), _blas_ready(y))
-    return out
+    return np.empty(x.shape[:-1] + y.shape[-1:], np.float32), x, y, macs
 
 
 def _blas_ready(a: np.ndarray) -> np.ndarray:

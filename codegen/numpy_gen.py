@@ -131,7 +131,8 @@ _INFIX = {"add": "+", "sub": "-", "mul": "*", "div": "/"}
 # (`_Functions.ref`) and Python's builtins (loops call `range`).  A tensor named like one of
 # them is renamed.
 _RESERVED = {"np", "f32", "run", "inputs", "_input", "run_parts", "gather_one_hot", "relaid",
-             "check_whole", "compiled", "NATIVE", "compiled_matmul", "matmul", "ELEMENTWISE",
+             "check_whole", "compiled", "NATIVE", "compiled_matmul", "matmul", "matmuls",
+             "ELEMENTWISE",
              "TILE_REDUCE",
              *(f"elementwise_{op}" for op in ELEMENTWISE),
              *(f"tile_reduce_{op}" for op in TILE_REDUCE),
@@ -484,6 +485,17 @@ class _Stmt:
     owned: frozenset[str] = frozenset()
     in_place: dict[str, list[str]] = field(default_factory=dict)
     escapes: frozenset[str] = frozenset()
+    product: _Product | None = None  # the native product its one line calls (`_together`)
+
+
+@dataclass(frozen=True)
+class _Product:
+    """A native product call in a statement's line: `call` is `matmul(x, y, threads)`."""
+
+    call: str
+    x: str
+    y: str
+    threads: int
 
 
 # One schedule step as generated code, per node kind: the statement, or None for a value that
@@ -751,6 +763,7 @@ class _KernelWriter:
         self.windows: set[Dot] = set()  # gathers that may be views of their values (`_window`)
         # a native group's root -> its call's statement, which a store may redirect (`into`)
         self.calls: dict[Node, tuple[_Stmt, str]] = {}
+        self.product: _Product | None = None  # the last native product written (`steps`)
         self.users: dict[Node, set[Node]] = {}  # the distinct nodes reading each node
         for s in kernel.stores if fns.native else ():
             for m in postorder(s.value):
@@ -808,7 +821,7 @@ class _KernelWriter:
             if s.tensor in looped and part is None:
                 extents = tuple(self.p.padded(a) for a in s.axes)
                 head.append(f"    {self.outputs[s.tensor]} = np.empty({_shape_text(extents)}, f32)")
-        stmts = _live(self.steps(self.schedule.body))
+        stmts = _together(_live(self.steps(self.schedule.body)), self.fresh)
         if part is None:
             stmts.append(_Stmt([f"return {', '.join(self.outputs[t] for t in k.tensors)}"]))
         else:
@@ -829,12 +842,17 @@ class _KernelWriter:
         out = []
         for step in steps:
             self.reads = set()
+            self.product = None
             if isinstance(step, Loop):
                 out += self.loop(step)
             elif isinstance(step, Write):
                 out.append(self.store(step.store))
             elif (stmt := self.compute(step.node)) is not None:
                 self.owned |= stmt.owned
+                call = self.product and self.product.call
+                if call and len(stmt.lines) == 1 and stmt.lines[0].count(call) == 1 and \
+                        not stmt.in_place:
+                    stmt.product = self.product
                 out.append(stmt)
         return out
 
@@ -1272,7 +1290,9 @@ class _KernelWriter:
         every core) and on the module's threads in a kernel run whole."""
         if self.fns.native:
             self.fns.products = True
-            return f"matmul({x}, {y}, {1 if self.part is not None else self.fns.threads})"
+            threads = 1 if self.part is not None else self.fns.threads
+            self.product = _Product(f"matmul({x}, {y}, {threads})", x, y, threads)
+            return self.product.call
         return f"np.matmul({x}, {y})"
 
     def operand(self, n: Node, have: tuple[int, ...], batch: Sequence[int], rows: Sequence[int],
@@ -1427,7 +1447,7 @@ class _KernelWriter:
                 if segment.always:
                     surely_combined.add(r)
             self.scopes.pop()
-            body = _live(body) if looping else body
+            body = _together(_live(body), self.fresh) if looping else body
             if not looping or any(not line.lstrip().startswith("#")
                                   for stmt in body for line in stmt.lines):
                 bodies.append((segment.blocks, body))  # (not a body of comments only)
@@ -1961,11 +1981,61 @@ def _live(stmts: list[_Stmt]) -> list[_Stmt]:
     for s in reversed(stmts):
         if s.defs and not needed.intersection(s.defs):
             continue
-        if any(not line.lstrip().startswith("#") for line in [*s.lines, *(
-                line for lines in s.in_place.values() for line in lines)]):
-            needed |= s.uses  # a comment, or a fold that names its operand, computes nothing
+        if _computes(s):  # a comment, or a fold that names its operand, computes nothing
+            needed |= s.uses
         kept.append(s)
     return kept[::-1]
+
+
+def _together(stmts: list[_Stmt], fresh: Callable[[str], str]) -> list[_Stmt]:
+    """The body with its native products that can run at once as one call (`matmuls`: one
+    job for the threads): a layer's K and V projections, an MLP's gate and up.  A product
+    joins a later one where it can wait for it (`_waits`); the call comes where the last of
+    them was, and each product's statement then reads its result from the call's."""
+    groups: list[list[int]] = []
+    grouped: set[int] = set()
+    for i, s in enumerate(stmts):
+        if s.product is None or i in grouped:
+            continue
+        group = [i]
+        for j in range(i + 1, len(stmts)):
+            t = stmts[j]
+            if t.product is not None and j not in grouped and \
+                    t.product.threads == s.product.threads and \
+                    all(_waits(stmts, m, j) for m in group):
+                group.append(j)
+        if len(group) > 1:
+            groups.append(group)
+            grouped.update(group)
+    calls: dict[int, list[_Stmt]] = {}  # the last product of a group -> the group's steps
+    for group in groups:
+        names = [fresh("product") for _ in group]
+        pairs = ", ".join(f"({stmts[j].product.x}, {stmts[j].product.y})" for j in group)
+        threads = stmts[group[0]].product.threads
+        calls[group[-1]] = [
+            _Stmt([f"{', '.join(names)} = matmuls({pairs}, threads={threads})"], tuple(names),
+                  frozenset().union(*(stmts[j].uses for j in group)), owned=frozenset(names)),
+            *(replace(t, lines=[t.lines[0].replace(t.product.call, name)],
+                      uses=t.uses | {name}, product=None)
+              for t, name in zip((stmts[j] for j in group), names))]
+    return [r for i, s in enumerate(stmts) if i in calls or i not in grouped
+            for r in calls.get(i, [s])]
+
+
+def _waits(stmts: list[_Stmt], m: int, j: int) -> bool:
+    """May statement `m` run right after statement `j` instead: no statement up to `j` reads
+    what it defines or redefines what it reads, nor may overwrite an operand in place (which
+    might be the memory of one of its operands' views), nor computes without defining (a
+    fold assigns its accumulators, a store its output's blocks)."""
+    defs, uses = set(stmts[m].defs), stmts[m].uses
+    return not any(defs & t.uses or uses.intersection(t.defs) or t.in_place or
+                   (not t.defs and _computes(t)) for t in stmts[m + 1:j + 1])
+
+
+def _computes(s: _Stmt) -> bool:
+    """Does `s` run anything: a line that is not a comment?"""
+    return any(not line.lstrip().startswith("#")
+               for line in [*s.lines, *(line for lines in s.in_place.values() for line in lines)])
 
 
 def _assemble(stmts: list[_Stmt], indent: str, final_is_return: bool) -> list[str]:
@@ -2576,7 +2646,8 @@ def generate_module(p: BlockProgram, target: Target | str | None = None, threads
     if groups:
         out[-1:] = ["from bbrules.codegen.native import compiled", ""]
     if fns.products:
-        out[-1:] = ["from bbrules.codegen.native_matmul import compiled_matmul", ""]
+        out[-1:] = ["from bbrules.codegen.native_matmul import compiled_matmul"
+                    + (", matmuls" if "matmuls" in used else ""), ""]
     out.append("f32 = np.float32")
     out += [f"{name} = {ref}" for name, ref in sorted(fns.aliases.items())]
     if groups:

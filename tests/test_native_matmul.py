@@ -118,6 +118,50 @@ def test_what_it_cannot_take_goes_to_numpy():
                                   np.zeros((20, 10), np.float32))
 
 
+def test_products_run_together_as_one_job():
+    """`matmuls`: each result as `matmul`'s, whatever mix of products one call is given (of
+    other widths, batched, broadcast, too small for `matmul.c`, of another dtype, more than
+    one job takes), and numpy's error for operands that do not match."""
+    pairs = [(rand(128, 256, seed=1), rand(256, 130, seed=2)),
+             (rand(128, 256, seed=1), rand(300, 256, seed=3).T),
+             (rand(2, 1, 40, 30, seed=4), rand(1, 3, 30, 70, seed=5)),
+             (rand(8, 32, seed=6), rand(32, 16, seed=7))]
+    pairs += [(rand(64, 100, seed=s), rand(100, 90, seed=s + 1)) for s in range(10, 30, 2)]
+    got = native_matmul.matmuls(*pairs, threads=2)
+    assert len(got) == len(pairs) > native_matmul.MAX_PRODUCTS
+    for (x, y), g in zip(pairs, got):
+        close_to_float64(g, x, y)
+    x64 = rand(20, 30).astype(np.float64)
+    wide, other = native_matmul.matmuls((x64, x64.T), (rand(128, 256), rand(256, 64)))
+    assert wide.dtype == np.float64 and other.shape == (128, 64)
+    with pytest.raises(ValueError):
+        native_matmul.matmuls((rand(128, 256), rand(256, 64)), (rand(128, 256), rand(255, 64)))
+
+
+MLP = ("dim r = 256 / 128\ndim c = 512 / 128\ndim k = 256 / 256\ndim e = 128 / 128\n"
+       "input X[r, k], W1[k, c], W3[k, c], W2[c, e] : f32\n"
+       "H[r, c] = sum[k] X[r, k] * W1[k, c] * sigmoid(sum[k] X[r, k] * W1[k, c]) * "
+       "sum[k] X[r, k] * W3[k, c]\n"
+       "Y[r, e] = sum[c] (sum[k] X[r, k] * W1[k, c]) * W2[c, e]\n"
+       "output H, Y\n")
+
+
+def test_a_kernels_products_of_one_operand_are_one_call():
+    """A SwiGLU's gate and up, both of X, are one `matmuls` call; a product of another's
+    result (Y's, of X W1) stays after it, a call of its own.  Both against the interpreter."""
+    p = lower(parse_program(MLP))
+    source = numpy_gen.generate_module(p, threads=2, split=False, native=True).source
+    kernel_h, kernel_y = (source.split(f"def kernel_{t}(")[1].split("\ndef ")[0] for t in "HY")
+    assert re.search(r"= matmuls\(\(t\d+_X.*\(t\d+_X.*, threads=2\)", kernel_h), kernel_h
+    assert "matmul(" not in kernel_h
+    assert "matmuls(" not in kernel_y and kernel_y.count("matmul(") == 2, kernel_y
+    inputs = random_inputs(parse_program(MLP), seed=13)
+    want = interp.run(p, inputs)
+    got = numpy_gen.module_from_source(source).run(**inputs)
+    for name in ("H", "Y"):
+        assert_close(got[name], want[name], f"{name}: native products vs interpreter")
+
+
 def test_concurrent_callers_share_the_threads():
     """Callers on several Python threads at once (a kernel's parts): one has the workers, the
     others compute alone; every result is right."""
