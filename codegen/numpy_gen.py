@@ -87,7 +87,9 @@ Why it looks the way it does:
   small products poorly (LLaMA's layer at 128 tokens: 1.75 -> 1.16 ms on 2 cores), numpy's
   below a size where its call costs less.  T is the module's threads in a kernel run whole,
   1 in a part.  A gather by positions that step evenly (a convolution's window) is then a
-  view of its values, which the product reads in place (`gather_one_hot`'s `window`).
+  view of its values, which the product reads in place (`gather_one_hot`'s `window`).  A
+  body's products that can run at once (K and V of one input, an MLP's gate and up) are one
+  call, `matmuls`, one job for the threads (`_together`).
 """
 
 from __future__ import annotations
