@@ -972,7 +972,8 @@ class _KernelWriter:
         too where other steps read them: `also`), or none: a reduction of a tile no operator
         computes (a softmax's max over loaded scores, but not a sum of products, which is one
         matmul), and at most `NATIVE_OPERATORS`.  Only
-        operators that compute (not `aliased`, not a `known_tile`) join; a selection by known
+        operators that compute (not `aliased`, not a `known_tile`, not in a gather's one-hot)
+        join; a selection by known
         positions joins (the C selects by a tile of them) where it would otherwise set slices
         (`fill`)."""
         for n in body:  # a loop's body is written once per segment, each with its own knowns
@@ -996,9 +997,12 @@ class _KernelWriter:
             for u in self.users.get(x, set()):
                 found |= readers(u) | ({u} & self.stored) if self.via.get(u) is x else {u}
             return found
+        # a gather's one-hot is computed by no step, but the gather reads its picks' positions
+        # (a convolution's o + s in a part, where they are not a tile known on loading)
+        hot = _one_hot_operands(body)
         root_of: dict[Node, Node] = {}
         for n in reversed(body):  # readers first
-            if n in static or not self.plain(n) or n in self.via:
+            if n in static or not self.plain(n) or n in self.via or n in hot:
                 continue
             users = readers(n)
             roots = {root_of.get(u) for u in users}

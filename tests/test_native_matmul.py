@@ -311,3 +311,19 @@ def test_without_a_compiler_products_are_numpys(monkeypatch):
         assert_close(module.run(**inputs)["Y"], interp.run(p, inputs)["Y"], "numpy fallback")
     finally:
         native_matmul.library.cache_clear()
+
+
+def test_a_convolution_in_parts_gathers_at_positions_no_group_hides(monkeypatch):
+    """In a part the window's positions (o + s, offset by the part's start) are computed, not
+    a tile known when the module loads: they stay a step of their own, which the gather reads,
+    not a member of a native group with the one-hot comparison that the gather replaces
+    (magika's convolution in parts failed to generate so)."""
+    monkeypatch.setattr(numpy_gen, "_parts_pay", lambda *_: True)
+    ast = parse_program(CONVOLUTION.replace("dim o = 60 / 30", "dim o = 240 / 60")
+                        .replace("dim j = 64", "dim j = 244"))
+    p = lower(ast)
+    parts = numpy_gen.generate_module(p, threads=2, split=True, native=True)
+    assert max(parts.parts) > 1 and "gather_one_hot(" in parts.source
+    inputs = random_inputs(ast, seed=15)
+    assert_close(numpy_gen.module_from_source(parts.source).run(**inputs)["Y"],
+                 interp.run(p, inputs)["Y"], "native parts vs interpreter")
