@@ -1996,8 +1996,9 @@ def _live(stmts: list[_Stmt]) -> list[_Stmt]:
 def _together(stmts: list[_Stmt], fresh: Callable[[str], str]) -> list[_Stmt]:
     """The body with its native products that can run at once as one call (`matmuls`: one
     job for the threads): a layer's K and V projections, an MLP's gate and up.  A product
-    joins a later one where it can wait for it (`_waits`); the call comes where the last of
-    them was, and each product's statement then reads its result from the call's."""
+    joins a later one where it can wait for it, past every statement between (`_waits`);
+    the call comes where the last of them was, and each product's statement then reads its
+    result from the call's."""
     groups: list[list[int]] = []
     grouped: set[int] = set()
     for i, s in enumerate(stmts):
@@ -2006,9 +2007,10 @@ def _together(stmts: list[_Stmt], fresh: Callable[[str], str]) -> list[_Stmt]:
         group = [i]
         for j in range(i + 1, len(stmts)):
             t = stmts[j]
+            if not all(_waits(stmts[m], t) for m in group):
+                break  # (nor can they wait for any later one)
             if t.product is not None and j not in grouped and \
-                    t.product.threads == s.product.threads and \
-                    all(_waits(stmts, m, j) for m in group):
+                    t.product.threads == s.product.threads:
                 group.append(j)
         if len(group) > 1:
             groups.append(group)
@@ -2028,14 +2030,13 @@ def _together(stmts: list[_Stmt], fresh: Callable[[str], str]) -> list[_Stmt]:
             for r in calls.get(i, [s])]
 
 
-def _waits(stmts: list[_Stmt], m: int, j: int) -> bool:
-    """May statement `m` run right after statement `j` instead: no statement up to `j` reads
-    what it defines or redefines what it reads, nor may overwrite an operand in place (which
-    might be the memory of one of its operands' views), nor computes without defining (a
-    fold assigns its accumulators, a store its output's blocks)."""
-    defs, uses = set(stmts[m].defs), stmts[m].uses
-    return not any(defs & t.uses or uses.intersection(t.defs) or t.in_place or
-                   (not t.defs and _computes(t)) for t in stmts[m + 1:j + 1])
+def _waits(s: _Stmt, t: _Stmt) -> bool:
+    """May statement `s` run after the later statement `t` instead of before: `t` does not
+    read what `s` defines or redefine what it reads, nor may overwrite an operand in place
+    (which might be the memory of one of its operands' views), nor computes without defining
+    (a fold assigns its accumulators, a store its output's blocks)."""
+    return not (t.uses.intersection(s.defs) or s.uses.intersection(t.defs) or t.in_place or
+                (not t.defs and _computes(t)))
 
 
 def _computes(s: _Stmt) -> bool:
