@@ -766,6 +766,8 @@ class _KernelWriter:
         # a native group's root -> its call's statement, which a store may redirect (`into`)
         self.calls: dict[Node, tuple[_Stmt, str]] = {}
         self.product: _Product | None = None  # the last native product written (`steps`)
+        # folds of one chunk that take a view of a written tensor as it is (`written_view`)
+        self.taken_views: set[Reduce] = set()
         self.users: dict[Node, set[Node]] = {}  # the distinct nodes reading each node
         for s in kernel.stores if fns.native else ():
             for m in postorder(s.value):
@@ -949,10 +951,16 @@ class _KernelWriter:
         broadcasts)?  That memory is never written again, so a store may return the view:
         grouped-query attention's key and value heads repeated for each query head (`x + 0 *
         pos(h)`) then cost nothing to store, and a product reads them with a batch stride of 0
-        (LLaMA's layer at 128 tokens: two copies of 10-13 µs).  An input's memory is the
-        caller's, and a store copies it."""
+        (LLaMA's layer at 128 tokens: two copies of 10-13 µs); so do RoPE's halves, a fold
+        that takes one chunk of such a view as it is (`take_once`: `taken_views`).  An
+        input's memory is the caller's, and a store copies it."""
+        if n in self.taken_views:
+            return True
         while not isinstance(n, Load):
-            if n in self.known or not is_elementwise(n) or (n := self.same_as(n)) is None:
+            if isinstance(n, BlockReduce) and \
+                    self.dims(n.x)[self.layout.element_dim(n.axis)] == 1:
+                n = n.x  # a block of one: the element itself
+            elif n in self.known or not is_elementwise(n) or (n := self.same_as(n)) is None:
                 return False
         tensors = self.p.tensors
         return tensors[tensors[n.tensor].storage].role != "input"
@@ -1715,6 +1723,9 @@ class _KernelWriter:
         stmt = _Stmt(shared + [f"{', '.join(acc)} = {', '.join(texts)}"],
                      uses=frozenset(self.reads),
                      escapes=frozenset(env[e.name] for e in folded if isinstance(e, Var)))
+        if len(folded) == 1 and isinstance(folded[0], Var) and \
+                folded[0].name == f"b.{r.monoid.state[0]}" and self.written_view(r.x):
+            self.taken_views.add(r)  # (decided here, where the chunk's selection is known)
         return stmt, _fresh(r, folded)
 
     def contribution_env(self, r: Reduce) -> dict[str, str]:
