@@ -105,7 +105,8 @@ def matmul(x: np.ndarray, y: np.ndarray, threads: int = 1) -> np.ndarray:
 
 def matmuls(*pairs: tuple[np.ndarray, np.ndarray], threads: int = 1) -> list[np.ndarray]:
     """`[matmul(x, y, threads) for x, y in pairs]`, the products `matmul.c` takes run as one
-    job (`bb_matmuls`): a kernel's products of one operand (K and V from the normed input, an
+    job (`bb_matmuls`; on `threads` threads where the job, not each product, has `MIN_MACS`
+    multiply-adds): a kernel's products of one operand (K and V from the normed input, an
     MLP's gate and up) then share the threads' start and finish."""
     results: list[np.ndarray | None] = [None] * len(pairs)
     native = []  # (index, (out, x, y, macs))
