@@ -5,15 +5,17 @@ Why it looks the way it does:
 - *Loops come from the kernel's plan* (`bbrules.plan`), the plan the cost model prices, so the
   code runs the loops that were costed: merged sibling reductions share one Python loop
   carrying several accumulators, and every node is computed in the loop body the plan puts it in.
-  One liberty: a reduction loop that skips no blocks walks its axis in blocks as large as the
-  tiles allow (`coarsened`).  Its blocks are sized for a GPU's local memory, which a numpy call
-  does not have; larger ones make each call do more (one matmul over the whole contraction,
-  not 64-wide slices, and no partial sums added in passes of their own).
+  One liberty: a loop that skips no blocks (a reduction, or a map loop that does not select by
+  its position) walks its axis in blocks as large as the tiles allow (`coarsened`).  Its
+  blocks are sized for a GPU's local memory, which a numpy call does not have; larger ones
+  make each call do more (one matmul over the whole contraction, not 64-wide slices, and no
+  partial sums added in passes of their own; every head in one call, not one call a head).
 - *The grid is vectorised.*  Running one Python call per grid point would make the interpreter
   overhead, not data movement, the cost.  Instead every tile of a kernel is one array holding the
   tile of *all* grid points at once, in a fixed layout: a (blocks, block) pair of dimensions per
   grid axis, then one (block) dimension per other axis of the kernel, with size 1 wherever the tile
-  does not depend on / span that axis.  Broadcasting by axis name is then plain numpy broadcasting,
+  does not depend on / span that axis; map axes that every store puts before its grid axes
+  come first (`_leading`).  Broadcasting by axis name is then plain numpy broadcasting,
   and a contraction over all query blocks is one large `np.matmul`.  Inside a loop over an axis the
   tiles hold the loop's current block of it (size 1 in the blocks dimension).
 - *A kernel makes several stores* and returns every tensor it stores.  A store's axes that are
@@ -303,12 +305,14 @@ class _Part:
 
 @dataclass(frozen=True)
 class _Layout:
-    """The array layout shared by every tile of one kernel (see the module docstring)."""
+    """The array layout shared by every tile of one kernel (see the module docstring): the
+    `leading` axes, a (blocks, block) pair per grid axis, then the `others`."""
 
     grid: tuple[Axis, ...]
     others: tuple[Axis, ...]
     dims: Mapping[Axis, Dim]
     part: _Part | None = None
+    leading: tuple[Axis, ...] = ()
 
     def grid_blocks(self, axis: Axis) -> int:
         """How many blocks of grid axis `axis` a tile holds: the part's along the split axis."""
@@ -317,21 +321,34 @@ class _Layout:
         return self.dims[axis].blocks
 
     def element_dim(self, axis: Axis) -> int:
+        if axis in self.leading:
+            return self.leading.index(axis)
         if axis in self.grid:
-            return 2 * self.grid.index(axis) + 1
-        return 2 * len(self.grid) + self.others.index(axis)
+            return self.block_dim(axis) + 1
+        return len(self.leading) + 2 * len(self.grid) + self.others.index(axis)
 
     def block_dim(self, axis: Axis) -> int:
-        return 2 * self.grid.index(axis)
+        return len(self.leading) + 2 * self.grid.index(axis)
 
     def shape(self, t: TileType, looped: AbstractSet[Axis]) -> tuple[int, ...]:
         """Static array shape of a tile of type `t` inside loops over `looped`."""
-        out: list[int] = []
+        out = [self.dims[a].block if a in t.shape else 1 for a in self.leading]
         for a in self.grid:
             out.append(self.grid_blocks(a) if a in t.deps and a not in looped else 1)
             out.append(self.dims[a].block if a in t.shape else 1)
         out.extend(self.dims[a].block if a in t.shape else 1 for a in self.others)
         return tuple(out)
+
+
+def _leading(k: Kernel) -> tuple[Axis, ...]:
+    """The map axes that lead the layout of `k`'s tiles: those that come before every grid
+    axis in each store that has them (heads stored as [h, t, d] by a kernel over t), so that
+    a map loop walked as one block (`coarsened`) stores its tile as it is, not transposed."""
+    def leads(a: Axis) -> bool:
+        return all(s.axes.index(a) < min((s.axes.index(g) for g in k.grid if g in s.axes),
+                                         default=len(s.axes))
+                   for s in k.stores if a in s.axes)
+    return tuple(dict.fromkeys(a for s in k.stores for a in k.map_axes(s) if leads(a)))
 
 
 def _reshape(code: str, have: Sequence[int], want: Sequence[int]) -> str:
@@ -740,8 +757,10 @@ class _KernelWriter:
             axis, blocks, offsets = split
             self.part = _Part(axis, blocks, _identifier(f"{axis}_start", self.taken), offsets)
             self.taken.add(self.part.start)
-        self.layout = _Layout(kernel.grid, tuple(a for a in p.dims if a in used
-                                                 and a not in kernel.grid), p.dims, self.part)
+        leading = _leading(kernel)
+        self.layout = _Layout(kernel.grid, tuple(a for a in p.dims if a in used and a not in
+                                                 (*kernel.grid, *leading)),
+                              p.dims, self.part, leading)
         self.counter = 0
         self.scopes: list[dict[Node, Code]] = [{}]
         self.loop_vars: dict[Axis, str] = {}
@@ -1359,7 +1378,8 @@ class _KernelWriter:
                 self.gathered_dim(n, *hot) is None:
             return None
         values, picks = hot
-        axes = [a for a in (*self.layout.grid, *self.layout.others) if a != n.axis]
+        axes = [a for a in (*self.layout.leading, *self.layout.grid, *self.layout.others)
+                if a != n.axis]
 
         def spanned(m: Node) -> set[Axis]:
             return {a for a in axes if self.dims(m)[self.layout.element_dim(a)] > 1}
@@ -2504,20 +2524,31 @@ def ungridded(p: BlockProgram, k: Kernel) -> Kernel:
     return Kernel(tuple(a for a in k.grid if a not in walked), k.stores, k.blocks)
 
 
+def _keeps_blocks(p: BlockProgram, loop: Loop) -> bool:
+    """Must `loop` walk the blocks its plan gives it?  A loop to unroll must.  A loop that
+    only maps stores as much in larger blocks, unless its body selects by its position (it
+    skips, or it tells pieces of a concatenation apart per block: larger blocks would make
+    every piece's selection a one-hot product over the whole axis).  A fold must where it
+    skips blocks (unless it gathers) or stores inside."""
+    if _unrollable(p, loop):
+        return True
+    if not loop.reduces:
+        return loop_predicate(loop) is not None or Pos(loop.axis) in set(_body_nodes(loop))
+    return (_skips(p, loop) and not all(map(_gathers, loop.reduces))
+            or any(isinstance(step, Write) for step, _ in walk_steps(loop.body)))
+
+
 def coarsened(p: BlockProgram, k: Kernel, capacity: int) -> Kernel:
-    """`k` with each axis that its plan walks only in reduction loops of `_SAME_IN_BLOCKS`
-    folds (skipping nothing, or gathering; not a loop to unroll) given the largest block, its
-    own times a divisor of its block count, at which no tile of the kernel holds more than
-    `COARSE_TILE` elements.  Block sizes are a kernel's own (global tensors are the same
+    """`k` with each axis that its plan walks only in loops free to take larger blocks
+    (`_keeps_blocks`), and in folds only of `_SAME_IN_BLOCKS` monoids, given the largest
+    block, its own times a divisor of its block count, at which no tile of the kernel holds
+    more than `COARSE_TILE` elements.  Block sizes are a kernel's own (global tensors are the same
     whatever a kernel's tiles), so this changes its loops only: sums are added in another
     order, which changes results to float rounding."""
     kp = p.in_kernel(k)
     loops = [loop for _, enclosing in walk_steps(plan_for(kp, k, capacity).schedule.body)
              for loop in enclosing]
-    fixed = {loop.axis for loop in loops if not loop.reduces
-             or _skips(kp, loop) and not all(map(_gathers, loop.reduces))
-             or any(isinstance(step, Write) for step, _ in walk_steps(loop.body))
-             or _unrollable(kp, loop)}
+    fixed = {loop.axis for loop in loops if _keeps_blocks(kp, loop)}
     nodes = [n for s in k.stores for n in postorder(s.value)]
     for n in nodes:  # a fold whose in-block reduction is not its own monoid's depends on blocks
         if isinstance(n, Reduce) and n.monoid.name not in _SAME_IN_BLOCKS:

@@ -318,25 +318,51 @@ def test_multi_store_programs_match_interpreter(path):
     assert_matches_interpreter(p, random_inputs(p, seed=0))
     source = numpy_gen.generate(p)
     assert python_loops(source) == scheduled_loops(p)
+    cap = H100.local_capacity
     for k in p.kernels:
         body = kernel_body(source, f"kernel_{k.name}")
         assert body.rstrip().endswith(f"return {', '.join(k.tensors)}")
-        for s in k.stores:  # a store in a map loop writes one block per iteration
+        coarse = numpy_gen.coarsened(p, k, cap)
+        walked = {loop.axis for loop in plan_for(p, coarse, cap).loops if loop.trips > 1}
+        for s in k.stores:  # a store in a map loop of several blocks writes one per iteration
+            looped = [a for a in k.map_axes(s) if a in walked]
             written = re.findall(rf"^\s*{s.tensor}\[(.*)\] = ", body, re.MULTILINE)
-            assert bool(written) == bool(k.map_axes(s)), s.tensor
-            assert all(re.search(rf"{a}0_*:{a}0_* \+ {p.block(a)}", written[0])
-                       for a in k.map_axes(s))
+            assert bool(written) == bool(looped), s.tensor
+            assert all(re.search(rf"{a}0_*:{a}0_* \+ {p.in_kernel(coarse).block(a)}", written[0])
+                       for a in looped)
 
 
-def test_one_processor_nests_map_loops_over_every_axis():
+def test_one_processor_nests_map_loops_over_every_axis(monkeypatch):
     """`kernel []`: no grid, so c walks i and then j, and s shares both loops (its sum over j
-    is folded in c's loop over j, which loads a and b once)."""
+    is folded in c's loop over j, which loads a and b once).  Tiles of 8 x 16 at most keep
+    the blocks the plan gives (`coarsened`)."""
+    monkeypatch.setattr(numpy_gen, "COARSE_TILE", 8 * 16)
     p = load_block_program(MULTI_DIR / "one_processor.bbk").program
     body = kernel_body(numpy_gen.generate(p), "kernel_c_s")
     assert python_loops(body) == 2
     assert re.search(r"^        for j0 in range", body, re.MULTILINE)  # nested in the i loop
     assert body.count("a[") == body.count("b[") == 1
     assert "c[i0:i0 + 8, j0:j0 + 16] = " in body and "s[i0:i0 + 8] = " in body
+
+
+def test_a_map_loop_is_one_block_where_the_tiles_allow(monkeypatch):
+    """RoPE's cosine half as a fused import leaves it: a kernel over t storing every head,
+    [h, t, d], from Q[t, h, d].  The map loop over h is one block of four heads, its store the
+    tile as it is (h leads the layout); small tiles keep the plan's loop of one head each."""
+    text = ("# bbrules block program\ndim t = 64 / 16\ndim h = 4 / 1\ndim d = 32 / 32\n"
+            "input Q[t, h, d] : f32\ninput C[t, d] : f32\noutput R[h, t, d] : f32\n\n"
+            "kernel [t]:\n  R[h, t, d] = load(Q[t, h, d]) * load(C[t, d])\n")
+    p = parse_block_program(text).program
+    inputs = random_inputs(p, seed=3)
+    want = np.einsum("thd,td->htd", inputs["Q"].astype(np.float64), inputs["C"])
+    body = kernel_body(numpy_gen.generate(p), "kernel_R")
+    assert python_loops(body) == 0 and "transpose" not in body.split("R = ")[1]
+    np.testing.assert_allclose(numpy_gen.run(p, inputs)["R"], want, rtol=1e-6)
+    assert_matches_interpreter(p, inputs)
+    monkeypatch.setattr(numpy_gen, "COARSE_TILE", 64 * 32)
+    body = kernel_body(numpy_gen.generate(p), "kernel_R")
+    assert python_loops(body) == 1 and re.search(r"R\[h0:h0 \+ 1\] = ", body)
+    np.testing.assert_allclose(numpy_gen.run(p, inputs)["R"], want, rtol=1e-6)
 
 
 def test_fused_rowsum_add_is_one_kernel_that_matches_the_interpreter():
