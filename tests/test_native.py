@@ -354,6 +354,26 @@ def test_a_norms_scale_a_row_is_computed_in_the_group_that_applies_it():
     assert re.search(r"const float l\d+ = q\d+\[0\];\n\s*#pragma omp simd", c), c  # hoisted
 
 
+def test_a_lone_operator_reading_a_value_a_row_is_one_call():
+    """Attention's output divided by its rows' sums: one operator, but its divisor is
+    broadcast along the row, which numpy walks slowly; the C divides.  A lone operator over
+    two whole tiles, or by a scalar, stays numpy code."""
+    ast = parse_program("dim r = 256 / 256\ndim c = 128 / 128\ninput X[r, c] : f32\n"
+                        "input L[r] : f32\ninput Z[r, c] : f32\n"
+                        "Y[r, c] = X[r, c] / L[r]\nW[r, c] = X[r, c] / Z[r, c]\n"
+                        "V[r, c] = X[r, c] * 3\noutput Y\noutput W\noutput V\n")
+    p = lower(ast)
+    inputs = random_inputs(ast, seed=10)
+    inputs["L"] = inputs["L"] + 2.0
+    inputs["Z"] = inputs["Z"] + 2.0
+    source, got, want = run_both(p, inputs)
+    for name in got:
+        assert_close(got[name], want[name], f"{name} vs interpreter")
+    kernels = {k: source[source.index(f"def kernel_{k}("):].split("\n\n\n")[0] for k in "YWV"}
+    assert re.search(r"= native_\d+\(", kernels["Y"]) and "np.divide" not in kernels["Y"]
+    assert "native_" not in kernels["W"] and "native_" not in kernels["V"], kernels
+
+
 def test_a_masked_maximum_over_padded_positions_is_one_call():
     """magika's GELU before its max over 508 positions padded to 512: the bias, the GELU,
     the padding's mask and the max are one call (the mask a tile of positions computed
