@@ -505,6 +505,7 @@ class _Stmt:
     in_place: dict[str, list[str]] = field(default_factory=dict)
     escapes: frozenset[str] = frozenset()
     product: _Product | None = None  # the native product its one line calls (`_together`)
+    assigns: bool = False  # a store naming a whole tile as its tensor: nothing else reads it
 
 
 @dataclass(frozen=True)
@@ -1835,9 +1836,10 @@ class _KernelWriter:
             return _Stmt([f"{out}[{', '.join(index)}] = {tile}"], uses=uses)
         if value in self.owned and value not in self.returned:
             self.returned.add(value)
-            return _Stmt([f"{out} = {tile}"], uses=uses, escapes=frozenset((value,)))
+            return _Stmt([f"{out} = {tile}"], uses=uses, escapes=frozenset((value,)),
+                         assigns=True)
         if self.written_view(k.value):
-            return _Stmt([f"{out} = {tile}"], uses=uses)
+            return _Stmt([f"{out} = {tile}"], uses=uses, assigns=True)
         extents = tuple(self.p.padded(a) for a in k.axes)
         return _Stmt([f"{out} = np.empty({_shape_text(extents)}, f32)", f"{out}[...] = {tile}"],
                      uses=uses)
@@ -2035,39 +2037,53 @@ def _live(stmts: list[_Stmt]) -> list[_Stmt]:
 
 def _together(stmts: list[_Stmt], fresh: Callable[[str], str]) -> list[_Stmt]:
     """The body with its native products that can run at once as one call (`matmuls`: one
-    job for the threads): a layer's K and V projections, an MLP's gate and up.  A product
-    joins a later one where it can wait for it, past every statement between (`_waits`);
-    the call comes where the last of them was, and each product's statement then reads its
-    result from the call's."""
-    groups: list[list[int]] = []
-    grouped: set[int] = set()
+    job for the threads): a layer's Q, K and V projections, an MLP's gate and up.  A product
+    joins a later one where it can wait for it, past every statement between (`_waits`), or
+    carrying along those that read it and can follow it (`_follows`: Q's store, between Q's
+    product and K's); the call comes where the last of them was, each product's statement
+    then reads its result from the call's, and the carried statements come after."""
+    moved: dict[int, list[_Stmt]] = {}  # the last product of a group -> the group's steps
+    taken: set[int] = set()
     for i, s in enumerate(stmts):
-        if s.product is None or i in grouped:
+        if s.product is None or i in taken:
             continue
-        group = [i]
+        group, carried = [i], []
         for j in range(i + 1, len(stmts)):
             t = stmts[j]
-            if not all(_waits(stmts[m], t) for m in group):
+            waiting = [stmts[m] for m in (*group, *carried)]
+            if all(_waits(w, t) for w in waiting):
+                if t.product is not None and j not in taken and \
+                        t.product.threads == s.product.threads:
+                    group.append(j)
+            elif t.product is None and all(_follows(t, w) for w in waiting):
+                carried.append(j)
+            else:
                 break  # (nor can they wait for any later one)
-            if t.product is not None and j not in grouped and \
-                    t.product.threads == s.product.threads:
-                group.append(j)
-        if len(group) > 1:
-            groups.append(group)
-            grouped.update(group)
-    calls: dict[int, list[_Stmt]] = {}  # the last product of a group -> the group's steps
-    for group in groups:
+        if len(group) == 1:
+            continue
+        carried = [j for j in carried if j < group[-1]]
+        taken.update(group, carried)
         names = [fresh("product") for _ in group]
         pairs = ", ".join(f"({stmts[j].product.x}, {stmts[j].product.y})" for j in group)
-        threads = stmts[group[0]].product.threads
-        calls[group[-1]] = [
+        threads = s.product.threads
+        moved[group[-1]] = [
             _Stmt([f"{', '.join(names)} = matmuls({pairs}, threads={threads})"], tuple(names),
                   frozenset().union(*(stmts[j].uses for j in group)), owned=frozenset(names)),
             *(replace(t, lines=[t.lines[0].replace(t.product.call, name)],
                       uses=t.uses | {name}, product=None)
-              for t, name in zip((stmts[j] for j in group), names))]
-    return [r for i, s in enumerate(stmts) if i in calls or i not in grouped
-            for r in calls.get(i, [s])]
+              for t, name in zip((stmts[j] for j in group), names)),
+            *(stmts[j] for j in carried)]
+    return [r for i, s in enumerate(stmts) if i in moved or i not in taken
+            for r in moved.get(i, [s])]
+
+
+def _follows(t: _Stmt, s: _Stmt) -> bool:
+    """May statement `t`, which may read what the earlier `s` defines, move with `s` past
+    the statements after it: it defines what it computes, names a whole tile as its tensor or
+    computes nothing (no fold, no store into blocks), overwrites no operand, and redefines
+    nothing `s` reads."""
+    return (bool(t.defs) or t.assigns or not _computes(t)) and not t.in_place and \
+        not s.uses.intersection(t.defs)
 
 
 def _waits(s: _Stmt, t: _Stmt) -> bool:

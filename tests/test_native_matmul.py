@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from bbrules import interp
+from bbrules.blockfile import parse_block_program
 from bbrules.codegen import native, native_matmul, numpy_gen
 from bbrules.frontend import parse_program
 from bbrules.inputs import random_inputs
@@ -159,6 +160,30 @@ def test_a_kernels_products_of_one_operand_are_one_call():
     want = interp.run(p, inputs)
     got = numpy_gen.module_from_source(source).run(**inputs)
     for name in ("H", "Y"):
+        assert_close(got[name], want[name], f"{name}: native products vs interpreter")
+
+
+def test_a_store_between_products_follows_their_call():
+    """Q, K and V projections of different widths in one kernel, Q's contraction over an
+    axis of its own (as LLaMA's import names them), so Q's loop comes first and its store (a
+    whole tile) between Q's product and K's: the store moves after the one `matmuls` call of
+    all three.  Against the interpreter."""
+    p = parse_block_program(
+        "# bbrules block program\ndim t = 256 / 128\ndim d = 256 / 256\ndim e = 256 / 256\n"
+        "dim n = 256 / 256\ndim m = 128 / 128\ninput X[t, d] : f32\ninput WQ[d, n] : f32\n"
+        "input WK[d, m] : f32\ninput WV[d, m] : f32\noutput Q[t, n] : f32\n"
+        "output K[t, m] : f32\noutput V[t, m] : f32\n\nkernel [t]:\n"
+        "  Q[t, n] = reduce(e, sum, dot(e, load(X[t, e]), load(WQ[e, n])))\n"
+        "  K[t, m] = reduce(d, sum, dot(d, load(X[t, d]), load(WK[d, m])))\n"
+        "  V[t, m] = reduce(d, sum, dot(d, load(X[t, d]), load(WV[d, m])))\n").program
+    source = numpy_gen.generate_module(p, threads=2, split=False, native=True).source
+    kernel = source.split("def kernel_Q_K_V(")[1].split("\ndef ")[0]
+    assert "matmul(" not in kernel and re.search(r"= matmuls\((\(t\d+_X.*){3}", kernel), kernel
+    assert kernel.index("matmuls(") < kernel.index("\n    Q = "), kernel
+    inputs = random_inputs(p, seed=14)
+    want = interp.run(p, inputs)
+    got = numpy_gen.module_from_source(source).run(**inputs)
+    for name in "QKV":
         assert_close(got[name], want[name], f"{name}: native products vs interpreter")
 
 
