@@ -300,7 +300,10 @@ class Importer:
     def fresh(self, hint: str) -> str:
         """A `.bbp` name for an ONNX name: identifier characters, no keyword, unique.
         Exporters name values by their scope (`/model/layers.0/attn/MatMul_output_0`): the
-        last two parts say what a value is and keep the program readable."""
+        last two parts say what a value is and keep the program readable.  A name that is
+        not UTF-8 (protobuf hands it over as bytes) keeps what it can."""
+        if isinstance(hint, bytes):
+            hint = hint.decode("utf-8", "replace")
         base = re.sub(r"\W+", "_", "/".join(hint.split("/")[-2:])).strip("_") or "t"
         if not base[0].isalpha() or base in _KEYWORDS or re.fullmatch(r"d\d+(_\d+)?", base):
             base = "t_" + base
@@ -552,6 +555,9 @@ class Importer:
         return Value(shape, v.tensor, None, tuple(pieces), tuple(owner), tuple(groups))
 
     def transpose(self, v: Value, perm: Sequence[int]) -> Value:
+        if sorted(perm) != list(range(len(v.shape))):
+            raise self.error(f"perm {list(perm)} is not a permutation of the value's "
+                             f"{len(v.shape)} dimensions")
         shape = tuple(v.shape[p] for p in perm)
         if v.tensor is None:
             return Value(shape, number=v.number)
@@ -576,11 +582,10 @@ class Importer:
     # --- the graph ----------------------------------------------------------------------
 
     def run(self) -> Imported:
+        self.check_declarations()
         self.model = _expand_functions(self.model, self.path)
         self.elem_types = _element_types(self.model)
         graph = self.model.graph
-        for init in graph.initializer:
-            self.consts[init.name] = _array(init)
         inputs: dict[str, tuple[str, tuple[int, ...]]] = {}
         whole: set[str] = set()  # the inputs of integers
         for inp in graph.input:
@@ -598,7 +603,8 @@ class Importer:
             self.values[inp.name] = v
             inputs[inp.name] = (v.tensor, shape)
         for i, node in enumerate(graph.node):
-            self.node_at = f"node {i} '{node.name or node.output[0]}' ({node.op_type}): "
+            label = node.name or next(iter(node.output), "")
+            self.node_at = f"node {i} '{label}' ({node.op_type}): "
             self.lower(node)
         self.node_at = ""
         outputs: dict[str, tuple[str, tuple[int, ...]]] = {}
@@ -612,6 +618,32 @@ class Importer:
             raise self.error("the graph has no outputs")
         return Imported(self.text(outputs), self.weights, inputs, outputs, self.symbolic,
                         frozenset(whole))
+
+    def check_declarations(self) -> None:
+        """Read the initializers and refuse negative declared dimensions before ONNX's shape
+        inference sees them: it aborts the whole process on some (a negative extent reaching
+        Slice's bounds fails an assertion in its C++)."""
+        graph = self.model.graph
+        for init in graph.initializer:
+            self.consts[init.name] = self.initializer(init)
+        for info in (*graph.input, *graph.output, *graph.value_info):
+            dims = info.type.tensor_type.shape.dim
+            if any(d.HasField("dim_value") and d.dim_value < 0 for d in dims):
+                raise self.error(f"'{info.name}' is declared with a negative dimension: "
+                                 f"{[d.dim_value or d.dim_param for d in dims]}")
+
+    def initializer(self, tensor) -> np.ndarray:
+        """An initializer's values, or an error naming it where its data do not fit its
+        dimensions and element type (a truncated or hand-edited file)."""
+        if any(n < 0 for n in tensor.dims):
+            raise self.error(f"initializer '{tensor.name}' has a negative dimension: "
+                             f"{list(tensor.dims)}")
+        from onnx import numpy_helper
+        try:
+            return numpy_helper.to_array(tensor)
+        except (ValueError, TypeError, KeyError) as err:
+            raise self.error(f"initializer '{tensor.name}' (dims {list(tensor.dims)}, element "
+                             f"type {tensor.data_type}) cannot be read: {err}") from None
 
     def shape_of(self, info) -> tuple[int, ...]:
         """A graph input's shape; a symbolic dimension takes its `--dim` extent (default 1)."""
@@ -684,13 +716,14 @@ class Importer:
         from onnx.reference import ReferenceEvaluator
         inputs = [n for n in node.input if n]
         inputs += sorted(_outer_names(node) - set(inputs))
-        graph = helper.make_graph(
-            [node], "fold",
-            [helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(self.consts[n].dtype),
-                                           self.consts[n].shape) for n in inputs],
-            [helper.make_tensor_value_info(n, 0, None) for n in node.output if n])
-        model = helper.make_model(graph, opset_imports=list(self.model.opset_import))
         try:
+            graph = helper.make_graph(
+                [node], "fold",
+                [helper.make_tensor_value_info(
+                    n, helper.np_dtype_to_tensor_dtype(self.consts[n].dtype),
+                    self.consts[n].shape) for n in inputs],
+                [helper.make_tensor_value_info(n, 0, None) for n in node.output if n])
+            model = helper.make_model(graph, opset_imports=list(self.model.opset_import))
             results = ReferenceEvaluator(model).run(None, {n: self.consts[n] for n in inputs})
         except Exception as err:  # the reference implementation's own complaint, reported
             raise self.error(f"evaluating it on constants failed: {err}") from None
@@ -799,11 +832,6 @@ def _outer_names(node) -> set[str]:
                 names.update(i for i in n.input if i not in local)
                 names |= _outer_names(n) - local
     return names - {""}
-
-
-def _array(tensor) -> np.ndarray:
-    from onnx import numpy_helper
-    return numpy_helper.to_array(tensor)
 
 
 def _attr(node, name: str, default):

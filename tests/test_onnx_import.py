@@ -444,3 +444,61 @@ def test_junk_file_is_refused(tmp_path):
     (tmp_path / "junk.onnx").write_bytes(b"\x00\xff not a model \x13" * 50)
     r = bbrules("apply", str(tmp_path / "junk.onnx"))
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+
+
+def _slice_model(perm=(1, 0), name="x"):
+    """x[2, 8] sliced to its first 4 columns and transposed: the model the refusals below
+    break one field at a time."""
+    ends = numpy_helper.from_array(np.array([4], np.int64), "ends")
+    graph = helper.make_graph(
+        [helper.make_node("Slice", [name, "starts", "ends", "axes"], ["s"]),
+         helper.make_node("Transpose", ["s"], ["y"], perm=list(perm))], "g",
+        [helper.make_tensor_value_info(name, TensorProto.FLOAT, [2, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(np.array([0], np.int64), "starts"), ends,
+         numpy_helper.from_array(np.array([1], np.int64), "axes")])
+    return helper.make_model(graph)
+
+
+@pytest.mark.parametrize("break_it, message", [
+    (lambda m: m.graph.initializer[1].dims.__setitem__(0, 3),
+     r"initializer 'ends' \(dims \[3\], element type 7\) cannot be read"),
+    (lambda m: setattr(m.graph.initializer[1], "raw_data", m.graph.initializer[1].raw_data[:5]),
+     r"initializer 'ends' .* cannot be read"),
+    (lambda m: m.graph.initializer[1].dims.__setitem__(0, -1),
+     r"initializer 'ends' has a negative dimension: \[-1\]"),
+    (lambda m: m.graph.input[0].type.tensor_type.shape.dim[1].__setattr__("dim_value", -2 ** 63),
+     r"'x' is declared with a negative dimension"),
+    (lambda m: m.graph.node[1].attribute[0].ints.__setitem__(0, -2),
+     r"node 1 'y' \(Transpose\): perm \[-2, 0\] is not a permutation of the value's 2 dim"),
+])
+def test_malformed_fields_are_refused_with_what_is_wrong(tmp_path, break_it, message):
+    """Fields a broken exporter or a hand edit gets wrong, each found by fuzzing
+    (tests/fuzzing.py) as a traceback, or (negative dimensions) as the whole process aborted
+    inside ONNX's shape inference."""
+    model = _slice_model()
+    model.graph.initializer[1].raw_data = numpy_helper.to_array(
+        model.graph.initializer[1]).tobytes()
+    del model.graph.initializer[1].int64_data[:]
+    break_it(model)
+    path = tmp_path / "broken.onnx"
+    path.write_bytes(model.SerializeToString())
+    with pytest.raises(OnnxError, match=message):
+        import_onnx(path)
+    r = bbrules("import", str(path))
+    assert r.returncode == 2 and "Traceback" not in r.stderr and str(path) in r.stderr, r.stderr
+
+
+def test_a_node_without_outputs_and_a_name_that_is_not_utf8_are_reported(tmp_path):
+    model = _slice_model(perm=(0, 0))
+    del model.graph.node[1].output[:]
+    path = tmp_path / "no_output.onnx"
+    path.write_bytes(model.SerializeToString())
+    with pytest.raises(OnnxError, match=r"node 1 '' \(Transpose\): perm \[0, 0\]"):
+        import_onnx(path)
+    data = _slice_model(name="xx").SerializeToString().replace(b"xx", b"x\xf4")
+    (tmp_path / "latin.onnx").write_bytes(data)
+    imported = import_onnx(tmp_path / "latin.onnx")  # the name keeps what it can
+    assert re.search(r"^input x\[d2, d8\] : f32$", imported.text, re.M), imported.text
+    r = bbrules("run", str(tmp_path / "latin.onnx"), "--no-fuse")
+    assert r.returncode == 0, r.stderr
