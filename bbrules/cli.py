@@ -14,6 +14,8 @@ import json
 import os
 import sys
 import time
+import zipfile
+import zlib
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
@@ -356,7 +358,7 @@ def _load_values(path: str, program: BlockProgram) -> dict[str, np.ndarray]:
     try:
         with np.load(path, allow_pickle=False) as f:
             values = {name: f[name] for name in f.files}
-    except (OSError, ValueError) as err:
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as err:
         raise UsageError(f"--values {path}: not a readable .npz file ({err})") from None
     for name, x in values.items():
         decl = program.tensors.get(name)

@@ -241,6 +241,21 @@ def test_values_an_input_cannot_hold_are_usage_errors(tmp_path, capsys, ids, mes
     assert status == 2 and message in err and not out
 
 
+@pytest.mark.parametrize("damage", [
+    lambda data: data[:100],  # cut short: no central directory
+    lambda data: data[:70] + bytes([data[70] ^ 0xFF]) + data[71:],  # compressed bytes changed
+    lambda data: data.replace(b"PK\x03\x04", b"PK\x03\x05", 1),  # a member's header
+])
+def test_a_damaged_values_file_is_a_usage_error(tmp_path, capsys, damage):
+    """Found by fuzzing: zip and zlib errors escaped as tracebacks."""
+    prog = write(tmp_path / "p.bbp", LOOKUP)
+    np.savez_compressed(tmp_path / "v.npz", IDS=np.arange(8), E=np.ones((40, 4), np.float32))
+    path = tmp_path / "v.npz"
+    path.write_bytes(damage(path.read_bytes()))
+    status, out, err = run_cli(capsys, "run", prog, "--values", path)
+    assert status == 2 and f"--values {path}: not a readable .npz file" in err and not out
+
+
 # Output paths ----------------------------------------------------------------------------------
 
 
