@@ -14,9 +14,10 @@ import pytest
 from fuzzing import Corpus, Outcome, fuzz
 
 SEED = int(os.environ.get("BBRULES_FUZZ_SEED", "0"))
-# Mutants per input file, by kind: each example, each rule file, 1 block file, 1 target.  A rule
+# Mutants per input file, by kind: each example, each rule file, 1 block file, 1 target, 1 array
+# file of values, 2 ONNX models.  A rule
 # file's mutant costs an `apply` with the soundness check of a changed pack (about 2.5 s).
-MUTANTS = {"bbp": 30, "bbr": 3, "bbk": 80, "toml": 60}
+MUTANTS = {"bbp": 30, "bbr": 3, "bbk": 80, "toml": 60, "npz": 200, "onnx": 60}
 
 
 @pytest.fixture(scope="module")
