@@ -490,10 +490,16 @@ class Importer:
         return self.statement(hint, shape, range(r), operands, lambda refs, _: fn(*refs))
 
     def broadcast(self, shapes: Sequence[tuple[int, ...]]) -> tuple[int, ...]:
-        try:
-            return tuple(np.broadcast_shapes(*shapes))
-        except ValueError:
-            raise self.error(f"shapes {[list(s) for s in shapes]} do not broadcast") from None
+        """numpy's broadcast of `shapes`, without numpy's limit on an array's size: a shape
+        too large to run may still be imported, costed and fused."""
+        rank = max(map(len, shapes), default=0)
+        result = []
+        for j in range(rank):
+            extents = {s[j - rank + len(s)] for s in shapes if j >= rank - len(s)} - {1}
+            if len(extents) > 1:
+                raise self.error(f"shapes {[list(s) for s in shapes]} do not broadcast")
+            result.append(extents.pop() if extents else 1)
+        return tuple(result)
 
     def reduce(self, hint: str, x: Value, axes: Sequence[int], op: str,
                body: Callable[[str], str] = lambda a: a, keepdims: bool = True,

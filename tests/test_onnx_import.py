@@ -502,3 +502,21 @@ def test_a_node_without_outputs_and_a_name_that_is_not_utf8_are_reported(tmp_pat
     assert re.search(r"^input x\[d2, d8\] : f32$", imported.text, re.M), imported.text
     r = bbrules("run", str(tmp_path / "latin.onnx"), "--no-fuse")
     assert r.returncode == 0, r.stderr
+
+
+def test_a_shape_too_large_for_numpy_is_imported_and_priced_but_not_run(tmp_path):
+    """numpy refuses to broadcast shapes of 2^63 bytes or more; the importer's broadcast does
+    not, so such a model is costed and fused like any other and only `run` refuses it, for
+    its memory."""
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["r"]), helper.make_node("Add", ["r", "b"], ["y"])],
+        "huge", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2 ** 40, 2 ** 30])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(np.ones(1, np.float32), "b")])
+    path = tmp_path / "huge.onnx"
+    onnx.save(helper.make_model(graph), str(path))
+    imported = import_onnx(path)
+    assert "dim d1099511627776 = 1099511627776 / 64" in imported.text, imported.text
+    assert bbrules("cost", str(path)).returncode == 0
+    r = bbrules("run", str(path), "--no-fuse")
+    assert r.returncode == 2 and "GiB of memory, more than" in r.stderr, r.stderr
