@@ -668,7 +668,7 @@ class Importer:
         return tuple(shape)
 
     def text(self, outputs: dict[str, tuple[str, tuple[int, ...]]]) -> str:
-        dims = []
+        dims, extents = [], {}
         for extent in sorted(self.dim_copies):
             block = self.block(extent)
             for name, (e, b) in self.overrides.items():
@@ -676,7 +676,9 @@ class Importer:
                     block = b
             for k in range(self.dim_copies[extent]):
                 name = f"d{extent}" if k == 0 else f"d{extent}_{k}"
+                extents[name] = extent
                 dims.append(f"dim {name} = {extent}" + (f" / {block}" if block < extent else ""))
+        self.check_overrides(extents)
         head = f"# Imported from {Path(self.path).name} by `bbrules import`.\n"
         stored: dict[str, list[str]] = {}  # outputs by storage type: ONNX's, where bbrules has it
         for name, (tensor, _) in outputs.items():
@@ -685,6 +687,23 @@ class Importer:
                 *(f"output {', '.join(ts)}" + (f" : {dtype}" if dtype != "f32" else "")
                   for dtype, ts in stored.items())]
         return head + "\n".join(body) + "\n"
+
+    def check_overrides(self, extents: dict[str, int]) -> None:
+        """Every `--dim` names a symbolic dimension of the model (and sets its extent) or a
+        dimension of the imported program at its extent (and sets its block): any other is a
+        mistake, as it is for a `.bbp` program, not something to ignore."""
+        for name, (extent, _) in self.overrides.items():
+            if name in self.symbolic:
+                continue
+            if name not in extents:
+                symbolic = ", ".join(sorted(self.symbolic)) or "none"
+                raise UsageError(f"dimension override for '{name}': {self.path} has no "
+                                 f"symbolic dimension '{name}' (it has {symbolic}) and the "
+                                 f"program imported from it no dimension '{name}'")
+            if extent != extents[name]:
+                raise UsageError(f"dimension override for '{name}': the imported dimension "
+                                 f"has extent {extents[name]}; only its block can be set "
+                                 f"({name}={extents[name]}/BLOCK)")
 
     def lower(self, node) -> None:
         if all(i in self.consts for i in [*node.input, *_outer_names(node)] if i) and \

@@ -20,6 +20,8 @@ from bbrules import interp  # noqa: E402
 from bbrules.codegen import numpy_gen  # noqa: E402
 from bbrules.fuse import fuse  # noqa: E402
 from bbrules.onnx_conformance import backend_cases, run_case  # noqa: E402
+from bbrules.errors import UsageError  # noqa: E402
+from bbrules.frontend import parse_dim_override  # noqa: E402
 from bbrules.onnx_import import OnnxError, import_onnx  # noqa: E402
 from bbrules.packs import load_packs  # noqa: E402
 from bbrules.targets import get_target  # noqa: E402
@@ -399,6 +401,25 @@ def test_cli_import_writes_program_and_weights_and_runs(tmp_path):
     assert r.returncode == 0, r.stderr
 
 
+@pytest.mark.parametrize("override, message", [
+    ("heads=4", "has no symbolic dimension 'heads' (it has batch) and the program imported "
+                "from it no dimension 'heads'"),
+    ("d64=128/32", "the imported dimension has extent 64; only its block can be set "
+                   "(d64=64/BLOCK)"),
+])
+def test_a_dimension_override_the_model_has_no_use_for_is_refused(tmp_path, override,
+                                                                   message):
+    """As for a .bbp program: an override that would be ignored is a mistake."""
+    transformer_block(tmp_path / "block.onnx")
+    name, extent, block = parse_dim_override(override)
+    with pytest.raises(UsageError, match=re.escape(message)):
+        import_onnx(tmp_path / "block.onnx", {"batch": (2, None), name: (extent, block)})
+    r = bbrules("cost", str(tmp_path / "block.onnx"), "--dim", override)
+    assert r.returncode == 2 and message in r.stderr, r.stderr
+    text = import_onnx(tmp_path / "block.onnx", {"d64": (64, 32)}).text
+    assert "dim d64 = 64 / 32" in text, text
+
+
 def test_run_draws_the_ids_of_a_lookup_as_ids(tmp_path):
     """`bbrules run model.onnx` draws its own inputs: the byte ids, which the one-hot compares
     with positions 0 .. 256, are drawn as whole numbers below 257, so the lookup picks rows
@@ -414,7 +435,6 @@ def test_run_draws_the_ids_of_a_lookup_as_ids(tmp_path):
 def test_integer_inputs_are_declared_i32_and_checked(tmp_path):
     """A graph input of integers is imported as `i32` (the outputs stay f32), and
     `bbp_inputs` refuses an id that f32 would round to another (2^24 + 1)."""
-    from bbrules.errors import UsageError
     from bbrules.frontend import parse_program
     onnx.save(_byte_embedding(np.random.default_rng(4)), str(tmp_path / "embed.onnx"))
     imported = import_onnx(tmp_path / "embed.onnx")
