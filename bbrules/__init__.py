@@ -303,7 +303,7 @@ def compile(program: ProgramLike, backend: str = "numpy") -> Compiled:
     p, values = model.program, (model.ast.values if model.ast is not None else {})
     if backend == "numpy":
         from .codegen import numpy_gen
-        return Compiled(p, backend, numpy_gen.load(p).run, values)
+        return Compiled(p, backend, numpy_gen.load(p).outputs, values)
     execute = BACKENDS[backend]
     return Compiled(p, backend, lambda **inputs: execute(p, inputs), values)
 

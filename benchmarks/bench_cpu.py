@@ -379,18 +379,18 @@ def run_case(case: Case, overrides: dict[str, tuple[int, int | None]],
     del reference
     each = "thread" if threads == 1 else "threads"
     module = numpy_gen.load(unfused, threads=threads, native=False)
-    record(f"unfused (numpy, {threads} {each})", lambda: module.run(**inputs), want)
+    record(f"unfused (numpy, {threads} {each})", lambda: module.outputs(**inputs), want)
     fused, origin = fused_program(unfused, given.get(case.name), objective)
     fused_module = tune(fused, inputs, threads, native=False)
-    record(f"fused (numpy, {threads} {each})", lambda: fused_module.module.run(**inputs), want,
+    record(f"fused (numpy, {threads} {each})", lambda: fused_module.module.outputs(**inputs), want,
            note=f"{origin}, {_ran(fused_module)}")
     if native.available():
         with_c = tune(fused, inputs, threads, native=True)
-        record(f"fused (native, {threads} {each})", lambda: with_c.module.run(**inputs), want,
+        record(f"fused (native, {threads} {each})", lambda: with_c.module.outputs(**inputs), want,
                note=_ran(with_c))
     if threads > 1:
         one = numpy_gen.load(fused, threads=1, native=False)
-        record("fused (numpy, 1 thread)", lambda: one.run(**inputs), want)
+        record("fused (numpy, 1 thread)", lambda: one.outputs(**inputs), want)
     (output,) = unfused.outputs
     built = onnx_model(case, inputs, output, want[output].shape)
     if built is None:

@@ -187,7 +187,7 @@ def cpu_times(model: onnx.ModelProto, imported, program, args) -> str:
     if native.available():
         modules["native"] = tune(program, inputs, native=True)
 
-    contenders = {name: (lambda m: lambda: m.run(**inputs))(tuned.module)
+    contenders = {name: (lambda m: lambda: m.outputs(**inputs))(tuned.module)
                   for name, tuned in modules.items()}
     try:
         import onnxruntime

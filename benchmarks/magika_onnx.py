@@ -93,10 +93,10 @@ def main() -> int:
     want = session.run(None, {"bytes": x})[0]
     unfused = numpy_gen.load(lower(ast), native=False).run
     for name, tuned in modules.items():
-        got = imported.onnx_outputs(tuned.module.run(**inputs))["target_label"]
+        got = imported.onnx_outputs(tuned.module.outputs(**inputs))["target_label"]
         print(f"{name}: largest difference from onnxruntime {np.abs(got - want).max():.2e}; "
               f"labels agree: {bool((got.argmax(-1) == want.argmax(-1)).all())}")
-    timed = compare({**{name: (lambda m: lambda: m.run(**inputs))(tuned.module)
+    timed = compare({**{name: (lambda m: lambda: m.outputs(**inputs))(tuned.module)
                         for name, tuned in modules.items()},
                      "unfused": lambda: unfused(**inputs),
                      "onnxruntime": lambda: session.run(None, {"bytes": x})})

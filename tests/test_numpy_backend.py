@@ -1096,3 +1096,47 @@ def test_a_half_sliced_from_a_written_tensor_is_a_view():
     assert not np.shares_memory(got["X1"], inputs["X"])
     for name in ("K1", "K2", "X1", "Y"):
         assert_close(got[name], want[name], f"{name} vs interpreter")
+
+
+# A's direct reader (B) comes before its reader through a view (Y): A, and its view, must live
+# until Y has run.
+CHAIN_WITH_A_VIEW = """
+dim r = 256 / 64
+dim c = 1024 / 64
+dim h = 2
+dim d = 512 / 64
+input X[r, c] : f32
+A[r, c] = X[r, c] * 2
+B[r, c] = A[r, c] + 1
+C[r, h, d] = B[r, (h, d)] * 3
+D[r, h, d] = C[r, h, d] - 1
+Y[r, h, d] = D[r, h, d] + A[r, (h, d)]
+output Y
+"""
+
+
+def test_outputs_returns_the_outputs_and_frees_each_temporary_after_its_last_reader():
+    """`run` returns every stored tensor, so every temporary lives to the end; `outputs`
+    returns the outputs and drops a temporary once no later kernel reads it (directly or
+    through a view), so a chain of 1 MiB arrays holds a few at a time, not all of them."""
+    p = lower(parse_program(CHAIN_WITH_A_VIEW))
+    module = numpy_gen.load(p, threads=1, native=False)
+    inputs = {"X": rand(256, 1024, seed=3)}
+    every, outputs = module.run(**inputs), module.outputs(**inputs)
+    assert set(every) == {"A", "B", "C", "D", "Y"} and set(outputs) == {"Y"}
+    want = interp.run(p, inputs)["Y"]
+    assert np.array_equal(outputs["Y"], every["Y"])
+    np.testing.assert_allclose(outputs["Y"], want, rtol=1e-6)
+
+    def peak(fn) -> int:
+        gc.collect()
+        tracemalloc.start()
+        try:
+            fn(**inputs)
+            return tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+
+    mib = 2 ** 20
+    assert peak(module.run) >= 5 * mib
+    assert peak(module.outputs) <= 3 * mib + 2 ** 16  # A, the array being read, the new one
