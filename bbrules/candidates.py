@@ -85,9 +85,10 @@ def select_candidates(p: BlockProgram, max_kernels_per_candidate: int) -> list[C
         raise ValueError("a candidate holds at least one kernel")
     n = len(p.kernels)
     loads = [_loads(k) for k in p.kernels]
-    cuts = [_cut_cost(p, loads, c) for c in range(n + 1)]
+    last_read = _last_reads(p, loads)
+    cuts = _cut_costs(p, loads)
     weights = [1 if names else 0 for names in loads]
-    period, repeats = _repetition(p, max_kernels_per_candidate)
+    period, repeats = _repetition(p, max_kernels_per_candidate, last_read)
     bounds, tail = [], 0
     if repeats > 1:
         inner = _partition(cuts, weights, 0, period, max_kernels_per_candidate)
@@ -95,7 +96,7 @@ def select_candidates(p: BlockProgram, max_kernels_per_candidate: int) -> list[C
                   for start, stop in inner]
         tail = repeats * period
     bounds += _partition(cuts, weights, tail, n, max_kernels_per_candidate)
-    return [Candidate(i, start, stop, _standalone(p, start, stop))
+    return [Candidate(i, start, stop, _standalone(p, start, stop, last_read))
             for i, (start, stop) in enumerate(bounds)]
 
 
@@ -131,7 +132,7 @@ def _partition(cuts: list[tuple[int, int]], weights: list[int], lo: int, hi: int
 _LONGEST_PERIOD = 512  # kernels: longer layers than this are not looked for
 
 
-def _repetition(p: BlockProgram, most: int) -> tuple[int, int]:
+def _repetition(p: BlockProgram, most: int, last_read: dict[str, int]) -> tuple[int, int]:
     """(period, repeats): the shortest run of kernels that the program's first kernels repeat
     (the same kernels up to tensor names, `canonical`), widened to hold a whole candidate of
     `most` kernels where it is shorter; (0, 0) if the program does not start with a
@@ -141,7 +142,7 @@ def _repetition(p: BlockProgram, most: int) -> tuple[int, int]:
                                          for node in postorder(s.value))) for k in p.kernels]
 
     def form(start: int, stop: int) -> str:
-        return show_program(canonical(_standalone(p, start, stop))[0])
+        return show_program(canonical(_standalone(p, start, stop, last_read))[0])
 
     for period in range(1, min(n // 2, _LONGEST_PERIOD) + 1):
         if shapes[:period] != shapes[period:2 * period]:
@@ -167,31 +168,55 @@ def _loads(kernel: Kernel) -> set[str]:
     return {n.tensor for s in kernel.stores for n in postorder(s.value) if isinstance(n, Load)}
 
 
-def _cut_cost(p: BlockProgram, loads: list[set[str]], c: int) -> tuple[int, int]:
-    """(tensors read through a view, bytes of round trips) forced by a cut before kernel `c`:
-    a temporary produced before it and read after it is written and read back (twice its
-    bytes); a program output is written anyway, so only its reading back counts."""
-    if c in (0, len(p.kernels)):
-        return 0, 0
-    before = {t for k in p.kernels[:c] for t in k.tensors}
-    views, size = 0, 0
-    crossing: set[str] = set()
-    for names in loads[c:]:
+def _last_reads(p: BlockProgram, loads: list[set[str]]) -> dict[str, int]:
+    """Each tensor's last reader: the index of the last kernel that loads it or a view of it
+    (absent: none does)."""
+    return {p.tensors[name].storage: j for j, names in enumerate(loads) for name in names}
+
+
+def _cut_costs(p: BlockProgram, loads: list[set[str]]) -> list[tuple[int, int]]:
+    """For each cut c before kernel c (0 ..= kernels), (tensors read through a view, bytes of
+    round trips) that it forces: a temporary produced before it and read after it is written
+    and read back (twice its bytes); a program output is written anyway, so only its reading
+    back counts.
+
+    A tensor first stored by kernel i and read by kernel j crosses the cuts i < c <= j, so
+    each read adds to a range of cuts: summed by differences, in one pass over the reads (cut
+    by cut, a program of 3,000 kernels took seconds)."""
+    n = len(p.kernels)
+    made: dict[str, int] = {}
+    for i, k in enumerate(p.kernels):
+        for t in k.tensors:
+            made.setdefault(t, i)
+    views, size = [0] * (n + 2), [0] * (n + 2)
+    last: dict[str, int] = {}
+    for j, names in enumerate(loads):
         for name in names:
             storage = p.tensors[name].storage
-            if storage in before:
-                views += p.tensors[name].role == "view"
-                crossing.add(storage)
-    for t in crossing:
-        size += _tensor_bytes(p, t) * (1 if t in p.outputs else 2)
-    return views, size
+            i = made.get(storage, j)
+            if i < j:
+                if p.tensors[name].role == "view":
+                    views[i + 1] += 1
+                    views[j + 1] -= 1
+                last[storage] = j
+    for t, j in last.items():
+        bytes_ = _tensor_bytes(p, t) * (1 if t in p.outputs else 2)
+        size[made[t] + 1] += bytes_
+        size[j + 1] -= bytes_
+    cuts, v, b = [], 0, 0
+    for c in range(n + 1):
+        v, b = v + views[c], b + size[c]
+        cuts.append((v, b) if 0 < c < n else (0, 0))
+    return cuts
 
 
-def _standalone(p: BlockProgram, start: int, stop: int) -> BlockProgram:
-    """Kernels `start`..`stop - 1` of `p` as a program of their own."""
+def _standalone(p: BlockProgram, start: int, stop: int,
+                last_read: dict[str, int]) -> BlockProgram:
+    """Kernels `start`..`stop - 1` of `p` as a program of their own (`last_read`: each
+    tensor's last reader in `p`, `_last_reads`)."""
     kernels = p.kernels[start:stop]
     stored = {t for k in kernels for t in k.tensors}
-    later = {p.tensors[t].storage for k in p.kernels[stop:] for t in _loads(k)}
+    later = {t for t in stored if last_read.get(t, -1) >= stop}
     loaded = [t for k in kernels for s in k.stores for t in _ordered_loads(s.value)]
     names = list(dict.fromkeys([*loaded, *(t for k in kernels for t in k.tensors)]))
     tensors: dict[str, TensorDecl] = {}
