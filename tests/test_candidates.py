@@ -22,6 +22,8 @@ from bbrules.lower import lower
 from bbrules.packs import load_packs
 from bbrules.targets import get_target
 
+from test_numpy_backend import CHAIN_WITH_A_VIEW
+
 TARGET = get_target("h100")
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -201,20 +203,9 @@ def cut_cost_by_definition(p, c: int) -> tuple[int, int]:
     return views, size
 
 
-# A temporary read through a view past later kernels: cuts before C, D and Y each cross it.
-VIEWED_TEMPORARY = """
-dim r = 64 / 32
-dim c = 64 / 32
-dim h = 2
-dim d = 32
-input X[r, c] : f32
-A[r, c] = X[r, c] * 2
-B[r, c] = A[r, c] + 1
-C[r, h, d] = B[r, (h, d)] * 3
-D[r, h, d] = C[r, h, d] - 1
-Y[r, h, d] = D[r, h, d] + A[r, (h, d)]
-output B, Y
-"""
+# A temporary read through a view past later kernels (cuts before C, D and Y each cross it),
+# and an output read by the kernel after it.
+VIEWED_TEMPORARY = CHAIN_WITH_A_VIEW.replace("output Y", "output B, Y")
 
 
 @pytest.mark.parametrize("source", ["decoder_layer", "rope_qknorm_attention",
