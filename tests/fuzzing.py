@@ -6,10 +6,11 @@ flipped, bytes deleted, a line duplicated or deleted, a huge number or junk byte
 file truncated.  An ONNX model is binary, so its mutants are mostly changed fields, the way a
 broken exporter or a hand edit changes them (`mutate_model`).  `Corpus` writes the files (the
 examples at tiny sizes, the standard pack, a block file written by `apply -o`, the A100 target,
-an array file of input values, two small ONNX models) and `Outcome` runs one CLI command on a mutant in-process and says what
-is wrong with how it ended, if anything: an exception escaping `main` (a traceback), an exit
-status outside {0, 1, 2}, or an exit 2 for a mistake in the file that does not say where:
-`path:line:col:` in a text file, `path:` and then the node or value in a model.
+an array file of input values, two small ONNX models) and `Outcome` runs one CLI command on a
+mutant in-process and says what is wrong with how it ended, if anything: an exception escaping
+`main` (a traceback), an exit status outside {0, 1, 2}, or an exit 2 for a mistake in the file
+that does not say where: `path:line:col:` in a text file, `path:` and then the node or value
+in a binary one.
 """
 
 from __future__ import annotations
