@@ -291,7 +291,7 @@ def _onnx_models(tmp: Path) -> list[Path]:
 # Where a mistake in a file is said to be, after its path: a line and column in a text file;
 # in a binary file (a model, an array file), words that name a node or value.
 LINE_COL = r"[^:\n]*:\d+:\d+: error: "
-IN_BINARY = r"(: |:\d+:\d+: error: )"  # or in the program a model imports to
+IN_BINARY = r"(: | \(imported\):\d+:\d+: error: )"  # or in the program a model imports to
 
 
 @dataclass(frozen=True)
