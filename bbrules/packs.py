@@ -13,6 +13,7 @@ rules in its checks, and may not redefine its rules or stages.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Mapping
 from functools import reduce
 from importlib.metadata import entry_points
@@ -68,8 +69,34 @@ def pack_directories(extra_dirs: list[Path], include_installed: bool = True) -> 
     return named
 
 
+# Packs loaded lately, by what they were loaded from: the directories, their names and every
+# `.bbr` file's bytes.  Loading the standard pack parses and type-checks every rule (about half
+# a second); a program fused again, an API caller fusing many programs, or the test suite's
+# hundreds of fusions would each pay it.  The packs are shared, never to be changed.
+_LOADED: OrderedDict[tuple, list[RulePack]] = OrderedDict()
+_KEEP = 8
+
+
 def load_each(directories: Mapping[Path, str]) -> list[RulePack]:
-    """The pack of each directory, each loaded on top of the ones before it."""
+    """The pack of each directory, each loaded on top of the ones before it (shared with
+    earlier calls on the same files: a pack is not to be changed)."""
+    try:
+        key = tuple((directory, name, tuple((p.name, p.read_bytes())
+                                             for p in sorted(directory.glob("*.bbr"))))
+                    for directory, name in directories.items())
+    except OSError:  # (loading says which file cannot be read)
+        return _load_each(directories)
+    if key in _LOADED:
+        _LOADED.move_to_end(key)
+        return list(_LOADED[key])
+    packs = _load_each(directories)
+    _LOADED[key] = packs
+    if len(_LOADED) > _KEEP:
+        _LOADED.popitem(last=False)
+    return list(packs)
+
+
+def _load_each(directories: Mapping[Path, str]) -> list[RulePack]:
     packs: list[RulePack] = []
     merged: RulePack | None = None
     for directory, name in directories.items():

@@ -81,3 +81,20 @@ def test_bad_extra_directories_are_usage_errors(tmp_path: Path) -> None:
         load_packs([tmp_path / "missing"], include_installed=False)
     with pytest.raises(UsageError, match="no .bbr files"):
         load_packs([tmp_path], include_installed=False)
+
+
+def test_a_pack_loaded_again_is_shared_until_a_file_of_it_changes(tmp_path: Path) -> None:
+    """Loading parses and checks every rule; the same files load once, and any change to
+    them (a rule edited, a file added) loads them again."""
+    pack = tmp_path / "p"
+    pack.mkdir()
+    (pack / "a.bbr").write_text("ruleset mine\nrule r1: ?x + 0.0 => ?x\n")
+    first = load_packs([pack], include_installed=False)
+    assert load_packs([pack], include_installed=False).rules[0] is first.rules[0]
+    (pack / "a.bbr").write_text("ruleset mine\nrule r2: ?x * 1.0 => ?x\n")
+    assert [r.name for r in load_packs([pack], include_installed=False).rules] == ["r2"]
+    (pack / "b.bbr").write_text("ruleset mine\nrule r3: ?x - 0.0 => ?x\n")
+    assert [r.name for r in load_packs([pack], include_installed=False).rules] == ["r2", "r3"]
+    (pack / "b.bbr").write_bytes(b"rule r4: \xff => ?x\n")
+    with pytest.raises(SourceError, match="not UTF-8"):
+        load_packs([pack], include_installed=False)
