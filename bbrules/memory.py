@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 from math import prod
 
-from .codegen.numpy_gen import COARSE_TILE
+from .codegen.numpy_plan import COARSE_TILE
 from .ir import BlockProgram, TileType, postorder, type_of
 from .program import Program
 

@@ -3,7 +3,7 @@
 For each case, in one run: the dense numpy evaluation of the program (`bbrules.dense`, the
 baseline the speed-up and memory ratios are taken against), the unfused block program and the
 fused block program through the numpy backend on `--threads` threads (default: the backend's
-own, `numpy_gen.default_threads`), the fused program with native groups and products where a
+own, `numpy_runtime.default_threads`), the fused program with native groups and products where a
 C compiler is found (`codegen/native.py`, `codegen/matmul.c`; both fused modules in parts or
 whole, whichever `numpy_timing.tune` times faster, as the ONNX benchmarks run them), the fused
 program again on one thread, onnxruntime on the same program written as an ONNX graph (attention: the opset-23
@@ -74,7 +74,7 @@ from blocked_attention import blocked_attention
 from timing import keep_freed_memory
 from bbrules import dense
 from bbrules.blockfile import load_block_program
-from bbrules.codegen import native, numpy_gen
+from bbrules.codegen import native, numpy_gen, numpy_runtime
 from bbrules.codegen.numpy_timing import Tuned, tune
 from bbrules.errors import UsageError
 from bbrules.frontend import load_program, parse_dim_override
@@ -473,8 +473,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--objective", choices=("traffic", "time"), default="traffic",
                     help="what fusion minimises on the cpu target (default: traffic)")
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=numpy_gen.default_threads(),
-                    help="threads of the numpy backend (default: numpy_gen.default_threads(), "
+    ap.add_argument("--threads", type=int, default=numpy_runtime.default_threads(),
+                    help="threads of the numpy backend (default: numpy_runtime.default_threads(), "
                          "the cores or $BBRULES_THREADS); the fused program also runs on one")
     ap.add_argument("--torch-python", metavar="PYTHON",
                     help="where torch does not import here: a Python with torch to time SDPA "

@@ -1,5 +1,10 @@
 """The numpy backend: a block program becomes a readable Python module, one function per kernel.
 
+This module writes the code.  What is decided about a kernel before its code is written (the
+rewrites numpy gains from, the blocks its loops walk, the parts it runs in) is `numpy_plan`'s;
+what the generated modules call while they run (gathers, relayouts, the parts' threads) is
+`numpy_runtime`'s.
+
 Why it looks the way it does:
 
 - *Loops come from the kernel's plan* (`bbrules.plan`), the plan the cost model prices, so the
@@ -55,7 +60,7 @@ Why it looks the way it does:
   written out as constants: the generated code is plain numpy a reader can follow.
 - *Every core.*  A vectorised tile runs numpy's elementwise work (exp, max, where, ...) on one
   core; only matmul uses BLAS threads.  Where some kernel has elementwise work enough to gain
-  from sharing it (`_parts_pay`; a program of products alone runs whole, BLAS threading
+  from sharing it (`numpy_plan.parts_pay`; a program of products alone runs whole, BLAS threading
   them), a kernel with enough work (`MIN_CALL_FLOPS` per numpy call of a part, by the cost
   model's count, a one-hot contraction counted as the gather it is here) is split along its
   grid axis of the most blocks into *parts*, `PARTS_PER_THREAD` per thread: a part is a
@@ -97,38 +102,32 @@ Why it looks the way it does:
 from __future__ import annotations
 
 import builtins
-import ctypes
 import keyword
 import linecache
 import os
 import re
-import threading
 import types
 import warnings
-import weakref
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor, wait
-from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field, replace
 from math import prod
-from typing import AbstractSet, Callable, Iterable, Iterator, Mapping, Sequence, Union
+from typing import AbstractSet, Callable, Iterable, Mapping, Sequence, Union
 
 import numpy as np
 
-from bbrules.cost import cost_kernel
-from bbrules.errors import UsageError
 from bbrules.ir import (ELEMENTWISE_KINDS, SCALAR, WHOLE_DTYPES, Axis, Binary, BlockProgram,
                         BlockReduce, Const, Dim, Dot, Get, IRError, Kernel, KindTable, Load, Node,
                         Pos, Reduce, Store, TileType, Tuple, Unary, Var, Where, children,
                         is_elementwise, operator, postorder, rebuild, show_kernel, tile_type,
                         transform, type_of, validate)
 from bbrules.ops import ELEMENTWISE, TILE_REDUCE, OpInfo
-from bbrules.masking import NumpyAlgebra, may_hold, skip_predicate
-from bbrules.onehot import Pick, mentions, one_hot
+from bbrules.masking import skip_predicate
+from bbrules.onehot import Pick, one_hot
 from bbrules.plan import loop_predicate, plan_for
 from bbrules.schedule import Compute, Loop, Step, Write, walk_steps
 from bbrules.targets import Target, get_target
 from bbrules.codegen import native as native_c
+from bbrules.codegen import numpy_plan, numpy_runtime
 
 _INFIX = {"add": "+", "sub": "-", "mul": "*", "div": "/"}
 # Names generated code uses besides its own locals: the module's globals, the operator aliases
@@ -242,10 +241,6 @@ NATIVE_ELEMENTS = 1 << 12
 # compiler's time grows with a function's size, and a program's expressions are not its to
 # bound.
 NATIVE_OPERATORS = 256
-
-# A loop over at most this many blocks of one element, whose body selects by the position, is
-# written once per block with the position known (`_KernelWriter.unrolled`).
-UNROLLED_BLOCKS = 8
 
 
 def _expressions(roots: Sequence[Node], env: Mapping[str, str], fns: _Functions,
@@ -570,113 +565,12 @@ def _(n: BlockReduce, w: _KernelWriter) -> _Stmt | None:
     return w.array(n, w.fresh(f"b{n.op}"), w.block_reduce(n))
 
 
-def _summed_chain(x: Node, p: BlockProgram) -> tuple[list[Axis], Node]:
-    """The axes of the in-block sums from `x` down, through sums over one block of an axis
-    (each its block's own sum), and the first node below that is neither."""
-    axes = []
-    while True:
-        if isinstance(x, BlockReduce) and x.op == "sum":
-            axes.append(x.axis)
-        elif not (isinstance(x, Reduce) and x.monoid.name == "sum" and p.blocks(x.axis) == 1):
-            return axes, x
-        x = x.x
-
-
-def _contraction_below(x: Node, p: BlockProgram) -> bool:
-    """Is `x` a contraction under a chain of sums (what `_summed_contraction` makes one
-    matmul)?"""
-    bottom = _summed_chain(x, p)[1]
-    return isinstance(bottom, Dot) and one_hot(bottom) is None
-
-
-def summed_inward(p: BlockProgram, k: Kernel) -> Kernel:
-    """`k` with each in-block sum of a summing loop over a contraction moved into the loop:
-    `bsum(a, reduce(b, sum, x))` is `reduce(b, sum, bsum(a, x))`, sums commute.  Inside, the
-    in-block sum meets the contraction, and both are one matmul (`_summed_contraction`): a
-    convolution's sum over its taps joins the sum over channels, where it was a matmul per
-    tap summed after the loop."""
-    kp = p.in_kernel(k)
-
-    def inward(n: Node, kids: tuple[Node, ...]) -> Node:
-        n = rebuild(n, kids)
-        if isinstance(n, BlockReduce) and n.op == "sum" and isinstance(n.x, Reduce) and \
-                n.x.monoid.name == "sum" and _contraction_below(n.x.x, kp):
-            return Reduce(n.x.axis, n.x.monoid, BlockReduce("sum", n.axis, n.x.x))
-        return n
-
-    stores = tuple(Store(s.tensor, s.axes, transform(s.value, inward)) for s in k.stores)
-    return k if stores == k.stores else Kernel(k.grid, stores, k.blocks)
-
-
-def masks_as_offsets(k: Kernel) -> Kernel:
-    """`k` with each selection between a value and the value plus a constant, `where(c, x,
-    x + a)` (an additive mask distributed over the sum, as ONNX's causal attention imports),
-    written `x - where(c, 0, -a)`.  The selection then spans only the condition's axes (a
-    block of query and key positions, not every head's scores), and numpy makes one pass over
-    the scores instead of two (the sum, then `np.where` broadcasting the condition): LLaMA's
-    causal scores kernel at 128 tokens, 4 x 128 x 128, took 165 µs against 203.  Every value
-    is kept exactly, a zero's sign included (-0 - 0 is -0, where -0 + 0 would be +0)."""
-    def offset(n: Node, kids: tuple[Node, ...]) -> Node:
-        n = rebuild(n, kids)
-        if not isinstance(n, Where):
-            return n
-        for shifted, kept, other in ((n.y, n.x, False), (n.x, n.y, True)):
-            if isinstance(shifted, Binary) and shifted.op == "add":
-                a = _constant_addend(shifted, kept)
-                if a is not None:
-                    mask = (Where(n.c, Const(-a), Const(0.0)) if other
-                            else Where(n.c, Const(0.0), Const(-a)))
-                    return Binary("sub", kept, mask)
-        return n
-
-    stores = tuple(Store(s.tensor, s.axes, transform(s.value, offset)) for s in k.stores)
-    return k if stores == k.stores else Kernel(k.grid, stores, k.blocks)
-
-
-def _constant_addend(total: Binary, x: Node) -> float | None:
-    """`a` where `total` is `x + a` or `a + x` for a constant `a` (`-inf` is `neg(inf)`),
-    else None."""
-    for c, rest in ((total.x, total.y), (total.y, total.x)):
-        if rest == x and (a := _constant_value(c)) is not None:
-            return a
-    return None
-
-
-def _constant_value(n: Node, values: dict[Node, float | None] | None = None) -> float | None:
-    """The value of `n` where it is elementwise operators over constants (in f32, as the
-    generated code computes it), else None.  `values` keeps what is found, for the next call
-    (a writer asks of every node, and a chain thousands of terms deep is walked once, without
-    recursion)."""
-    values = {} if values is None else values
-    stack = [n]
-    while stack:
-        m = stack[-1]
-        if m in values:
-            stack.pop()
-        elif isinstance(m, Const) or not is_elementwise(m) or not children(m):
-            values[m] = m.value if isinstance(m, Const) else None
-            stack.pop()
-        elif pending := [c for c in children(m) if c not in values]:
-            stack += pending
-        else:
-            args = [values[c] for c in children(m)]
-            values[m] = None if None in args else _folded(m, args)
-            stack.pop()
-    return values[n]
-
-
-def _folded(n: Node, args: Sequence[float]) -> float:
-    """Elementwise `n` of the constants `args`, in f32 as the generated code computes it."""
-    with np.errstate(all="ignore"):
-        return float(np.float32(operator(n).numpy(*map(np.float32, args))))
-
-
 def _summed_contraction(n: BlockReduce, w: _KernelWriter) -> tuple[Dot, tuple[Axis, ...]] | None:
     """`n` as a contraction and the axes it is summed over besides its own, where `n` sums a
     contraction within blocks, through sums over one block of an axis (each its block's own
     sum): `bsum(h, reduce(e, sum, bsum(e, dot(d, x, y))))` with e in one block is the
     contraction of x and y over (h, e, d), provided both x and y span h and e."""
-    axes, x = _summed_chain(n, w.p)
+    axes, x = numpy_plan.summed_chain(n, w.p)
     if not isinstance(x, Dot) or one_hot(x) is not None:
         return None
     xs, ys = w.dims(x.x), w.dims(x.y)
@@ -776,7 +670,8 @@ class _KernelWriter:
         self.folding: set[Axis] = set()  # axes of the enclosing loops that only fold
         # by part offset: the blocks visited by the loops whose visits depend on the part
         self.part_visits: Counter[int] = Counter()
-        self.constants: dict[Node, float | None] = {}  # `_constant_value`'s, of every node
+        # `numpy_plan.constant_value`'s, of every node
+        self.constants: dict[Node, float | None] = {}
         # native groups (`native_groups`) of the body being written: root -> its operators
         # in the order the body computes them, and the operators a root's call computes
         self.groups: dict[Node, list[Node]] = {}
@@ -912,7 +807,7 @@ class _KernelWriter:
         None."""
         if n in self.known:
             return _literal(self.known[n])
-        if (value := _constant_value(n, self.constants)) is not None:
+        if (value := numpy_plan.constant_value(n, self.constants)) is not None:
             return _literal(value)
         if isinstance(n, Pos):
             return self.position(n) if self.positions_known(n.axis) else None
@@ -1029,7 +924,7 @@ class _KernelWriter:
             return found
         # a gather's one-hot is computed by no step, but the gather reads its picks' positions
         # (a convolution's o + s in a part, where they are not a tile known on loading)
-        hot = _one_hot_operands(body)
+        hot = numpy_plan.one_hot_operands(body)
         root_of: dict[Node, Node] = {}
         for n in reversed(body):  # readers first
             if n in static or not self.plain(n) or n in self.via or n in hot:
@@ -1127,7 +1022,8 @@ class _KernelWriter:
         for c in (c for c in operands if c not in members):
             if c in leaves or c in numbers:
                 continue
-            value = self.known[c] if c in self.known else _constant_value(c, self.constants)
+            value = (self.known[c] if c in self.known
+                     else numpy_plan.constant_value(c, self.constants))
             if value is not None:
                 numbers[c] = value
                 continue
@@ -1180,7 +1076,7 @@ class _KernelWriter:
         holds on a box of the tile or off one (a padded axis' `pos < extent`); else None."""
         for keep, other, kept in ((n.x, n.y, True), (n.y, n.x, False)):
             t = tile_type(keep)
-            number = _constant_value(other, self.constants)
+            number = numpy_plan.constant_value(other, self.constants)
             if number is None or not (t.deps or t.shape) or self.dims(keep) != self.dims(n):
                 continue  # (a tile of neither deps nor shape may be a numpy scalar)
             held = self.static_values(n.c)
@@ -1550,15 +1446,15 @@ class _KernelWriter:
 
     def unrolled(self, loop: Loop) -> list[_Segment] | None:
         """A short loop over blocks of one element whose body selects by its position (the
-        chunk axis of a slice or a concatenation, the pair of rotate-half RoPE; `_unrollable`),
+        chunk axis of a slice or a concatenation, the pair of rotate-half RoPE; `unrollable`),
         as one run per block in which the position, and every value computed from positions
         and constants alone, is a known number: its masks and one-hot selections fold away,
         and a reduction whose predicate is false there is not combined.  A contraction's
         operands stay arrays (it reshapes them).  None for any other loop, and for a loop
         inside an unrolled one (the copies would multiply)."""
-        if self.unrolling or not _unrollable(self.p, loop):
+        if self.unrolling or not numpy_plan.unrollable(self.p, loop):
             return None
-        nodes = dict.fromkeys(_body_nodes(loop))
+        nodes = dict.fromkeys(numpy_plan.body_nodes(loop))
         contracted = {c for n in nodes if isinstance(n, Dot) for c in (n.x, n.y)}
         runs = []
         for start in range(self.p.blocks(loop.axis)):
@@ -1567,7 +1463,7 @@ class _KernelWriter:
                 args = [known.get(c, c.value if isinstance(c, Const) else None)
                         for c in children(n)]
                 if is_elementwise(n) and args and None not in args and n not in contracted:
-                    known[n] = _folded(n, args)
+                    known[n] = numpy_plan.folded(n, args)
             runs.append(_Segment(f"({start},)", known, True))
         return runs
 
@@ -1581,8 +1477,8 @@ class _KernelWriter:
             return None
         out = {}
         for o, r in cases[1].items():
-            held = starts_where(self.p, loop.axis, p, r)
-            cut = set(starts_where(self.p, loop.axis, Unary("not", p), r))
+            held = numpy_plan.starts_where(self.p, loop.axis, p, r)
+            cut = set(numpy_plan.starts_where(self.p, loop.axis, Unary("not", p), r))
             whole = [s for s in held if s not in cut]
             first = held.index(whole[0]) if whole else len(held)
             last = first + len(whole)
@@ -1626,7 +1522,7 @@ class _KernelWriter:
         if cases is None:
             return _Segment(f"range(0, {d.padded}, {d.block})", {}, True)
         key, ranges = cases
-        starts = {o: starts_where(self.p, loop.axis, p, r) for o, r in ranges.items()}
+        starts = {o: numpy_plan.starts_where(self.p, loop.axis, p, r) for o, r in ranges.items()}
         self.note_visits(key, starts)
         return _Segment.of(starts, key, d, {})
 
@@ -2134,481 +2030,6 @@ def _kernel_params(p: BlockProgram, k: Kernel, names: Mapping[str, str]) -> dict
     return {t: names[t] for t in tensors}
 
 
-# Work each numpy call of a part must have for the part to be worth a thread (flops, by the
-# cost model's count; at least 1).  A part runs every step of the kernel's code, on a share of
-# the grid, and Python holds the GIL between numpy calls: parts whose calls take little longer
-# than the interpreter's few microseconds around them would wait on each other, not compute.
-# On the 2-core Xeon, a chain of seven elementwise operations (one a tanh) run in four parts
-# on two threads took 1.44 times as long as whole where each part's calls had 65,536
-# elements, and 0.57 times where they had 131,072 (`run_parts`, medians of 30 runs); at 2^16
-# flops magika's GELU + max split in two, taking the whole model into parts: 4.8-5.1 ms,
-# against 3.7 whole.
-MIN_CALL_FLOPS = 1 << 17
-# Parts per thread: with more parts than threads, fewer grid blocks' tiles are held at once,
-# so the parts' peak memory stays under the whole kernel's although the kernel's stores are
-# allocated before its parts start.
-PARTS_PER_THREAD = 2
-# ... times this where a loop skips blocks by a predicate over the split axis: each part visits
-# only what its own blocks reach, so causal attention's parts visit 1/2 + 1/(2 parts) of the
-# key blocks (62% with 4 parts, 56% with 8).
-SKIPPING_PARTS = 2
-
-
-def split_kernel(p: BlockProgram, k: Kernel, threads: int, target: Target
-                 ) -> tuple[Axis, list[tuple[int, int]]] | None:
-    """The parts a kernel runs in on `threads` threads: a grid axis (`_split_axis`) and one
-    (first block, blocks) run of it per part, or None to run whole.
-
-    `PARTS_PER_THREAD` parts per thread (`SKIPPING_PARTS` times as many where a loop skips
-    blocks by the split axis' positions), but no more than the axis has blocks or than leave
-    each numpy call of a part `MIN_CALL_FLOPS`: a kernel of one grid block, of little work or
-    of many small steps runs whole, in the calling thread.  Runs differ in length by one block
-    at most.
-    """
-    if threads < 2 or not k.grid:
-        return None
-    kp = p.in_kernel(k)
-    axis = _split_axis(kp, k)
-    schedule = plan_for(kp, k, target.local_capacity).schedule
-    calls = sum(prod(kp.blocks(loop.axis) for loop in loops)
-                for _, loops in walk_steps(schedule.body))
-    # fractional where a mask skips blocks; a contraction by a one-hot is a gather here, its
-    # result's elements copied, however `target` prices it
-    flops = cost_kernel(p, k, replace(target, gathers=True)).flops
-    skips = any(isinstance(n, Pos) and n.axis == axis
-                for _, loops in walk_steps(schedule.body) for loop in loops
-                if (pred := loop_predicate(loop)) is not None for n in postorder(pred))
-    n = min(threads * PARTS_PER_THREAD * (SKIPPING_PARTS if skips else 1), kp.blocks(axis),
-            int(flops // (max(1, calls) * MIN_CALL_FLOPS)))
-    if n < 2:
-        return None
-    size, extra = divmod(kp.blocks(axis), n)
-    runs, first = [], 0
-    for i in range(n):
-        runs.append((first, size + (i < extra)))
-        first += runs[-1][1]
-    return axis, runs
-
-
-@dataclass(frozen=True)
-class _NodeWork:
-    """A node a kernel computes: the axes its elements span or depend on (a contraction's
-    include the axis it contracts), how many numpy computes (multiply-adds for a product,
-    which BLAS computes), and whether it is a special function (exp, tanh, ...)."""
-
-    axes: frozenset[Axis]
-    elements: int
-    product: bool
-    special: bool
-
-
-def _kernel_work(kp: BlockProgram, k: Kernel) -> list[_NodeWork]:
-    """Every node the kernel's numpy code computes, once each; not a one-hot operand that a
-    gather replaces, nor loads, constants and positions."""
-    nodes = {id(n): n for s in k.stores for n in postorder(s.value)}
-    for n in list(nodes.values()):
-        if isinstance(n, Dot) and (hot := one_hot(n)) is not None:
-            for m in postorder(n.y if hot[0] is n.x else n.x):
-                if mentions(m, n.axis):
-                    nodes.pop(id(m), None)
-    work = []
-    for n in nodes.values():
-        t = type_of(n)
-        if isinstance(n, (Load, Const, Pos)) or not isinstance(t, TileType):
-            continue
-        axes = t.deps | t.shape
-        elements = prod(kp.padded(a) for a in axes)
-        product = isinstance(n, Dot) and one_hot(n) is None
-        if isinstance(n, BlockReduce) and _contraction_below(n, kp):
-            elements = 0  # summed within the matmul
-        elif isinstance(n, (Reduce, Dot)) and not product:  # a fold, a gather: per block
-            elements = elements // kp.padded(n.axis) * kp.blocks(n.axis)
-        special = is_elementwise(n) and operator(n).special > 0
-        work.append(_NodeWork(axes, elements, product, special))
-    return work
-
-
-# What decides whether a kernel's parts beat the whole kernel, measured on a 2-core AMD EPYC
-# (AVX2; `benchmarks/bench_cpu.py`, the imported LLaMA layers at 128 and 2048 tokens, magika):
-# numpy's elementwise work runs on one core at about 4 elements a nanosecond (a special
-# function, exp or tanh, costs about 8 of those); BLAS threads a whole kernel's products over
-# every core itself, at about 45 multiply-adds a nanosecond each, and products split into
-# parts of one BLAS thread each run about 10% slower; starting parts on the pool's threads and
-# waiting for them took 95 microseconds for parts that do nothing, and parts that compute also
-# trade the GIL between their numpy calls: 150 is the figure taken.  On a 2-core Xeon with
-# AVX-512, where `exp` costs about what a multiply does, BLAS runs twice as fast and empty
-# parts took 107 microseconds, the same programs split alike; only the RMSNorm + FFN alone
-# would run faster whole there (29.9 against 34.5 ms).
-NUMPY_ELEMENTS_PER_NS = 4
-SPECIAL_ELEMENTS = 8
-BLAS_MACS_PER_NS = 45
-PARTS_BLAS_SLOWDOWN = 0.1
-PARTS_START_NS = 150_000
-
-
-def _parts_pay(kp: BlockProgram, k: Kernel) -> bool:
-    """Do parts on two or more threads save more numpy time (half of the elementwise work, at
-    least) than they cost (starting them; products run by parts, not by BLAS's own threads)?
-
-    A program none of whose kernels this holds for (of those with work enough to split:
-    `split_kernel`) runs every kernel whole, with BLAS on its own threads: at 128 tokens every
-    kernel of a LLaMA layer ran 1.3 to 2 times slower in parts.  One that has such a kernel
-    splits every kernel with enough work, products included: a BLAS that ran on several
-    threads keeps them spinning for a while after, on the cores the next kernel's parts need
-    (a LLaMA layer at 2048 tokens whose projections ran whole: 283 ms, against 210 ms all in
-    parts)."""
-    work = _kernel_work(kp, k)
-    elementwise = sum(w.elements * (SPECIAL_ELEMENTS if w.special else 1)
-                      for w in work if not w.product) / NUMPY_ELEMENTS_PER_NS
-    products = sum(w.elements for w in work if w.product) / BLAS_MACS_PER_NS
-    return elementwise / 2 > PARTS_START_NS + PARTS_BLAS_SLOWDOWN * products / 2
-
-
-def _split_axis(kp: BlockProgram, k: Kernel) -> Axis:
-    """The grid axis to split a kernel along: the one on which the least of its work does not
-    depend (each part repeats that work: attention fused with the projection after it, split
-    by the projection's columns, would compute the attention once per part), then the one of
-    the most blocks (the first of equals).  A node's work is what `_kernel_work` counts: its
-    elements over every axis it spans or depends on, the contracted axis included for a
-    matmul."""
-    work = [(w.axes, w.elements) for w in _kernel_work(kp, k)]
-
-    def repeated(axis: Axis) -> int:
-        return sum(size for axes, size in work if axis not in axes)
-    splittable = [a for a in k.grid if kp.blocks(a) > 1] or list(k.grid)
-    return min(splittable, key=lambda a: (repeated(a), -kp.blocks(a)))
-
-
-# The most elements a tile of a coarsened kernel may hold, all grid blocks at once (16 MiB of
-# f32; a part holds its share of the grid).
-COARSE_TILE = 1 << 22
-
-
-def _gathers(r: Reduce) -> bool:
-    """Is `r` a sum of a one-hot contraction over its own axis (a gather per block)?  Its
-    loop need not skip blocks: a larger block gathers as much in fewer calls."""
-    return (r.monoid.name == "sum" and isinstance(r.x, Dot) and r.x.axis == r.axis
-            and one_hot(r.x) is not None)
-
-
-# Copies of read-only arrays into other layouts (`relaid`), by the relayout's code, its key and
-# the array it reads; each kept while the array it was made from lives.
-_RELAID: dict[tuple, tuple[weakref.ref, np.ndarray]] = {}
-
-
-def relaid(array: np.ndarray, relayout: Callable[[np.ndarray], np.ndarray],
-           *key: object) -> np.ndarray:
-    """`relayout(array)`, a copy into another order or shape (a matmul operand's, zero
-    padding), made once for a read-only array and kept for later calls while the array that
-    owns its memory lives: a read-only array is a constant (`Imported` marks a model's
-    weights so).  A writeable array may change between calls, so it is copied each time, as
-    is what `relayout` returns as a view.  `key` tells apart relayouts written by one line of
-    code (the program's padding of each input)."""
-    owner = array
-    while isinstance(owner.base, np.ndarray):
-        owner = owner.base
-    if owner.flags.writeable:
-        return relayout(array)
-    spot = (relayout.__code__, key, id(owner), array.__array_interface__["data"][0],
-            array.shape, array.strides)
-    if (kept := _RELAID.get(spot)) is not None and kept[0]() is owner:
-        return kept[1]
-    value = relayout(array)
-    if np.may_share_memory(value, array):
-        return value  # a view keeps nothing to save, and would keep the owner alive
-    value.flags.writeable = False
-    _RELAID[spot] = (weakref.ref(owner, lambda _: _RELAID.pop(spot, None)), value)
-    return value
-
-
-def gather_one_hot(values: np.ndarray, axis: int,
-                   picks: Sequence[tuple[np.ndarray, Sequence[np.ndarray]]],
-                   window: bool = False) -> np.ndarray:
-    """The sum along `axis` of `values` times a one-hot that is 1 at each pick's position
-    (relative to the block `values` holds: a position outside it, or not a whole number,
-    picks nothing) where the pick's guards hold; two picks of one position count once, as the
-    one-hot's `or` does.  With `window`, one pick that steps evenly is a read-only view of the
-    values (`_window`): for the native product, which reads any strides (numpy's matmul,
-    given magika's window, whose rows overlap, took 3.9 ms; 1.9 given a copy of it)."""
-    if window and len(picks) == 1 and (view := _window(values, axis, *picks[0])) is not None:
-        return view
-    size = values.shape[axis]
-    total, zeroed = None, None
-    taken: list[tuple[np.ndarray, np.ndarray]] = []
-    # (no Python-level numpy helpers, `any`, `all`, `moveaxis`, where a lookup by ids runs
-    # every call: they cost several times their warm time after a product has streamed its
-    # operands through the caches)
-    for at, guards in picks:
-        at = np.asarray(at)
-        if not at.size or (lo := at.min()) >= size or (hi := at.max()) < 0:
-            continue  # (ONNX's second pick, of negative ids, where there are none)
-        index = at.astype(np.intp)
-        if lo >= 0 and hi < size and not guards and not taken and (index == at).all():
-            # a lookup by ids all in range (a handful of calls, not the mask's dozen)
-            taken.append((index, np.True_))
-            total = _take(values, axis, index)
-            continue
-        held = (index == at) & (index >= 0) & (index < size)
-        for guard in guards:
-            held = held & (np.asarray(guard) != 0)
-        for other, other_held in taken:
-            held = held & ~(other_held & (other == index))
-        count = np.count_nonzero(held)
-        if not count:
-            continue
-        taken.append((index, held))
-        if count == held.size:
-            part = _take(values, axis, index)
-        elif values.size <= prod(np.broadcast_shapes(
-                values.shape[:axis] + (1,) + values.shape[axis + 1:], held.shape)):
-            # what picks nothing picks a row of zeros appended to the values: a copy of the
-            # values, smaller than a pass masking the result
-            if zeroed is None:  # rows outermost, as `_take` reads them (magika's window
-                # gathered from a copy in the values' layout, positions innermost: 346 µs,
-                # against 229)
-                rows = np.moveaxis(values, axis, 0)
-                zeroed = np.moveaxis(np.concatenate([rows, np.zeros_like(rows[:1])]), 0, axis)
-            part = _take(zeroed, axis, np.where(held, index, size))
-        else:
-            part = np.where(held, _take(values, axis, np.where(held, index, 0)), np.float32(0))
-        total = part if total is None else total + part
-    if total is None:
-        shape = values.shape[:axis] + (1,) + values.shape[axis + 1:]
-        picked = [np.shape(x) for at, guards in picks for x in (at, *guards)]
-        return np.zeros(np.broadcast_shapes(shape, *picked), np.float32)
-    return total
-
-
-def _window(values: np.ndarray, axis: int, at: np.ndarray, guards: Sequence[np.ndarray]
-            ) -> np.ndarray | None:
-    """The pick as a read-only strided view of `values` where its positions are whole numbers
-    that step evenly (forwards) along each of their dimensions the values do not span, and its
-    guards all hold: a convolution's window (position + tap), a slice, a shift; else None.
-    Positions past the values read zeros from a padded copy of them.  A product then reads the
-    window in place: magika's convolution gathered 2.6 MB a call (0.2 ms); its product reads
-    the window of its 0.5 MB of values instead (the model: 3.23 -> 3.10 ms)."""
-    at = np.asarray(at)
-    spans = [d for d in range(values.ndim) if d != axis and at.shape[d] > 1]
-    if at.ndim != values.ndim or at.shape[axis] != 1 or \
-            any(values.shape[d] > 1 for d in spans) or \
-            not all(np.all(np.asarray(g) != 0) for g in guards):
-        return None
-    index = at.astype(np.intp)
-    if not np.array_equal(index, at):
-        return None
-    base = int(index.flat[0])
-    steps = {d: int(index[tuple(int(e == d) for e in range(at.ndim))]) - base for d in spans}
-    even = base + sum((np.arange(at.shape[d]) * s).reshape([-1 if e == d else 1
-                                                            for e in range(at.ndim)])
-                      for d, s in steps.items())
-    if any(s < 0 for s in steps.values()) or not np.array_equal(
-            np.broadcast_to(even, index.shape), index):
-        return None
-    last = base + sum(s * (at.shape[d] - 1) for d, s in steps.items())
-    below, above = max(0, -base), max(0, last + 1 - values.shape[axis])
-    if below or above:  # (in the values' own order: the window's strides then merge as theirs)
-        order = sorted(range(values.ndim), key=lambda d: -abs(values.strides[d]))
-        shape = [values.shape[d] + (below + above if d == axis else 0) for d in order]
-        padded = np.zeros(shape, values.dtype).transpose(np.argsort(order))
-        padded[(slice(None),) * axis + (slice(below, below + values.shape[axis]),)] = values
-        values = padded
-    start = values[(slice(None),) * axis + (slice(base + below, None),)]
-    shape = [1 if d == axis else max(at.shape[d], values.shape[d]) for d in range(values.ndim)]
-    strides = [steps[d] * values.strides[axis] if d in steps
-               else values.strides[d] if d != axis and values.shape[d] > 1 else 0
-               for d in range(values.ndim)]
-    return np.lib.stride_tricks.as_strided(start, shape, strides, writeable=False)
-
-
-def _take(values: np.ndarray, axis: int, index: np.ndarray) -> np.ndarray:
-    """`np.take_along_axis(values, index, axis)` for an index of extent 1 along `axis`.  Where
-    the index and the values span different dimensions (a lookup of table rows by ids, a
-    window of positions over channels), whole rows are taken with one flat index and laid out
-    with one copy: several times faster than the general function's index arrays.
-
-    A lookup runs once per call of a model: few Python-level steps (from 10.5 µs to 6 for
-    LLaMA's 128 ids into a 1024 x 256 table)."""
-    ids = [d for d in range(values.ndim) if d != axis and index.shape[d] > 1]
-    spans = [d for d in range(values.ndim) if d != axis and values.shape[d] > 1]
-    if set(ids) & set(spans):
-        return np.take_along_axis(values, index, axis=axis)
-    shape = [i if i > 1 else v for v, i in zip(values.shape, index.shape)]
-    shape[axis] = 1
-    others = [d for d in range(values.ndim) if d != axis]
-    rows = values.transpose(axis, *others)
-    # (`np.take` of a table laid out in rows, an embedding, takes a third of indexing's time;
-    # given other strides it would first copy the whole table)
-    flat = index.reshape(-1)
-    rows = rows.take(flat, axis=0) if rows.flags.c_contiguous else rows[flat]
-    if not ids or not spans or ids[-1] < spans[0]:  # the rows' order is the result's
-        return rows.reshape(shape)
-    rows = rows.reshape(tuple(index.shape[d] for d in others) + rows.shape[1:])
-    n = len(others)  # pair each dimension of the index with the same one of the values
-    return rows.transpose([k for i in range(n) for k in (i, n + i)]).reshape(shape)
-
-
-# Folds over an axis that mean the same at any block size, provided the reductions inside a
-# block are the fold's own (`reduce(k, sum, bsum(k, x))`; not the chunk combine of a split,
-# `reduce(c, sum, bmax(c, x))` over blocks of one).  An online softmax is left alone: its
-# score tile would grow with the block.  A loop that skips blocks keeps them, unless it only
-# gathers (`one_hot`).
-_SAME_IN_BLOCKS = {"sum", "max", "min"}
-
-
-def starts_where(p: BlockProgram, axis: Axis, pred: Node,
-                 ranges: Mapping[Axis, tuple[int, int]]) -> list[int]:
-    """The starts of `axis`' blocks on which `pred` may hold, for positions of the other axes
-    anywhere in `ranges` (default: the whole axis)."""
-    d = p.dims[axis]
-    axes = {n.axis for n in postorder(pred) if isinstance(n, Pos)}
-    starts = np.arange(d.blocks, dtype=np.float64) * d.block
-    bounds = {a: tuple(np.float64(x) for x in ranges.get(a, (0, p.padded(a) - 1)))
-              for a in axes}
-    bounds[axis] = (starts, starts + (d.block - 1))
-    hold = np.broadcast_to(may_hold(pred, bounds, NumpyAlgebra()), starts.shape)
-    return [int(s) for s, h in zip(starts, hold) if h]
-
-
-def _skips(p: BlockProgram, loop: Loop) -> bool:
-    """May the loop skip blocks by its predicate (`loop_predicate`)?  Not where the predicate
-    reads only the loop's own position and holds somewhere in every block: a ragged axis'
-    mask, which larger blocks visit just as well."""
-    pred = loop_predicate(loop)
-    if pred is None:
-        return False
-    if any(isinstance(n, Pos) and n.axis != loop.axis for n in postorder(pred)):
-        return True
-    return len(starts_where(p, loop.axis, pred, {})) < p.dims[loop.axis].blocks
-
-
-def _body_nodes(loop: Loop) -> Iterator[Node]:
-    """Every node the loop's body computes, and the nodes they read, operands first."""
-    for step, _ in walk_steps(loop.body):
-        if isinstance(step, Compute):
-            yield from postorder(step.node)
-
-
-def _unrollable(p: BlockProgram, loop: Loop) -> bool:
-    """Is `loop` over at most `UNROLLED_BLOCKS` blocks of one element, with a body that selects
-    by its position (other than in the one-hot operand of a contraction, which is a gather
-    whatever the blocks: a convolution's taps are better contracted at once), and skipping (if
-    at all) by its own position only?"""
-    d = p.dims[loop.axis]
-    if d.block != 1 or d.blocks > UNROLLED_BLOCKS:
-        return False
-    nodes = list(_body_nodes(loop))
-    gathered = _one_hot_operands(nodes)
-    if not any(isinstance(n, Where) and n not in gathered and Pos(loop.axis) in postorder(n.c)
-               for n in nodes):
-        return False
-    skip = loop_predicate(loop)
-    return skip is None or all(n.axis == loop.axis for n in postorder(skip)
-                               if isinstance(n, Pos))
-
-
-def _one_hot_operands(nodes: Sequence[Node]) -> set[Node]:
-    """The nodes of the one-hot operands of the contractions among `nodes`: a gather's picks,
-    computed by no numpy step of their own."""
-    return {m for n in nodes if isinstance(n, Dot) and (hot := one_hot(n)) is not None
-            for m in postorder(n.y if hot[0] is n.x else n.x)}
-
-
-def _in_matmul(n: BlockReduce, p: BlockProgram) -> list[Node]:
-    """The nodes below `n` that the matmul of `_summed_contraction` computes without holding
-    them (the contraction and the sums down to it), where `n` sums a contraction over axes both
-    its operands span; else none.  Their tiles span the summed axes, the matmul's result not:
-    counted, a head-grouped projection's sum over the group kept blocks of one."""
-    axes, bottom = _summed_chain(n, p)
-    if not isinstance(bottom, Dot) or one_hot(bottom) is not None:
-        return []
-    x, y = type_of(bottom.x), type_of(bottom.y)
-    if not isinstance(x, TileType) or not isinstance(y, TileType) or \
-            any(a not in x.shape or a not in y.shape for a in axes if a != bottom.axis):
-        return []
-    inside, m = [], n.x
-    while m is not bottom:
-        inside.append(m)
-        m = m.x
-    return [*inside, bottom]
-
-
-def ungridded(p: BlockProgram, k: Kernel) -> Kernel:
-    """`k` with each grid axis of at most `UNROLLED_BLOCKS` blocks of one element whose
-    position a selection reads (RoPE's pair of halves, a concatenation's chunks), and which
-    every store spans, walked by a map loop instead: `_KernelWriter.unrolled` writes that loop
-    once per block with the position known, its selections folded away, where over the
-    vectorised grid each selection is a `where` over whole tiles."""
-    kp = p.in_kernel(k)
-    nodes = [n for s in k.stores for n in postorder(s.value)]
-    gathered = _one_hot_operands(nodes)
-    selected = {m.axis for n in nodes if isinstance(n, Where) and n not in gathered
-                for m in postorder(n.c) if isinstance(m, Pos)}
-    walked = [a for a in k.grid if a in selected and kp.dims[a].block == 1
-              and kp.blocks(a) <= UNROLLED_BLOCKS and all(a in s.axes for s in k.stores)]
-    if not walked:
-        return k
-    return Kernel(tuple(a for a in k.grid if a not in walked), k.stores, k.blocks)
-
-
-def _keeps_blocks(p: BlockProgram, loop: Loop) -> bool:
-    """Must `loop` walk the blocks its plan gives it?  A loop to unroll must.  A loop that
-    only maps stores as much in larger blocks, unless its body selects by its position (it
-    skips, or it tells pieces of a concatenation apart per block: larger blocks would make
-    every piece's selection a one-hot product over the whole axis).  A fold must where it
-    skips blocks (unless it gathers) or stores inside."""
-    if _unrollable(p, loop):
-        return True
-    if not loop.reduces:
-        return loop_predicate(loop) is not None or Pos(loop.axis) in set(_body_nodes(loop))
-    return (_skips(p, loop) and not all(map(_gathers, loop.reduces))
-            or any(isinstance(step, Write) for step, _ in walk_steps(loop.body)))
-
-
-def coarsened(p: BlockProgram, k: Kernel, capacity: int) -> Kernel:
-    """`k` with each axis that its plan walks only in loops free to take larger blocks
-    (`_keeps_blocks`), and in folds only of `_SAME_IN_BLOCKS` monoids, given the largest
-    block, its own times a divisor of its block count, at which no tile of the kernel holds
-    more than `COARSE_TILE` elements.  Block sizes are a kernel's own (global tensors are the same
-    whatever a kernel's tiles), so this changes its loops only: sums are added in another
-    order, which changes results to float rounding."""
-    kp = p.in_kernel(k)
-    loops = [loop for _, enclosing in walk_steps(plan_for(kp, k, capacity).schedule.body)
-             for loop in enclosing]
-    fixed = {loop.axis for loop in loops if _keeps_blocks(kp, loop)}
-    nodes = [n for s in k.stores for n in postorder(s.value)]
-    for n in nodes:  # a fold whose in-block reduction is not its own monoid's depends on blocks
-        if isinstance(n, Reduce) and n.monoid.name not in _SAME_IN_BLOCKS:
-            fixed.add(n.axis)
-        elif isinstance(n, Reduce):
-            inner = {m.op if isinstance(m, BlockReduce) else "sum" for m in postorder(n.x)
-                     if isinstance(m, (BlockReduce, Dot)) and m.axis == n.axis}
-            if inner - {n.monoid.name}:
-                fixed.add(n.axis)
-    free = [a for a in dict.fromkeys(loop.axis for loop in loops) if a not in fixed]
-    unmade = {id(m) for n in nodes if isinstance(n, Dot) and (hot := one_hot(n)) is not None
-              for m in postorder(n.y if hot[0] is n.x else n.x) if mentions(m, n.axis)}
-    unmade |= {id(m) for n in nodes if isinstance(n, BlockReduce) for m in _in_matmul(n, kp)}
-    types = [t for n in nodes if isinstance(t := type_of(n), TileType) and id(n) not in unmade]
-    blocks = {a: kp.block(a) for a in free}
-
-    def largest_tile() -> int:
-        def extent(a: Axis, t: TileType) -> int:
-            if a in k.grid:
-                return (kp.blocks(a) if a in t.deps else 1) * (kp.block(a) if a in t.shape else 1)
-            return blocks.get(a, kp.block(a)) if a in t.shape else 1
-        return max((prod(extent(a, t) for a in t.deps | t.shape) for t in types), default=0)
-
-    for axis in free:
-        own, n = blocks[axis], kp.blocks(axis)
-        for f in (f for f in range(n, 1, -1) if n % f == 0):
-            blocks[axis] = own * f
-            if largest_tile() <= COARSE_TILE:
-                break
-            blocks[axis] = own
-    changed = {a: b for a, b in blocks.items() if b != kp.block(a)}
-    return Kernel(k.grid, k.stores, tuple((dict(k.blocks) | changed).items())) if changed else k
-
-
 @dataclass
 class _Code:
     """One kernel's generated functions: `whole`, or a function per length of its parts and
@@ -2638,8 +2059,8 @@ def generate(p: BlockProgram, target: Target | str | None = None, threads: int =
 
     Each kernel runs the loops of its plan on `target` (default: the H100's local memory, which
     decides only which inputs are resident, not the loops).  With `threads` > 1, where some
-    kernel's parts pay (`_parts_pay`), kernels with enough work are split into parts run at
-    once (`split_kernel`, `run_parts`).  With `native`, chains of elementwise operators are
+    kernel's parts pay (`numpy_plan.parts_pay`), kernels with enough work are split into parts
+    run at once (`split_kernel`, `run_parts`).  With `native`, chains of elementwise operators are
     C loops the module compiles when it loads (`codegen.native`)."""
     return generate_module(p, target, threads, native=native).source
 
@@ -2648,7 +2069,7 @@ def generate_module(p: BlockProgram, target: Target | str | None = None, threads
                     split: bool | None = None, native: bool = False) -> Generated:
     """`generate`'s module, with the functions it defines for each kernel.  `split`: whether
     kernels with enough work run in parts on `threads` > 1 threads; by default, where some
-    kernel's parts pay (`_parts_pay`)."""
+    kernel's parts pay (`numpy_plan.parts_pay`)."""
     validate(p)
     if target is None or isinstance(target, str):
         target = get_target(target or "h100")
@@ -2658,16 +2079,16 @@ def generate_module(p: BlockProgram, target: Target | str | None = None, threads
     taken = set(names.values())
     fns = _Functions(taken=taken, native=native, threads=threads)
     kernels: list[_Code] = []
-    ks = [coarsened(p, ungridded(p, summed_inward(p, masks_as_offsets(k))),
-                    target.local_capacity) for k in p.kernels]
-    if not (any(_parts_pay(p.in_kernel(k), k) and split_kernel(p, k, threads, target)
-                for k in ks) if split is None else split):
+    ks = [numpy_plan.rewritten(p, k, target.local_capacity) for k in p.kernels]
+    if not (any(numpy_plan.parts_pay(p.in_kernel(k), k)
+                and numpy_plan.split_kernel(p, k, threads, target) for k in ks)
+            if split is None else split):
         threads = 1
     for k in ks:
         params = _kernel_params(p, k, names)
         outputs = {t: names[t] for t in k.tensors}
         kp = p.in_kernel(k)
-        split = split_kernel(p, k, threads, target)
+        split = numpy_plan.split_kernel(p, k, threads, target)
         if split is None:
             fn_name = _identifier(f"kernel_{k.name}", taken)
             taken.add(fn_name)
@@ -2713,7 +2134,7 @@ def generate_module(p: BlockProgram, target: Target | str | None = None, threads
     runtime = sorted(fns.runtime | {"relaid"}  # `_input` pads through it
                      | ({"run_parts"} if any(c.parts for c in kernels) else set()))
     if runtime:
-        out[-1:] = [f"from bbrules.codegen.numpy_gen import {', '.join(runtime)}", ""]
+        out[-1:] = [f"from bbrules.codegen.numpy_runtime import {', '.join(runtime)}", ""]
     if any(p.tensors[t].dtype in WHOLE_DTYPES for t in p.inputs):
         out[-1:] = ["from bbrules.ir import check_whole", ""]
     used = set(re.findall(r"\w+", "\n".join(line for c in kernels for line in c.lines)))
@@ -2858,7 +2279,7 @@ def load(p: BlockProgram, threads: int | None = None, native: bool | None = None
     native groups cannot be compiled, the module is numpy code alone (with a warning).  The
     source is registered with `linecache`, so tracebacks and `inspect` show generated lines.
     """
-    threads = default_threads() if threads is None else threads
+    threads = numpy_runtime.default_threads() if threads is None else threads
     return loaded(p, threads, default_native() if native is None else native)[1]
 
 
@@ -2898,154 +2319,3 @@ def run(p: BlockProgram, inputs: Mapping[str, np.ndarray], threads: int | None =
         native: bool | None = None) -> dict[str, np.ndarray]:
     """Generate, load and run `p` on `inputs`: every stored tensor, axes in declared order."""
     return load(p, threads, native).run(**inputs)
-
-
-# --------------------------------------------------------------------------------------------
-# Running a kernel's parts at once.
-
-
-def _find_openblas() -> tuple[Callable[[], int], Callable[[int], None]] | None:
-    """Get and set the thread count of the OpenBLAS numpy loaded, or None where there is none
-    this can find (another BLAS, or no /proc/self/maps to find it by: not Linux).
-
-    numpy has no API for it and reads OPENBLAS_NUM_THREADS only when it loads, so this calls
-    OpenBLAS's own C functions, under the names OpenBLAS and numpy's scipy-openblas build export.
-    """
-    try:
-        with open("/proc/self/maps") as maps:
-            paths = {line.split()[-1] for line in maps if "openblas" in line.lower()}
-    except OSError:
-        return None
-    for path in sorted(paths):
-        try:
-            lib = ctypes.CDLL(path)
-        except OSError:
-            continue
-        for prefix in ("scipy_openblas_", "openblas_"):
-            for suffix in ("64_", ""):
-                get = getattr(lib, f"{prefix}get_num_threads{suffix}", None)
-                set_ = getattr(lib, f"{prefix}set_num_threads{suffix}", None)
-                if get is not None and set_ is not None:
-                    get.restype, set_.argtypes = ctypes.c_int, [ctypes.c_int]
-                    return get, set_
-    return None
-
-
-_OPENBLAS = _find_openblas()
-_blas_lock = threading.Lock()
-_blas_users = 0
-_blas_saved = 0
-
-
-@contextmanager
-def _running_parts() -> Iterator[bool]:
-    """numpy's BLAS on one thread while parts run, its own count restored after the last part
-    running in this process (parts of several calls may overlap) has finished.  Yields whether
-    this call's parts run alone, no other call's overlapping them."""
-    global _blas_users, _blas_saved
-    with _blas_lock:
-        if _blas_users == 0 and _OPENBLAS is not None:
-            _blas_saved = _OPENBLAS[0]()
-            _OPENBLAS[1](1)
-        _blas_users += 1
-        alone = _blas_users == 1
-    try:
-        yield alone
-    finally:
-        with _blas_lock:
-            _blas_users -= 1
-            if _blas_users == 0 and _OPENBLAS is not None:
-                _OPENBLAS[1](_blas_saved)
-
-
-def _cores_to_bind(allowed: AbstractSet[int] | None, threads: int) -> list[int] | None:
-    """The cores the threads running parts are bound to, one each: every core the calling
-    thread may run on (`allowed`), where the threads are as many; else None, leaving them to
-    the scheduler (None too where `allowed` is: off Linux no thread can be bound).
-
-    Threads left to the scheduler share a core when they wake after a pause: on the 2 cores
-    this was measured on, a call made 0.25 s after the last took 48 ms, against 27 ms back to
-    back, its two parts running on one core at half speed each.  Bound, it took 26-27 ms.
-    With fewer threads than cores, which to take is the scheduler's call: processes that each
-    bound their threads to the first cores they may use would all share those."""
-    if allowed is None or len(allowed) != threads:
-        return None
-    return sorted(allowed)
-
-
-def default_threads() -> int:
-    """Threads `load` and `run` split kernels over: `$BBRULES_THREADS` when set, else the cores
-    this process may run on, else 1 where numpy's BLAS threads cannot be limited (parts each
-    calling a multithreaded BLAS run slower than one)."""
-    given = os.environ.get("BBRULES_THREADS")
-    if given is not None:
-        if not given.strip().isdigit() or int(given) < 1:
-            raise UsageError(f"BBRULES_THREADS={given!r}: expected a whole number of threads "
-                             f">= 1")
-        return int(given)
-    if _OPENBLAS is None:
-        return 1
-    cores = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
-    return len(cores) if cores else os.cpu_count() or 1
-
-
-_pool: ThreadPoolExecutor | None = None
-_pool_size = 0
-_pool_lock = threading.Lock()
-
-
-def _workers(n: int) -> ThreadPoolExecutor:
-    """The process's pool of part threads (started on first use, shared by every generated
-    module), replaced by a larger one when a kernel has more parts than it has workers."""
-    global _pool, _pool_size
-    with _pool_lock:
-        if _pool is None or _pool_size < n:
-            old, _pool, _pool_size = _pool, ThreadPoolExecutor(n, "bbrules-part"), n
-            if old is not None:
-                old.shutdown(wait=False)  # its idle workers exit; queued parts still run
-        return _pool
-
-
-def run_parts(parts: Sequence[tuple[Callable[..., None], int]], threads: int,
-              *arrays: np.ndarray) -> None:
-    """Run a kernel's parts, `threads` at a time: part(*arrays, start) for each (function,
-    start), in order, taken by the calling thread and `threads` - 1 of the pool's as each
-    becomes free; numpy's BLAS on one thread meanwhile.  Where these threads take every core
-    the caller may run on and no other call's parts overlap them, each is bound to a core of
-    its own (`_cores_to_bind`), the calling thread only until the parts are done.
-
-    Returns when every part has finished; an exception a part raised is raised here."""
-    todo = iter(parts)
-    taking = threading.Lock()
-    helpers = min(threads, len(parts)) - 1
-
-    def work(cores: AbstractSet[int] | None) -> None:
-        if cores is not None:
-            with suppress(OSError):  # binding only speeds the parts up; they run unbound
-                os.sched_setaffinity(0, cores)
-        # numpy's error state is per thread (a context variable): a worker starts from the default
-        with np.errstate(all="ignore"):
-            while True:
-                with taking:
-                    part = next(todo, None)
-                if part is None:
-                    return
-                fn, start = part
-                fn(*arrays, start)
-
-    with _running_parts() as alone:
-        own = os.sched_getaffinity(0) if hasattr(os, "sched_setaffinity") else None
-        bound = _cores_to_bind(own, helpers + 1) if alone and helpers > 0 else None
-        # a worker bound by an earlier call runs this one's parts on the caller's cores
-        cores = [{c} for c in bound] if bound else [None] + [own] * helpers
-        pool = _workers(helpers) if helpers > 0 else None
-        futures = [pool.submit(work, cores[i + 1]) for i in range(helpers)]
-        try:
-            work(cores[0])
-        finally:
-            if bound:
-                with suppress(OSError):
-                    os.sched_setaffinity(0, own)
-            wait(futures)
-        for future in futures:
-            future.result()

@@ -12,7 +12,7 @@ runs follow each other with no pause, as a program called in a loop would; what 
 between kernels (views of the inputs and stores) is the difference between the kernels' sum
 and the whole run's time.
 
-`tune` settles by the clock what `numpy_gen._parts_pay` estimates from rates measured on one
+`tune` settles by the clock what `numpy_plan.parts_pay` estimates from rates measured on one
 machine: whether a program's kernels run in parts on every core, or whole with BLAS threading
 their products.  Which is faster depends on the machine's caches as much as on the work: on a
 2-core Xeon whose cores read each other's data slowly, a chain of elementwise operations on
@@ -32,7 +32,8 @@ from typing import Callable, Mapping
 
 import numpy as np
 
-from bbrules.codegen.numpy_gen import default_native, default_threads, loaded
+from bbrules.codegen.numpy_gen import default_native, loaded
+from bbrules.codegen.numpy_runtime import default_threads
 from bbrules.cost import ProgramCost, fmt_time
 from bbrules.ir import BlockProgram
 

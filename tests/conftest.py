@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from bbrules.codegen import numpy_gen
+from bbrules.codegen import numpy_plan
 from bbrules.soundness import CACHE_ENV
 
 
@@ -23,5 +23,5 @@ def _soundness_cache(tmp_path_factory):
 def split_small(monkeypatch):
     """Let kernels of any work split, so small programs exercise the numpy backend's parts:
     parts cost nothing to start, and each numpy call of a part has work enough."""
-    monkeypatch.setattr(numpy_gen, "PARTS_START_NS", -float("inf"))
-    monkeypatch.setattr(numpy_gen, "MIN_CALL_FLOPS", 1)
+    monkeypatch.setattr(numpy_plan, "PARTS_START_NS", -float("inf"))
+    monkeypatch.setattr(numpy_plan, "MIN_CALL_FLOPS", 1)

@@ -18,7 +18,7 @@ import pytest
 
 from bbrules import interp
 from bbrules.blockfile import parse_block_program
-from bbrules.codegen import native, native_matmul, numpy_gen
+from bbrules.codegen import native, native_matmul, numpy_gen, numpy_plan
 from bbrules.frontend import parse_program
 from bbrules.inputs import random_inputs
 from bbrules.lower import lower
@@ -247,7 +247,7 @@ def test_a_kernel_run_whole_threads_its_product_and_a_part_does_not(monkeypatch)
     p = lower(parse_program(PRODUCT))
     whole = numpy_gen.generate_module(p, threads=2, split=False, native=True).source
     assert re.search(r"= matmul\(.*, 2\)", whole), whole
-    monkeypatch.setattr(numpy_gen, "_parts_pay", lambda *_: True)
+    monkeypatch.setattr(numpy_plan, "parts_pay", lambda *_: True)
     parts = numpy_gen.generate_module(p, threads=2, split=True, native=True)
     assert max(parts.parts) > 1
     assert re.search(r"= matmul\(.*, 1\)", parts.source) and \
@@ -343,7 +343,7 @@ def test_a_convolution_in_parts_gathers_at_positions_no_group_hides(monkeypatch)
     a tile known when the module loads: they stay a step of their own, which the gather reads,
     not a member of a native group with the one-hot comparison that the gather replaces
     (magika's convolution in parts failed to generate so)."""
-    monkeypatch.setattr(numpy_gen, "_parts_pay", lambda *_: True)
+    monkeypatch.setattr(numpy_plan, "parts_pay", lambda *_: True)
     ast = parse_program(CONVOLUTION.replace("dim o = 60 / 30", "dim o = 240 / 60")
                         .replace("dim j = 64", "dim j = 244"))
     p = lower(ast)

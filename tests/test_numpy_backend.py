@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 
 from bbrules import dense, interp
 from bbrules.blockfile import load_block_program, parse_block_program
-from bbrules.codegen import numpy_gen
+from bbrules.codegen import numpy_gen, numpy_plan, numpy_runtime
 from bbrules.frontend import load_program, parse_program
 from bbrules.fuse import fuse
 from bbrules.inputs import random_inputs
@@ -80,7 +80,7 @@ def scheduled_loops(p: BlockProgram) -> int:
     `for`), at the block sizes numpy runs them (`coarsened`)."""
     cap = H100.local_capacity
     return sum(1 for k in p.kernels
-               for loop in plan_for(p, numpy_gen.coarsened(p, k, cap), cap).loops
+               for loop in plan_for(p, numpy_plan.coarsened(p, k, cap), cap).loops
                if loop.trips > 1)
 
 
@@ -322,7 +322,7 @@ def test_multi_store_programs_match_interpreter(path):
     for k in p.kernels:
         body = kernel_body(source, f"kernel_{k.name}")
         assert body.rstrip().endswith(f"return {', '.join(k.tensors)}")
-        coarse = numpy_gen.coarsened(p, k, cap)
+        coarse = numpy_plan.coarsened(p, k, cap)
         walked = {loop.axis for loop in plan_for(p, coarse, cap).loops if loop.trips > 1}
         for s in k.stores:  # a store in a map loop of several blocks writes one per iteration
             looped = [a for a in k.map_axes(s) if a in walked]
@@ -336,7 +336,7 @@ def test_one_processor_nests_map_loops_over_every_axis(monkeypatch):
     """`kernel []`: no grid, so c walks i and then j, and s shares both loops (its sum over j
     is folded in c's loop over j, which loads a and b once).  Tiles of 8 x 16 at most keep
     the blocks the plan gives (`coarsened`)."""
-    monkeypatch.setattr(numpy_gen, "COARSE_TILE", 8 * 16)
+    monkeypatch.setattr(numpy_plan, "COARSE_TILE", 8 * 16)
     p = load_block_program(MULTI_DIR / "one_processor.bbk").program
     body = kernel_body(numpy_gen.generate(p), "kernel_c_s")
     assert python_loops(body) == 2
@@ -359,7 +359,7 @@ def test_a_map_loop_is_one_block_where_the_tiles_allow(monkeypatch):
     assert python_loops(body) == 0 and "transpose" not in body.split("R = ")[1]
     np.testing.assert_allclose(numpy_gen.run(p, inputs)["R"], want, rtol=1e-6)
     assert_matches_interpreter(p, inputs)
-    monkeypatch.setattr(numpy_gen, "COARSE_TILE", 64 * 32)
+    monkeypatch.setattr(numpy_plan, "COARSE_TILE", 64 * 32)
     body = kernel_body(numpy_gen.generate(p), "kernel_R")
     assert python_loops(body) == 1 and re.search(r"R\[h0:h0 \+ 1\] = ", body)
     np.testing.assert_allclose(numpy_gen.run(p, inputs)["R"], want, rtol=1e-6)
@@ -464,12 +464,12 @@ def test_a_contraction_loop_runs_in_blocks_as_large_as_the_tiles_allow(monkeypat
     inputs = random_inputs(parse_program(source), seed=3)
     want = inputs["A"].astype(np.float64) @ inputs["B"].astype(np.float64)
     # the A tile holds all 256 rows at once: 256 x 1024 elements fit, one matmul
-    assert numpy_gen.coarsened(p, p.kernels[0], H100.local_capacity).blocks == (("k", 1024),)
+    assert numpy_plan.coarsened(p, p.kernels[0], H100.local_capacity).blocks == (("k", 1024),)
     assert python_loops(numpy_gen.generate(p)) == 0
     assert_close(numpy_gen.run(p, inputs)["C"], want, "one block")
     # a quarter of that fits: four blocks of 256, a loop of four
-    monkeypatch.setattr(numpy_gen, "COARSE_TILE", 256 * 256)
-    assert numpy_gen.coarsened(p, p.kernels[0], H100.local_capacity).blocks == (("k", 256),)
+    monkeypatch.setattr(numpy_plan, "COARSE_TILE", 256 * 256)
+    assert numpy_plan.coarsened(p, p.kernels[0], H100.local_capacity).blocks == (("k", 256),)
     assert "for k0 in range(0, 1024, 256):" in numpy_gen.generate(p)
     assert_close(numpy_gen.run(p, inputs)["C"], want, "four blocks")
 
@@ -486,9 +486,9 @@ def test_axes_summed_into_one_matmul_count_only_its_result(monkeypatch):
               "Y[t, n] = sum[h, g, d] A[h, g, t, d] * W[h, g, d, n]\noutput Y\n")
     ast = parse_program(source)
     p = lower(ast)
-    monkeypatch.setattr(numpy_gen, "COARSE_TILE", 1 << 20)  # 4 x 2 x 512 x 512 would not fit
-    k = numpy_gen.summed_inward(p, p.kernels[0])
-    assert dict(numpy_gen.coarsened(p, k, H100.local_capacity).blocks) == {"h": 4, "g": 2}
+    monkeypatch.setattr(numpy_plan, "COARSE_TILE", 1 << 20)  # 4 x 2 x 512 x 512 would not fit
+    k = numpy_plan.summed_inward(p, p.kernels[0])
+    assert dict(numpy_plan.coarsened(p, k, H100.local_capacity).blocks) == {"h": 4, "g": 2}
     code = numpy_gen.generate(p)
     assert python_loops(code) == 0 and code.count("np.matmul") == 1
     assert ".reshape(512, 512)" in code
@@ -539,7 +539,7 @@ def test_a_ragged_axis_mask_does_not_keep_a_fold_in_blocks():
               "Y[r] = max[c] tanh(X[r, c])\noutput Y\n")
     ast = parse_program(ragged)
     p = lower(ast)
-    assert dict(numpy_gen.coarsened(p, p.kernels[0], H100.local_capacity).blocks)["c"] == 512
+    assert dict(numpy_plan.coarsened(p, p.kernels[0], H100.local_capacity).blocks)["c"] == 512
     code = numpy_gen.generate(p)
     assert python_loops(code) == 0, code
     inputs = random_inputs(ast, seed=8)
@@ -548,7 +548,7 @@ def test_a_ragged_axis_mask_does_not_keep_a_fold_in_blocks():
     causal = ("dim r = 512 / 64\ndim c = 512 / 64\ninput X[r, c] : f32\n"
               "Y[r] = max[c] where(c <= r, X[r, c], -inf)\noutput Y\n")
     p = lower(parse_program(causal))
-    assert dict(numpy_gen.coarsened(p, p.kernels[0], H100.local_capacity).blocks).get(
+    assert dict(numpy_plan.coarsened(p, p.kernels[0], H100.local_capacity).blocks).get(
         "c", 64) == 64
 
 
@@ -683,7 +683,7 @@ def test_a_convolutions_taps_are_summed_in_the_matmul_over_its_channels(monkeypa
               "output Y\n")
     ast = parse_program(source)
     p = lower(ast)
-    monkeypatch.setattr(numpy_gen, "COARSE_TILE", 4096)  # the channels stay in blocks of 64
+    monkeypatch.setattr(numpy_plan, "COARSE_TILE", 4096)  # the channels stay in blocks of 64
     code = numpy_gen.generate(p)
     body = code[code.index("def kernel_Y"):code.index("def _input")]
     assert "for c0 in range(0, 256, 64):" in body
@@ -776,7 +776,7 @@ def test_a_grid_axis_of_chunks_a_selection_reads_is_written_once_per_chunk():
     p = lower(ast)
     (kernel,) = p.kernels
     assert set(kernel.grid) == {"t", "p", "i"}
-    assert numpy_gen.ungridded(p, kernel).grid == ("t", "i")
+    assert numpy_plan.ungridded(p, kernel).grid == ("t", "i")
     code = numpy_gen.generate(p)
     body = code[code.index("def kernel_Y"):code.index("def _input")]
     assert "for p0 in (0,):" in body and "for p0 in (1,):" in body, body
@@ -788,7 +788,7 @@ def test_a_grid_axis_of_chunks_a_selection_reads_is_written_once_per_chunk():
     np.testing.assert_allclose(got[:, 1], -inputs["B"] * scale, rtol=1e-6)
     assert_close(got, interp.run(p, inputs)["Y"], "vs interpreter")
     wide = lower(parse_program(source.format(i=1).replace("dim p = 2 / 1", "dim p = 2 / 2")))
-    assert numpy_gen.ungridded(wide, wide.kernels[0]).grid == wide.kernels[0].grid
+    assert numpy_plan.ungridded(wide, wide.kernels[0]).grid == wide.kernels[0].grid
 
 
 def _recording_matmuls_and_gathers(module, monkeypatch):
@@ -868,7 +868,7 @@ def test_a_kept_copy_lives_as_long_as_its_array():
     owner = id(x)
 
     def kept() -> int:  # the copies kept of x (the key holds its owner's id)
-        return sum(spot[2] == owner for spot in list(numpy_gen._RELAID))
+        return sum(spot[2] == owner for spot in list(numpy_runtime._RELAID))
     for _ in range(2):
         np.testing.assert_array_equal(module.run(X=x)["Y"], x * 2)
         assert kept() == 1
@@ -891,7 +891,7 @@ def test_a_gather_takes_what_take_along_axis_takes(values, index, axis):
     else:
         v = rng.standard_normal(values).astype(np.float32)
     i = rng.integers(0, v.shape[axis], index)
-    np.testing.assert_array_equal(numpy_gen._take(v, axis, i), np.take_along_axis(v, i, axis))
+    np.testing.assert_array_equal(numpy_runtime._take(v, axis, i), np.take_along_axis(v, i, axis))
 
 
 def test_a_window_past_the_end_is_gathered_as_whole_rows_of_zeros_after_the_values():
@@ -903,7 +903,7 @@ def test_a_window_past_the_end_is_gathered_as_whole_rows_of_zeros_after_the_valu
     x = rng.standard_normal((64, 4, 16)).astype(np.float32)  # X[j, c, e]
     values = x.transpose(1, 2, 0).reshape(1, 1, 4, 16, 64)  # kernel layout (o, s, c, e, j)
     at = (np.arange(64, dtype=np.float32)[:, None] + np.arange(5)).reshape(64, 5, 1, 1, 1)
-    got = numpy_gen.gather_one_hot(values, 4, ((at, ()),))
+    got = numpy_runtime.gather_one_hot(values, 4, ((at, ()),))
     padded = np.concatenate([x, np.zeros((4, 4, 16), np.float32)])
     want = np.stack([padded[o:o + 5] for o in range(64)])
     np.testing.assert_array_equal(got.reshape(64, 5, 4, 16), want)
@@ -934,8 +934,8 @@ def test_a_window_is_a_view_with_what_the_gather_picks(start, step):
     at = (start + np.arange(60, dtype=np.float32)[:, None]
           + step * np.arange(5)).reshape(60, 5, 1, 1, 1)
     guard = np.ones((1, 5, 1, 1, 1), np.float32)
-    got = numpy_gen.gather_one_hot(values, 4, ((at, (guard,)),), window=True)
-    want = numpy_gen.gather_one_hot(values, 4, ((at, (guard,)),))
+    got = numpy_runtime.gather_one_hot(values, 4, ((at, (guard,)),), window=True)
+    want = numpy_runtime.gather_one_hot(values, 4, ((at, (guard,)),))
     np.testing.assert_array_equal(got, want)
     assert not got.flags.writeable
     inside = start >= 0 and start + 59 + 4 * step < 64
@@ -947,9 +947,9 @@ def test_a_window_is_not_taken_where_positions_jump_or_a_guard_fails():
     even = np.arange(8, dtype=np.float32).reshape(8, 1)
     for at, guards in [(even[::-1].copy(), ()), (even ** 2, ()), (even + 0.5, ()),
                        (even, (np.array([[1], [0]] * 4, np.float32),))]:
-        assert numpy_gen._window(values, 1, at, guards) is None
-        got = numpy_gen.gather_one_hot(values, 1, ((at, guards),), window=True)
-        np.testing.assert_array_equal(got, numpy_gen.gather_one_hot(values, 1, ((at, guards),)))
+        assert numpy_runtime._window(values, 1, at, guards) is None
+        got = numpy_runtime.gather_one_hot(values, 1, ((at, guards),), window=True)
+        np.testing.assert_array_equal(got, numpy_runtime.gather_one_hot(values, 1, ((at, guards),)))
 
 
 @pytest.mark.parametrize("ids", [[3, 0, 9, 3], [3, -1, -10, 9], [3, 2.5, 10, -11]],
@@ -962,19 +962,19 @@ def test_a_lookup_by_ids_picks_rows_as_onnx_gather_does(ids):
     table = np.arange(40, dtype=np.float32).reshape(10, 4)
     at = np.array(ids, np.float32).reshape(4, 1, 1)
     values = table.T.reshape(1, 4, 10)
-    got = numpy_gen.gather_one_hot(values, 2, ((at, ()), (at + 10, ())))
+    got = numpy_runtime.gather_one_hot(values, 2, ((at, ()), (at + 10, ())))
     want = np.array([table[int(i) % 10] if i == int(i) and -10 <= i < 10 else np.zeros(4)
                      for i in ids], np.float32)
     np.testing.assert_array_equal(got.reshape(4, 4), want)
-    twice = numpy_gen.gather_one_hot(values, 2, ((at, ()), (at, ())))
-    np.testing.assert_array_equal(twice, numpy_gen.gather_one_hot(values, 2, ((at, ()),)))
+    twice = numpy_runtime.gather_one_hot(values, 2, ((at, ()), (at, ())))
+    np.testing.assert_array_equal(twice, numpy_runtime.gather_one_hot(values, 2, ((at, ()),)))
 
 
 def test_a_gather_that_picks_nothing_is_zeros_of_the_contractions_shape():
     values = np.ones((1, 4, 10), np.float32)
     far = np.full((3, 1, 1), 50.0, np.float32)
     guard = np.ones((1, 1, 1), np.float32)
-    got = numpy_gen.gather_one_hot(values, 2, ((far, (guard,)), (far - 100, ())))
+    got = numpy_runtime.gather_one_hot(values, 2, ((far, (guard,)), (far - 100, ())))
     np.testing.assert_array_equal(got, np.zeros((3, 4, 1), np.float32))
 
 

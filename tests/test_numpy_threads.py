@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 
 from bbrules import dense, interp
 from bbrules.blockfile import load_block_program, parse_block_program
-from bbrules.codegen import numpy_gen
+from bbrules.codegen import numpy_gen, numpy_plan, numpy_runtime
 from bbrules.cost import cost_kernel
 from bbrules.errors import UsageError
 from bbrules.frontend import load_program, parse_program
@@ -83,9 +83,9 @@ def test_fused_causal_attention_on_threads(monkeypatch):
     ast = load_program(EXAMPLES / "causal_attention.bbp",
                        dims={"h": (2, 1), "q": (64, 16), "k": (64, 16), "d": (16, 16)})
     p = fuse(lower(ast), load_packs([]), H100).program
-    monkeypatch.setattr(numpy_gen, "MIN_CALL_FLOPS", 1500)
-    monkeypatch.setattr(numpy_gen, "PARTS_START_NS", 0)
-    assert numpy_gen.split_kernel(p, p.kernels[0], 2, H100) == ("q", [(0, 2), (2, 1), (3, 1)])
+    monkeypatch.setattr(numpy_plan, "MIN_CALL_FLOPS", 1500)
+    monkeypatch.setattr(numpy_plan, "PARTS_START_NS", 0)
+    assert numpy_plan.split_kernel(p, p.kernels[0], 2, H100) == ("q", [(0, 2), (2, 1), (3, 1)])
     # each part visits the key blocks its own query blocks reach: 2, then 3 or 4 of 4; those
     # below its first query are a loop of their own, without the mask
     code = numpy_gen.generate(p, threads=2)
@@ -128,7 +128,7 @@ def test_the_split_axis_also_folded_over():
     stats = welford_stats(x, "e", 4)
     y = mul(sub(x, Get(0, stats)), Unary("rsqrt", add(Get(1, stats), Const(1e-5))))
     p = program({"m": (12, 12), "e": (24, 4)}, {"X": ("m", "e")}, [Store("Y", ("m", "e"), y)])
-    assert numpy_gen.split_kernel(p, p.kernels[0], 2, H100)[0] == "e"
+    assert numpy_plan.split_kernel(p, p.kernels[0], 2, H100)[0] == "e"
     inputs = {"X": rand(12, 24, seed=5, loc=3.0)}
     whole = assert_threads_agree(p, inputs)
     x64 = inputs["X"].astype(np.float64)
@@ -211,9 +211,9 @@ def test_random_programs_on_threads(split_small, source):
 def test_parts_cover_the_axis_in_near_equal_runs(split_small):
     p = flash(80, 8, 8, 16)  # 10 query blocks
     (k,) = p.kernels
-    axis, runs = numpy_gen.split_kernel(p, k, 2, H100)  # PARTS_PER_THREAD parts per thread
+    axis, runs = numpy_plan.split_kernel(p, k, 2, H100)  # PARTS_PER_THREAD parts per thread
     assert axis == "q" and runs == [(0, 3), (3, 3), (6, 2), (8, 2)]
-    assert numpy_gen.split_kernel(p, k, 16, H100)[1] == [(i, 1) for i in range(10)]
+    assert numpy_plan.split_kernel(p, k, 16, H100)[1] == [(i, 1) for i in range(10)]
     source = numpy_gen.generate(p, threads=2)
     assert "def kernel_O_q3(" in source and "def kernel_O_q2(" in source  # one per length
     assert ("run_parts([(kernel_O_q3, 0), (kernel_O_q3, 24), (kernel_O_q2, 48), "
@@ -222,17 +222,17 @@ def test_parts_cover_the_axis_in_near_equal_runs(split_small):
 
 def test_small_kernels_and_one_block_grids_run_whole():
     small = flash(64, 8, 8, 16)
-    assert numpy_gen.split_kernel(small, small.kernels[0], 8, H100) is None  # little work
+    assert numpy_plan.split_kernel(small, small.kernels[0], 8, H100) is None  # little work
     assert numpy_gen.generate(small, threads=8) == numpy_gen.generate(small)
     one_block = flash(512, 64, 512, 64)  # enough work, one query block
-    assert numpy_gen.split_kernel(one_block, one_block.kernels[0], 8, H100) is None
+    assert numpy_plan.split_kernel(one_block, one_block.kernels[0], 8, H100) is None
     big = flash(512, 64, 64, 64)
-    assert numpy_gen.split_kernel(big, big.kernels[0], 2, H100) is not None
-    assert numpy_gen.split_kernel(big, big.kernels[0], 1, H100) is None
+    assert numpy_plan.split_kernel(big, big.kernels[0], 2, H100) is not None
+    assert numpy_plan.split_kernel(big, big.kernels[0], 1, H100) is None
 
 
 def test_a_kernel_too_small_to_split_does_not_take_the_program_into_parts(monkeypatch):
-    """Elementwise work that would pay for parts (`_parts_pay`) in a kernel whose numpy calls
+    """Elementwise work that would pay for parts (`parts_pay`) in a kernel whose numpy calls
     are too small to split (`MIN_CALL_FLOPS`) leaves the program whole, its product threaded
     by BLAS: magika's GELU took the whole model into parts, 4.8-5.1 ms against 3.7 whole."""
     ast = parse_program("dim r = 256 / 16\ndim c = 512 / 512\ndim k = 512\n"
@@ -240,12 +240,12 @@ def test_a_kernel_too_small_to_split_does_not_take_the_program_into_parts(monkey
                         "Y[r, c] = tanh(tanh(tanh(X[r, c]))) * 2\n"
                         "Z[r, c] = sum[k] A[r, k] * B[k, c]\noutput Y, Z\n")
     p = lower(ast)
-    pays = [k for k in p.kernels if numpy_gen._parts_pay(p.in_kernel(k), k)]
+    pays = [k for k in p.kernels if numpy_plan.parts_pay(p.in_kernel(k), k)]
     assert [k.name for k in pays] == ["Y"]
-    assert numpy_gen.split_kernel(p, pays[0], 2, H100) is None
+    assert numpy_plan.split_kernel(p, pays[0], 2, H100) is None
     assert parts_in(numpy_gen.generate(p, threads=2)) == 0
-    monkeypatch.setattr(numpy_gen, "MIN_CALL_FLOPS", 1 << 10)  # now Y splits, and so does Z
-    assert numpy_gen.split_kernel(p, pays[0], 2, H100) is not None
+    monkeypatch.setattr(numpy_plan, "MIN_CALL_FLOPS", 1 << 10)  # now Y splits, and so does Z
+    assert numpy_plan.split_kernel(p, pays[0], 2, H100) is not None
     assert parts_in(numpy_gen.generate(p, threads=2)) >= 4
     inputs = random_inputs(ast, seed=3)
     got = numpy_gen.run(p, inputs, threads=2)
@@ -254,13 +254,13 @@ def test_a_kernel_too_small_to_split_does_not_take_the_program_into_parts(monkey
 
 def test_threads_default_and_override(monkeypatch):
     monkeypatch.setenv("BBRULES_THREADS", "3")
-    assert numpy_gen.default_threads() == 3
+    assert numpy_runtime.default_threads() == 3
     for bad in ("0", "two", "-1"):
         monkeypatch.setenv("BBRULES_THREADS", bad)
         with pytest.raises(UsageError, match="BBRULES_THREADS"):
-            numpy_gen.default_threads()
+            numpy_runtime.default_threads()
     monkeypatch.delenv("BBRULES_THREADS")
-    assert numpy_gen.default_threads() >= 1
+    assert numpy_runtime.default_threads() >= 1
 
 
 def test_parts_run_threads_at_a_time_and_report_their_errors():
@@ -270,7 +270,7 @@ def test_parts_run_threads_at_a_time_and_report_their_errors():
     barrier = threading.Barrier(3, timeout=10)  # passes only when three parts run at once
     running, most = [0], [0]
     count = threading.Lock()
-    blas = numpy_gen._OPENBLAS
+    blas = numpy_runtime._OPENBLAS
     before = blas[0]() if blas else None
 
     def part(out: np.ndarray, start: int) -> None:
@@ -284,7 +284,7 @@ def test_parts_run_threads_at_a_time_and_report_their_errors():
             running[0] -= 1
 
     out = np.zeros(6, np.float32)
-    numpy_gen.run_parts([(part, i) for i in range(6)], 3, out)
+    numpy_runtime.run_parts([(part, i) for i in range(6)], 3, out)
     assert out.tolist() == [1, 2, 3, 4, 5, 6]
     assert most[0] == 3 and len({name for name, _ in seen.values()}) == 3
     if blas:
@@ -296,7 +296,7 @@ def test_parts_run_threads_at_a_time_and_report_their_errors():
             raise RuntimeError(f"part {start}")
 
     with pytest.raises(RuntimeError, match="part 1"):
-        numpy_gen.run_parts([(failing, 0), (failing, 1)], 2, out)
+        numpy_runtime.run_parts([(failing, 0), (failing, 1)], 2, out)
     if blas:
         assert blas[0]() == before
 
@@ -307,10 +307,10 @@ BINDABLE = hasattr(os, "sched_setaffinity") and len(os.sched_getaffinity(0)) >= 
 def test_threads_are_bound_only_where_they_take_every_core():
     """With fewer threads than cores, which to take is the scheduler's call: processes that
     each bound their threads to the first cores they may use would all share those."""
-    assert numpy_gen._cores_to_bind({3, 1}, 2) == [1, 3]
-    assert numpy_gen._cores_to_bind({0, 1, 2, 3}, 2) is None
-    assert numpy_gen._cores_to_bind({0}, 2) is None
-    assert numpy_gen._cores_to_bind(None, 2) is None
+    assert numpy_runtime._cores_to_bind({3, 1}, 2) == [1, 3]
+    assert numpy_runtime._cores_to_bind({0, 1, 2, 3}, 2) is None
+    assert numpy_runtime._cores_to_bind({0}, 2) is None
+    assert numpy_runtime._cores_to_bind(None, 2) is None
 
 
 @pytest.mark.skipif(not BINDABLE, reason="binds threads to cores: needs Linux and 2 cores")
@@ -330,7 +330,7 @@ def test_parts_run_on_cores_of_their_own_unless_another_call_overlaps():
             both.wait()
             seen[start] = os.sched_getaffinity(0)
 
-        numpy_gen.run_parts([(part, 0), (part, 1)], 2, out)
+        numpy_runtime.run_parts([(part, 0), (part, 1)], 2, out)
         assert all(len(cores) == 1 and cores <= own for cores in seen.values())
         assert seen[0] != seen[1]
         assert os.sched_getaffinity(0) == own
@@ -347,11 +347,11 @@ def test_parts_run_on_cores_of_their_own_unless_another_call_overlaps():
             overlapped[start] = os.sched_getaffinity(0)
             released.set()
 
-        first = threading.Thread(target=numpy_gen.run_parts,
+        first = threading.Thread(target=numpy_runtime.run_parts,
                                  args=([(holding, 0), (holding, 1)], 2, out))
         first.start()
         running.wait()
-        numpy_gen.run_parts([(overlapping, 0), (overlapping, 1)], 2, out)
+        numpy_runtime.run_parts([(overlapping, 0), (overlapping, 1)], 2, out)
         first.join(10)
         assert overlapped and all(cores == own for cores in overlapped.values())
     finally:
@@ -371,7 +371,7 @@ def test_parts_run_where_their_threads_cannot_be_bound(monkeypatch):
     def part(out: np.ndarray, start: int) -> None:
         out[start] = start + 1
 
-    numpy_gen.run_parts([(part, i) for i in range(4)], 2, out)
+    numpy_runtime.run_parts([(part, i) for i in range(4)], 2, out)
     assert out.tolist() == [1, 2, 3, 4]
 
 
@@ -402,10 +402,10 @@ def test_a_kernel_skipping_blocks_by_its_split_axis_runs_in_more_parts():
         ast = load_program(EXAMPLES / f"{name}.bbp")
         p = fuse(lower(ast), load_packs([]), H100).program
         kernel = max(p.kernels, key=lambda k: len(k.grid))
-        parts[name] = numpy_gen.split_kernel(p, kernel, 2, H100)
+        parts[name] = numpy_plan.split_kernel(p, kernel, 2, H100)
     assert parts["causal_attention"][0] == "q" and len(parts["causal_attention"][1]) == \
-        2 * numpy_gen.PARTS_PER_THREAD * numpy_gen.SKIPPING_PARTS
-    assert len(parts["attention"][1]) == 2 * numpy_gen.PARTS_PER_THREAD
+        2 * numpy_plan.PARTS_PER_THREAD * numpy_plan.SKIPPING_PARTS
+    assert len(parts["attention"][1]) == 2 * numpy_plan.PARTS_PER_THREAD
 
 
 def test_a_lookup_by_a_one_hot_is_split_by_what_its_gather_copies():
@@ -419,7 +419,7 @@ def test_a_lookup_by_a_one_hot_is_split_by_what_its_gather_copies():
     p = lower(parse_program(source))
     (kernel,) = p.kernels
     assert cost_kernel(p, kernel, H100).flops > 8e9
-    assert numpy_gen.split_kernel(p, kernel, 2, H100) is None
+    assert numpy_plan.split_kernel(p, kernel, 2, H100) is None
 
 
 def test_a_program_splits_only_where_some_kernel_has_elementwise_work_to_share():
@@ -432,13 +432,13 @@ def test_a_program_splits_only_where_some_kernel_has_elementwise_work_to_share()
               "H[t, f] = sum[e] X[t, e] * W1[e, f]\nY[t, e] = sum[f] H[t, f] * W2[f, e]\n"
               "output Y\n")
     products = lower(parse_program(source))
-    assert not any(numpy_gen._parts_pay(products, k) for k in products.kernels)
+    assert not any(numpy_plan.parts_pay(products, k) for k in products.kernels)
     assert parts_in(numpy_gen.generate(products, threads=2)) == 0
     longer = source.replace("dim t = 128 / 64", "dim t = 4096 / 64")
     assert parts_in(numpy_gen.generate(lower(parse_program(longer)), threads=2)) == 0
     ast = load_program(EXAMPLES / "attention.bbp")
     attention = lower(ast)  # unfused: scores, softmax and the product by V, each a kernel
-    pays = [k.name for k in attention.kernels if numpy_gen._parts_pay(attention, k)]
+    pays = [k.name for k in attention.kernels if numpy_plan.parts_pay(attention, k)]
     assert pays and len(pays) < len(attention.kernels)
     code = numpy_gen.generate(attention, threads=2)
     split = {name for name in re.findall(r"\(kernel_(\w+?)_[a-z]+\d+, \d+\)", code)}
@@ -453,7 +453,7 @@ def test_a_kernel_is_split_along_the_axis_its_work_depends_on():
     stats = welford_stats(x, "e", 4)
     y = mul(sub(x, Get(0, stats)), Unary("rsqrt", add(Get(1, stats), Const(1e-5))))
     p = program({"m": (12, 4), "e": (24, 4)}, {"X": ("m", "e")}, [Store("Y", ("m", "e"), y)])
-    assert numpy_gen._split_axis(p, p.kernels[0]) == "m"
+    assert numpy_plan._split_axis(p, p.kernels[0]) == "m"
 
 
 def test_a_contraction_counts_its_contracted_axis_once():
@@ -465,4 +465,4 @@ def test_a_contraction_counts_its_contracted_axis_once():
                        {"m": (256, 64), "e": (128, 32), "n": (128, 32)})
     p = fuse(lower(ast), load_packs([]), get_target("cpu"), "traffic").program
     kernel = next(k for k in p.kernels if set(k.grid) == {"m", "n"})
-    assert numpy_gen._split_axis(p.in_kernel(kernel), kernel) == "m"
+    assert numpy_plan._split_axis(p.in_kernel(kernel), kernel) == "m"

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from bbrules.codegen import numpy_gen, numpy_timing
+from bbrules.codegen import numpy_gen, numpy_plan, numpy_timing
 from bbrules.cost import cost_program
 from bbrules.frontend import parse_program
 from bbrules.inputs import random_inputs
@@ -98,10 +98,10 @@ def test_tune_keeps_the_module_that_ran_faster(split_small, monkeypatch, faster)
 
 
 def test_tune_times_a_module_in_parts_even_where_the_estimate_runs_it_whole(monkeypatch):
-    """The estimate (`_parts_pay`) would run the program whole: tuning still times parts."""
+    """The estimate (`parts_pay`) would run the program whole: tuning still times parts."""
     p, inputs = attention()
-    monkeypatch.setattr(numpy_gen, "PARTS_START_NS", float("inf"))
-    monkeypatch.setattr(numpy_gen, "MIN_CALL_FLOPS", 1)
+    monkeypatch.setattr(numpy_plan, "PARTS_START_NS", float("inf"))
+    monkeypatch.setattr(numpy_plan, "MIN_CALL_FLOPS", 1)
     assert parts_in(numpy_gen.generate(p, threads=2)) == 0
     tuned = numpy_timing.tune(p, inputs, threads=2, runs=3)
     assert set(tuned.seconds) == {"parts", "whole"} and all(

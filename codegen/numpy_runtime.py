@@ -1,0 +1,322 @@
+"""What generated numpy modules call while they run: gathers by a one-hot's picks
+(`gather_one_hot`), read-only inputs copied into another layout once (`relaid`), and a
+kernel's parts run at once on a pool of threads (`run_parts`), with numpy's BLAS held to one
+thread meanwhile.  `numpy_gen` writes the calls; nothing here knows the block IR."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+import weakref
+from concurrent.futures import ThreadPoolExecutor, wait
+from contextlib import contextmanager, suppress
+from math import prod
+from typing import AbstractSet, Callable, Iterator, Sequence
+
+import numpy as np
+
+from bbrules.errors import UsageError
+
+
+# Copies of read-only arrays into other layouts (`relaid`), by the relayout's code, its key and
+# the array it reads; each kept while the array it was made from lives.
+_RELAID: dict[tuple, tuple[weakref.ref, np.ndarray]] = {}
+
+
+def relaid(array: np.ndarray, relayout: Callable[[np.ndarray], np.ndarray],
+           *key: object) -> np.ndarray:
+    """`relayout(array)`, a copy into another order or shape (a matmul operand's, zero
+    padding), made once for a read-only array and kept for later calls while the array that
+    owns its memory lives: a read-only array is a constant (`Imported` marks a model's
+    weights so).  A writeable array may change between calls, so it is copied each time, as
+    is what `relayout` returns as a view.  `key` tells apart relayouts written by one line of
+    code (the program's padding of each input)."""
+    owner = array
+    while isinstance(owner.base, np.ndarray):
+        owner = owner.base
+    if owner.flags.writeable:
+        return relayout(array)
+    spot = (relayout.__code__, key, id(owner), array.__array_interface__["data"][0],
+            array.shape, array.strides)
+    if (kept := _RELAID.get(spot)) is not None and kept[0]() is owner:
+        return kept[1]
+    value = relayout(array)
+    if np.may_share_memory(value, array):
+        return value  # a view keeps nothing to save, and would keep the owner alive
+    value.flags.writeable = False
+    _RELAID[spot] = (weakref.ref(owner, lambda _: _RELAID.pop(spot, None)), value)
+    return value
+
+
+def gather_one_hot(values: np.ndarray, axis: int,
+                   picks: Sequence[tuple[np.ndarray, Sequence[np.ndarray]]],
+                   window: bool = False) -> np.ndarray:
+    """The sum along `axis` of `values` times a one-hot that is 1 at each pick's position
+    (relative to the block `values` holds: a position outside it, or not a whole number,
+    picks nothing) where the pick's guards hold; two picks of one position count once, as the
+    one-hot's `or` does.  With `window`, one pick that steps evenly is a read-only view of the
+    values (`_window`): for the native product, which reads any strides (numpy's matmul,
+    given magika's window, whose rows overlap, took 3.9 ms; 1.9 given a copy of it)."""
+    if window and len(picks) == 1 and (view := _window(values, axis, *picks[0])) is not None:
+        return view
+    size = values.shape[axis]
+    total, zeroed = None, None
+    taken: list[tuple[np.ndarray, np.ndarray]] = []
+    # (no Python-level numpy helpers, `any`, `all`, `moveaxis`, where a lookup by ids runs
+    # every call: they cost several times their warm time after a product has streamed its
+    # operands through the caches)
+    for at, guards in picks:
+        at = np.asarray(at)
+        if not at.size or (lo := at.min()) >= size or (hi := at.max()) < 0:
+            continue  # (ONNX's second pick, of negative ids, where there are none)
+        index = at.astype(np.intp)
+        if lo >= 0 and hi < size and not guards and not taken and (index == at).all():
+            # a lookup by ids all in range (a handful of calls, not the mask's dozen)
+            taken.append((index, np.True_))
+            total = _take(values, axis, index)
+            continue
+        held = (index == at) & (index >= 0) & (index < size)
+        for guard in guards:
+            held = held & (np.asarray(guard) != 0)
+        for other, other_held in taken:
+            held = held & ~(other_held & (other == index))
+        count = np.count_nonzero(held)
+        if not count:
+            continue
+        taken.append((index, held))
+        if count == held.size:
+            part = _take(values, axis, index)
+        elif values.size <= prod(np.broadcast_shapes(
+                values.shape[:axis] + (1,) + values.shape[axis + 1:], held.shape)):
+            # what picks nothing picks a row of zeros appended to the values: a copy of the
+            # values, smaller than a pass masking the result
+            if zeroed is None:  # rows outermost, as `_take` reads them (magika's window
+                # gathered from a copy in the values' layout, positions innermost: 346 µs,
+                # against 229)
+                rows = np.moveaxis(values, axis, 0)
+                zeroed = np.moveaxis(np.concatenate([rows, np.zeros_like(rows[:1])]), 0, axis)
+            part = _take(zeroed, axis, np.where(held, index, size))
+        else:
+            part = np.where(held, _take(values, axis, np.where(held, index, 0)), np.float32(0))
+        total = part if total is None else total + part
+    if total is None:
+        shape = values.shape[:axis] + (1,) + values.shape[axis + 1:]
+        picked = [np.shape(x) for at, guards in picks for x in (at, *guards)]
+        return np.zeros(np.broadcast_shapes(shape, *picked), np.float32)
+    return total
+
+
+def _window(values: np.ndarray, axis: int, at: np.ndarray, guards: Sequence[np.ndarray]
+            ) -> np.ndarray | None:
+    """The pick as a read-only strided view of `values` where its positions are whole numbers
+    that step evenly (forwards) along each of their dimensions the values do not span, and its
+    guards all hold: a convolution's window (position + tap), a slice, a shift; else None.
+    Positions past the values read zeros from a padded copy of them.  A product then reads the
+    window in place: magika's convolution gathered 2.6 MB a call (0.2 ms); its product reads
+    the window of its 0.5 MB of values instead (the model: 3.23 -> 3.10 ms)."""
+    at = np.asarray(at)
+    spans = [d for d in range(values.ndim) if d != axis and at.shape[d] > 1]
+    if at.ndim != values.ndim or at.shape[axis] != 1 or \
+            any(values.shape[d] > 1 for d in spans) or \
+            not all(np.all(np.asarray(g) != 0) for g in guards):
+        return None
+    index = at.astype(np.intp)
+    if not np.array_equal(index, at):
+        return None
+    base = int(index.flat[0])
+    steps = {d: int(index[tuple(int(e == d) for e in range(at.ndim))]) - base for d in spans}
+    even = base + sum((np.arange(at.shape[d]) * s).reshape([-1 if e == d else 1
+                                                            for e in range(at.ndim)])
+                      for d, s in steps.items())
+    if any(s < 0 for s in steps.values()) or not np.array_equal(
+            np.broadcast_to(even, index.shape), index):
+        return None
+    last = base + sum(s * (at.shape[d] - 1) for d, s in steps.items())
+    below, above = max(0, -base), max(0, last + 1 - values.shape[axis])
+    if below or above:  # (in the values' own order: the window's strides then merge as theirs)
+        order = sorted(range(values.ndim), key=lambda d: -abs(values.strides[d]))
+        shape = [values.shape[d] + (below + above if d == axis else 0) for d in order]
+        padded = np.zeros(shape, values.dtype).transpose(np.argsort(order))
+        padded[(slice(None),) * axis + (slice(below, below + values.shape[axis]),)] = values
+        values = padded
+    start = values[(slice(None),) * axis + (slice(base + below, None),)]
+    shape = [1 if d == axis else max(at.shape[d], values.shape[d]) for d in range(values.ndim)]
+    strides = [steps[d] * values.strides[axis] if d in steps
+               else values.strides[d] if d != axis and values.shape[d] > 1 else 0
+               for d in range(values.ndim)]
+    return np.lib.stride_tricks.as_strided(start, shape, strides, writeable=False)
+
+
+def _take(values: np.ndarray, axis: int, index: np.ndarray) -> np.ndarray:
+    """`np.take_along_axis(values, index, axis)` for an index of extent 1 along `axis`.  Where
+    the index and the values span different dimensions (a lookup of table rows by ids, a
+    window of positions over channels), whole rows are taken with one flat index and laid out
+    with one copy: several times faster than the general function's index arrays.
+
+    A lookup runs once per call of a model: few Python-level steps (from 10.5 µs to 6 for
+    LLaMA's 128 ids into a 1024 x 256 table)."""
+    ids = [d for d in range(values.ndim) if d != axis and index.shape[d] > 1]
+    spans = [d for d in range(values.ndim) if d != axis and values.shape[d] > 1]
+    if set(ids) & set(spans):
+        return np.take_along_axis(values, index, axis=axis)
+    shape = [i if i > 1 else v for v, i in zip(values.shape, index.shape)]
+    shape[axis] = 1
+    others = [d for d in range(values.ndim) if d != axis]
+    rows = values.transpose(axis, *others)
+    # (`np.take` of a table laid out in rows, an embedding, takes a third of indexing's time;
+    # given other strides it would first copy the whole table)
+    flat = index.reshape(-1)
+    rows = rows.take(flat, axis=0) if rows.flags.c_contiguous else rows[flat]
+    if not ids or not spans or ids[-1] < spans[0]:  # the rows' order is the result's
+        return rows.reshape(shape)
+    rows = rows.reshape(tuple(index.shape[d] for d in others) + rows.shape[1:])
+    n = len(others)  # pair each dimension of the index with the same one of the values
+    return rows.transpose([k for i in range(n) for k in (i, n + i)]).reshape(shape)
+
+
+def _find_openblas() -> tuple[Callable[[], int], Callable[[int], None]] | None:
+    """Get and set the thread count of the OpenBLAS numpy loaded, or None where there is none
+    this can find (another BLAS, or no /proc/self/maps to find it by: not Linux).
+
+    numpy has no API for it and reads OPENBLAS_NUM_THREADS only when it loads, so this calls
+    OpenBLAS's own C functions, under the names OpenBLAS and numpy's scipy-openblas build export.
+    """
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "openblas" in line.lower()}
+    except OSError:
+        return None
+    for path in sorted(paths):
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            continue
+        for prefix in ("scipy_openblas_", "openblas_"):
+            for suffix in ("64_", ""):
+                get = getattr(lib, f"{prefix}get_num_threads{suffix}", None)
+                set_ = getattr(lib, f"{prefix}set_num_threads{suffix}", None)
+                if get is not None and set_ is not None:
+                    get.restype, set_.argtypes = ctypes.c_int, [ctypes.c_int]
+                    return get, set_
+    return None
+
+
+_OPENBLAS = _find_openblas()
+_blas_lock = threading.Lock()
+_blas_users = 0
+_blas_saved = 0
+
+
+@contextmanager
+def _running_parts() -> Iterator[bool]:
+    """numpy's BLAS on one thread while parts run, its own count restored after the last part
+    running in this process (parts of several calls may overlap) has finished.  Yields whether
+    this call's parts run alone, no other call's overlapping them."""
+    global _blas_users, _blas_saved
+    with _blas_lock:
+        if _blas_users == 0 and _OPENBLAS is not None:
+            _blas_saved = _OPENBLAS[0]()
+            _OPENBLAS[1](1)
+        _blas_users += 1
+        alone = _blas_users == 1
+    try:
+        yield alone
+    finally:
+        with _blas_lock:
+            _blas_users -= 1
+            if _blas_users == 0 and _OPENBLAS is not None:
+                _OPENBLAS[1](_blas_saved)
+
+
+def _cores_to_bind(allowed: AbstractSet[int] | None, threads: int) -> list[int] | None:
+    """The cores the threads running parts are bound to, one each: every core the calling
+    thread may run on (`allowed`), where the threads are as many; else None, leaving them to
+    the scheduler (None too where `allowed` is: off Linux no thread can be bound).
+
+    Threads left to the scheduler share a core when they wake after a pause: on the 2 cores
+    this was measured on, a call made 0.25 s after the last took 48 ms, against 27 ms back to
+    back, its two parts running on one core at half speed each.  Bound, it took 26-27 ms.
+    With fewer threads than cores, which to take is the scheduler's call: processes that each
+    bound their threads to the first cores they may use would all share those."""
+    if allowed is None or len(allowed) != threads:
+        return None
+    return sorted(allowed)
+
+
+def default_threads() -> int:
+    """Threads `load` and `run` split kernels over: `$BBRULES_THREADS` when set, else the cores
+    this process may run on, else 1 where numpy's BLAS threads cannot be limited (parts each
+    calling a multithreaded BLAS run slower than one)."""
+    given = os.environ.get("BBRULES_THREADS")
+    if given is not None:
+        if not given.strip().isdigit() or int(given) < 1:
+            raise UsageError(f"BBRULES_THREADS={given!r}: expected a whole number of threads "
+                             f">= 1")
+        return int(given)
+    if _OPENBLAS is None:
+        return 1
+    cores = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    return len(cores) if cores else os.cpu_count() or 1
+
+
+_pool: ThreadPoolExecutor | None = None
+_pool_size = 0
+_pool_lock = threading.Lock()
+
+
+def _workers(n: int) -> ThreadPoolExecutor:
+    """The process's pool of part threads (started on first use, shared by every generated
+    module), replaced by a larger one when a kernel has more parts than it has workers."""
+    global _pool, _pool_size
+    with _pool_lock:
+        if _pool is None or _pool_size < n:
+            old, _pool, _pool_size = _pool, ThreadPoolExecutor(n, "bbrules-part"), n
+            if old is not None:
+                old.shutdown(wait=False)  # its idle workers exit; queued parts still run
+        return _pool
+
+
+def run_parts(parts: Sequence[tuple[Callable[..., None], int]], threads: int,
+              *arrays: np.ndarray) -> None:
+    """Run a kernel's parts, `threads` at a time: part(*arrays, start) for each (function,
+    start), in order, taken by the calling thread and `threads` - 1 of the pool's as each
+    becomes free; numpy's BLAS on one thread meanwhile.  Where these threads take every core
+    the caller may run on and no other call's parts overlap them, each is bound to a core of
+    its own (`_cores_to_bind`), the calling thread only until the parts are done.
+
+    Returns when every part has finished; an exception a part raised is raised here."""
+    todo = iter(parts)
+    taking = threading.Lock()
+    helpers = min(threads, len(parts)) - 1
+
+    def work(cores: AbstractSet[int] | None) -> None:
+        if cores is not None:
+            with suppress(OSError):  # binding only speeds the parts up; they run unbound
+                os.sched_setaffinity(0, cores)
+        # numpy's error state is per thread (a context variable): a worker starts from the default
+        with np.errstate(all="ignore"):
+            while True:
+                with taking:
+                    part = next(todo, None)
+                if part is None:
+                    return
+                fn, start = part
+                fn(*arrays, start)
+
+    with _running_parts() as alone:
+        own = os.sched_getaffinity(0) if hasattr(os, "sched_setaffinity") else None
+        bound = _cores_to_bind(own, helpers + 1) if alone and helpers > 0 else None
+        # a worker bound by an earlier call runs this one's parts on the caller's cores
+        cores = [{c} for c in bound] if bound else [None] + [own] * helpers
+        pool = _workers(helpers) if helpers > 0 else None
+        futures = [pool.submit(work, cores[i + 1]) for i in range(helpers)]
+        try:
+            work(cores[0])
+        finally:
+            if bound:
+                with suppress(OSError):
+                    os.sched_setaffinity(0, own)
+            wait(futures)
+        for future in futures:
+            future.result()
