@@ -950,6 +950,7 @@ class _KernelWriter:
                 also[x] = n
         for n in body:
             if isinstance(n, BlockReduce) and n not in members and n.x not in root_of and \
+                    not isinstance(self.through(n.x), Const) and \
                     n.op in native_c.REDUCTIONS and self.innermost(n.x, n.axis) and \
                     _summed_contraction(n, self) is None:
                 members[n] = []
@@ -1018,7 +1019,8 @@ class _KernelWriter:
         codes: list[str] = []
         dims: list[tuple[int, ...]] = []
         numbers: dict[Node, float] = {}
-        operands = [self.through(c) for m in group for c in children(m)] if group else [top]
+        operands = [self.through(c) for m in group for c in children(m)] if group else \
+            [self.through(top)]
         for c in (c for c in operands if c not in members):
             if c in leaves or c in numbers:
                 continue
@@ -1034,7 +1036,7 @@ class _KernelWriter:
             leaves[c] = codes.index(code)
         read = native_c.leaf_reader(leaves, numbers)
         body = native_c.statements(top, members, read, self.through) if group else \
-            (f"out = {read(top)};",)
+            (f"out = {read(self.through(top))};",)
         fn = self.fns.native_group(self.dims(top), tuple(dims), body, reduce, also is not None)
         args = ", ".join(codes)
         if self.part is None and self.fns.threads > 1:  # (a part's rows stay on its thread)

@@ -600,3 +600,35 @@ def test_a_chain_longer_than_a_group_is_left_to_numpy(monkeypatch):
                                    f"Y[r, c] = {expr}\noutput Y\n"))
     assert "= native_" in numpy_gen.generate(chain(4), native=True)  # 8 operators
     assert "= native_" not in numpy_gen.generate(chain(5), native=True)
+
+
+
+SLIDING_WINDOW = """dim h = 2 / 1
+dim q = 256 / 16
+dim k = 256 / 16
+dim d = 16
+input Q[h, q, d], K[h, k, d], V[h, k, d] : f32
+S[h, q, k] = where(k <= q and q - k < 64, sum[d] Q[h, q, d] * K[h, k, d] * 0.25, -inf)
+M[h, q]    = max[k] S[h, q, k]
+E[h, q, k] = exp(S[h, q, k] - M[h, q])
+L[h, q]    = sum[k] E[h, q, k]
+O[h, q, d] = sum[k] E[h, q, k] * V[h, k, d] / L[h, q]
+output O
+"""
+
+
+@pytest.mark.usefixtures("split_small")
+def test_a_block_max_of_a_selection_known_to_hold_reads_what_it_selects(monkeypatch):
+    """Sliding-window attention, fused, in parts: on the key blocks inside every query's window
+    the mask is known to hold, and the scores' block max, a call of its own, reads the scores
+    the selection passes through (it read the selection, which no step computes there)."""
+    monkeypatch.setattr(numpy_gen, "NATIVE_ELEMENTS", 1)
+    ast = parse_program(SLIDING_WINDOW)
+    p = fuse(lower(ast), load_packs([]), get_target("h100")).program
+    assert len(p.kernels) == 1
+    inputs = random_inputs(ast, seed=3)
+    generated = numpy_gen.generate_module(p, threads=2, split=True, native=True)
+    assert max(generated.parts) > 1 and "native_" in generated.source
+    got = numpy_gen.module_from_source(generated.source).run(**inputs)["O"]
+    assert_close(got, interp.run(p, inputs)["O"], "parts vs interpreter")
+    assert_close(got, dense.evaluate(ast, inputs, dtype=np.float64)["O"], "parts vs dense")
