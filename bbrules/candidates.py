@@ -28,11 +28,9 @@ block-program text (`show_program`, read back by `parse_block_program`).
 from __future__ import annotations
 
 import math
-import multiprocessing
 import os
 import re
 import time
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Callable
 
@@ -47,6 +45,7 @@ from .options import Options
 from .packs import load_packs
 from .rule import RulePack
 from .targets import Target
+from .workers import run_all
 
 # Above this many kernels `apply` selects candidates by default, in candidates of at most this
 # many.  Measured with `apply` on the chains of benchmarks/bench_apply.py (h100, 2 busy cores):
@@ -383,12 +382,16 @@ def _load_pack(source: PackSource) -> None:
 
 
 def _fuse_text(text: str, target: Target, objective: str, budget: Budget,
-               options: Options) -> _Fused:
-    """A worker's task: fuse a block program given as text, return the result as text."""
+               options: Options) -> _Fused | NoCandidate:
+    """A worker's task: fuse a block program given as text, return the result as text (or
+    why no fused program was found, which the caller tells in the program's names)."""
     start = time.perf_counter()
     assert _PACK is not None, "the pool initializer loads the pack"
-    r = fuse(parse_block_program(text).program, _PACK, target, objective, budget=budget,
-             options=options)
+    try:
+        r = fuse(parse_block_program(text).program, _PACK, target, objective, budget=budget,
+                 options=options)
+    except NoCandidate as err:
+        return err
     return _Fused(show_program(r.program), time.perf_counter() - start, r.stop)
 
 
@@ -428,18 +431,13 @@ def fuse_candidates(p: BlockProgram, candidates: list[Candidate], pack: RulePack
                 raise _in_candidate(err, candidates[i], forms[i][1]) from None
             fused[i], stats[i] = r.program, (time.perf_counter() - began, r.stop)
     else:
-        # spawn, not fork: the parent runs egglog's threads, which a fork would not carry
-        context = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(workers, context, _load_pack, (source,)) as pool:
-            futures = {i: pool.submit(_fuse_text, show_program(forms[i][0]), target, objective,
-                                      budget, options) for i in distinct}
-            for i, future in futures.items():
-                try:
-                    done = future.result()
-                except NoCandidate as err:
-                    raise _in_candidate(err, candidates[i], forms[i][1]) from None
-                fused[i] = parse_block_program(done.program).program
-                stats[i] = (done.seconds, done.stop)
+        calls = [(_fuse_text, (show_program(forms[i][0]), target, objective, budget, options))
+                 for i in distinct]
+        for i, d in zip(distinct, run_all(calls, workers, _load_pack, (source,))):
+            if isinstance(d, NoCandidate):
+                raise _in_candidate(d, candidates[i], forms[i][1])
+            fused[i] = parse_block_program(d.program).program
+            stats[i] = (d.seconds, d.stop)
     taken = set(p.tensors)
     programs, reports = [], []
     for c, (form, back) in zip(candidates, forms):

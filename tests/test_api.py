@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -175,3 +176,23 @@ def test_the_readme_example_runs(monkeypatch, capsys):
     monkeypatch.chdir(ROOT)
     exec(compile(code, "README.md", "exec"), {})
     assert "4 -> 1 kernels" in capsys.readouterr().out
+
+
+def test_a_script_without_a_main_guard_fuses_by_candidates_in_workers(tmp_path):
+    """Candidates are fused in worker processes that import bbrules, not the caller's script:
+    spawned by multiprocessing, each re-ran the script's top level (printing twice more here)
+    and failed in its call of `fuse` (BrokenProcessPool in the caller)."""
+    script = tmp_path / "fuse_it.py"
+    script.write_text(
+        "import os, bbrules\n"
+        "print('top level')\n"
+        f"f = bbrules.fuse({str(ROOT / 'examples' / 'rmsnorm_ffn_swiglu.bbp')!r}, "
+        "candidates=2, seconds=20)\n"
+        "print(f.result.workers, len(f.result.candidates), len(f.model.program.kernels))\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          cwd=tmp_path, env={"PYTHONPATH": str(ROOT)}, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    top, counts = done.stdout.splitlines()
+    workers, candidates, kernels = map(int, counts.split())
+    assert top == "top level" and candidates == 3 and kernels < 6
+    assert workers == min(2, os.cpu_count() or 1)
