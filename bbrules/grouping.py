@@ -53,7 +53,7 @@ from typing import Callable, Iterable, Iterator
 
 from .cost import KernelCost, ProgramCost, cost_kernel
 from .ir import BlockProgram, Kernel, Load, Reduce, Store, postorder
-from .plan import kernel_uses
+from .plan import block_bound_axes, kernel_uses
 from .splitting import Splitter, may_pay
 from .targets import Target
 
@@ -142,7 +142,9 @@ def _tilings(p: BlockProgram, k: Kernel, kc: KernelCost, make: Make, target: Tar
     fit local memory).  Coarser loop blocks are offered only where the kernel is then
     faster and reads no more (fewer steps, each with its combines).  A loop axis the program
     itself blocks by one element (a split's chunk axis) keeps its blocks: a fold over it may
-    rely on them (`reduce(c, sum, bmax(c, x))` combines each chunk's maximum).  Finer blocks
+    rely on them (`reduce(c, sum, bmax(c, x))` combines each chunk's maximum); so does one
+    whose block a fold's state holds (`block_bound_axes`: a Welford fold's count and mean
+    are a block's of 64, whatever block the loop walks).  Finer blocks
     are offered only where they read nothing more: finer blocks that re-read operands (a
     matmul's, the keys of attention) are a trade of traffic for parallelism that these
     moves leave alone."""
@@ -153,7 +155,8 @@ def _tilings(p: BlockProgram, k: Kernel, kc: KernelCost, make: Make, target: Tar
     if coarser:
         if kc.bytes_read <= _once(p, k):
             grid = []  # it reads each tensor once already
-        loops = [a for a in _loop_axes(k) if p.block(a) > 1]
+        bound = block_bound_axes(p, k)
+        loops = [a for a in _loop_axes(k) if p.block(a) > 1 and a not in bound]
     for a in grid + loops:
         block = own.block(a) * 2 if coarser else own.block(a) // 2
         if (block < target.block_granularity or block > own.extent(a)

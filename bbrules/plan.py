@@ -323,6 +323,23 @@ def kernel_uses(kernel: Kernel) -> tuple[frozenset[str], frozenset[str]]:
     return frozenset(axes), frozenset(tensors)
 
 
+def block_bound_axes(p: BlockProgram, kernel: Kernel) -> frozenset[str]:
+    """The axes whose blocks a kernel's folds depend on, which it must walk in the blocks it
+    was written for: a fold whose state for one block holds that block's size, as a rule
+    writes it (`const(block(?e))`, `const(1 / block(?e))`): a Welford fold's count and mean,
+    `tuple(64.0, bsum(e, x) * 0.015625, ...)`, are a block of 64's."""
+    kp = p.in_kernel(kernel)
+    bound: set[str] = set()
+    for store in kernel.stores:
+        for n in postorder(store.value):
+            if isinstance(n, Reduce) and n.axis not in bound:
+                size = kp.block(n.axis)
+                if any(isinstance(c, Const) and c.value in (size, 1 / size)
+                       for c in postorder(n.x)):
+                    bound.add(n.axis)
+    return frozenset(bound)
+
+
 def clear_cache() -> None:
     _plan.cache_clear()
     _var_names.cache_clear()

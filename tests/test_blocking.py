@@ -11,14 +11,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bbrules import interp
+from bbrules import dense, interp
 from bbrules.blockfile import parse_block_program
 from bbrules.codegen import cuda_gen, numpy_gen
 from bbrules.cost import cost_program
 from bbrules.errors import SourceError
 from bbrules.frontend import load_program, parse_program
 from bbrules.fuse import fuse
-from bbrules.ir import IRError, show_program, validate
+from bbrules.inputs import random_inputs
+from bbrules.ir import IRError, Reduce, postorder, show_program, validate
 from bbrules.lower import lower
 from bbrules.options import Options
 from bbrules.packs import load_packs
@@ -218,3 +219,26 @@ def test_a_fold_takes_coarser_loop_blocks_where_the_kernel_then_works_less(pack)
     want = e / e.sum(axis=1, keepdims=True) @ inputs["V"].astype(np.float64)
     np.testing.assert_allclose(numpy_gen.run(r.program, inputs)["O"], want, rtol=1e-4,
                                atol=1e-5)
+
+
+def test_a_welford_fold_keeps_the_blocks_its_state_counts(pack):
+    """A LayerNorm's statistics as a Welford fold: each block's state is `tuple(64.0,
+    bsum(e, x) * 0.015625, ...)`, a block of 64's count and mean.  On the cpu target coarser
+    loop blocks were faster, and walked in blocks of 256 the fold counted 64 elements for
+    each 256 (a GPT-2 block exported from torch: its output off by half its scale)."""
+    ast = parse_program("dim m = 128 / 64\ndim e = 256 / 64\ndim n = 256 / 64\n"
+                        "input X[m, e], W[e, n] : f32\n"
+                        "MU[m] = mean[e] X[m, e]\n"
+                        "VAR[m] = mean[e] square(X[m, e] - MU[m])\n"
+                        "XN[m, e] = (X[m, e] - MU[m]) * rsqrt(VAR[m] + 1e-5)\n"
+                        "Y[m, n] = sum[e] XN[m, e] * W[e, n]\noutput Y\n")
+    r = fuse(lower(ast), pack, get_target("cpu"), "traffic")
+    counted = [k for k in r.program.kernels if any(
+        isinstance(x, Reduce) and x.monoid.name in ("welford", "comoment")
+        for s in k.stores for x in postorder(s.value))]
+    assert counted, show_program(r.program)
+    for k in counted:
+        assert r.program.in_kernel(k).block("e") == 64, show_program(r.program)
+    inputs = random_inputs(ast, seed=4)
+    want = dense.evaluate(ast, inputs, dtype=np.float64)["Y"]
+    np.testing.assert_allclose(interp.run(r.program, inputs)["Y"], want, rtol=1e-4, atol=1e-4)
