@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from .frontend import DimOverrides
     from .fuse import FuseResult
     from .ir import BlockProgram
-    from .program import Program
+    from .program import Interface, Program
 
 __all__ = ["Compiled", "Cost", "Fusion", "Model", "SourceError", "UsageError", "compile", "cost",
            "fuse", "load"]
@@ -155,14 +155,42 @@ class Fusion:
 class Compiled:
     """A program compiled for a backend.  Call it with one array per input, by name; it
     returns the program's outputs by name, at their extents.  Inputs whose values the model
-    holds (`values`: an imported model's weights) may be left out."""
+    holds (`values`: an imported model's weights) may be left out.  An imported model
+    (`interface`) is called as the model itself is, as onnxruntime calls it: its inputs and
+    outputs by the model's names, in the model's shapes."""
 
     program: BlockProgram
     backend: str
     run: Callable[..., dict[str, np.ndarray]]
     values: Mapping[str, np.ndarray] = field(default_factory=dict)
+    interface: Interface | None = None
 
     def __call__(self, **given: np.ndarray) -> dict[str, np.ndarray]:
+        face = self.interface
+        if face is None:
+            return self._run(given)
+        unknown = sorted(set(given) - set(face.inputs))
+        missing = [n for n in face.inputs if n not in given]
+        if missing or unknown:
+            raise UsageError(f"the model takes inputs {_model_shapes(face.inputs)}"
+                             + (f"; missing {', '.join(missing)}" if missing else "")
+                             + (f"; no input named {', '.join(unknown)}" if unknown else ""))
+        inputs = {}
+        for name, (tensor, shape) in face.inputs.items():
+            if np.shape(given[name]) != shape:
+                raise UsageError(f"input {name} has shape {np.shape(given[name])}, the model "
+                                 f"takes {shape}")
+            inputs[tensor] = np.reshape(given[name], self._shape(tensor))
+        results = self._run(inputs)
+        return {name: results[tensor].reshape(shape)
+                for name, (tensor, shape) in face.outputs.items()}
+
+    def _shape(self, tensor: str) -> tuple[int, ...]:
+        p = self.program
+        return tuple(p.extent(a) for a in p.tensors[tensor].axes)
+
+    def _run(self, given: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The program on `given` and the values it holds, checked against its inputs."""
         p = self.program
         inputs = {**self.values, **given}
         missing = [n for n in p.inputs if n not in inputs]
@@ -172,7 +200,7 @@ class Compiled:
                              + (f"; missing {', '.join(missing)}" if missing else "")
                              + (f"; no input named {', '.join(unknown)}" if unknown else ""))
         for name in p.inputs:
-            want = tuple(p.extent(a) for a in p.tensors[name].axes)
+            want = self._shape(name)
             if np.shape(inputs[name]) != want:
                 raise UsageError(f"input {name} has shape {np.shape(inputs[name])}, the "
                                  f"program declares {want}")
@@ -185,7 +213,10 @@ class Compiled:
         return tuple(n for n in self.program.inputs if n not in self.values)
 
     def __repr__(self) -> str:
-        p = self.program
+        p, face = self.program, self.interface
+        if face is not None:
+            return (f"<bbrules.Compiled {self.backend}: {_model_shapes(face.inputs)} -> "
+                    f"{_model_shapes(face.outputs)}>")
         return (f"<bbrules.Compiled {self.backend}: {_shapes(p, self.arguments)} -> "
                 f"{_shapes(p, p.outputs)}>")
 
@@ -294,18 +325,20 @@ def compile(program: ProgramLike, backend: str = "numpy") -> Compiled:
     """`program` as a callable for `backend`: "numpy" (generated once, runs on the CPU),
     "interp" (the reference interpreter) or "cuda" (CUDA C through CuPy, needs a GPU), the
     backends of `bbrules run`.  The inputs whose values the source program holds (an imported
-    model's weights) are passed for the caller unless it gives them."""
+    model's weights) are passed for the caller unless it gives them; an imported model takes
+    and returns arrays by its own names, in its own shapes (`Compiled`)."""
     from .cli import BACKENDS
 
     if backend not in BACKENDS:
         raise UsageError(f"unknown backend '{backend}': one of {', '.join(BACKENDS)}")
     model = _model(program)
-    p, values = model.program, (model.ast.values if model.ast is not None else {})
+    p, ast = model.program, model.ast
+    values, face = (ast.values, ast.interface) if ast is not None else ({}, None)
     if backend == "numpy":
         from .codegen import numpy_gen
-        return Compiled(p, backend, numpy_gen.load(p).outputs, values)
+        return Compiled(p, backend, numpy_gen.load(p).outputs, values, face)
     execute = BACKENDS[backend]
-    return Compiled(p, backend, lambda **inputs: execute(p, inputs), values)
+    return Compiled(p, backend, lambda **inputs: execute(p, inputs), values, face)
 
 
 # --------------------------------------------------------------------------------------------
@@ -361,6 +394,11 @@ def _shapes(p: BlockProgram, names: Sequence[str]) -> str:
     """Tensors with their extents: what a caller passes and gets back."""
     return ", ".join(f"{n}[{', '.join(str(p.extent(a)) for a in p.tensors[n].axes)}]"
                      for n in names)
+
+
+def _model_shapes(names: Mapping[str, tuple[str, tuple[int, ...]]]) -> str:
+    """An imported model's inputs or outputs with its shapes."""
+    return ", ".join(f"{n}{list(shape)}" for n, (_, shape) in names.items())
 
 
 def _html(summary: str, *blocks: str) -> str:

@@ -40,7 +40,7 @@ from .lower import lower
 from .memory import default_budget, run_bytes
 from .options import Meter, Options
 from .packs import discover_packs, load_each, merge_all, pack_directories
-from .program import Program
+from .program import Interface, Program
 from .rule import RulePack
 from .soundness import check_soundness, require_sound
 from .targets import get_target
@@ -110,7 +110,8 @@ def load_onnx(path: str, dims: DimOverrides) -> Program:
     """An ONNX model imported as a checked program that carries its weights."""
     imported = import_onnx(path, dims)
     ast = parse_program(imported.text, f"{path} (imported)")
-    return replace(ast, values=imported.weights)
+    return replace(ast, values=imported.weights,
+                   interface=Interface(imported.inputs, imported.outputs))
 
 
 def _source_program(bbk: Path, block_file: BlockFile) -> Program | None:

@@ -84,11 +84,23 @@ class Statement:
 
 
 @dataclass(frozen=True)
+class Interface:
+    """An imported model's own names and shapes for a program's inputs and outputs: name ->
+    (the program's tensor, the model's shape).  An array passes between the two by `reshape`,
+    the same elements in the same order (an ONNX model's unit dimensions are dropped, and its
+    names made identifiers)."""
+
+    inputs: dict[str, tuple[str, tuple[int, ...]]]
+    outputs: dict[str, tuple[str, tuple[int, ...]]]
+
+
+@dataclass(frozen=True)
 class Program:
     """A checked program.  `tensors` holds inputs, then statement targets in statement order
     (role `temp` or `output`); `source` is the text, kept for carets in later errors.
     `values` holds inputs whose values are known (an imported model's weights): runs load
-    them instead of drawing random ones."""
+    them instead of drawing random ones; `interface`, an imported model's own names and
+    shapes (`bbrules.compile` takes and returns those)."""
 
     path: str
     dims: dict[str, Dim]
@@ -97,6 +109,7 @@ class Program:
     outputs: tuple[str, ...]
     source: str = field(default="", compare=False, repr=False)
     values: dict[str, np.ndarray] = field(default_factory=dict, compare=False, repr=False)
+    interface: Interface | None = field(default=None, compare=False, repr=False)
 
     @property
     def inputs(self) -> tuple[str, ...]:

@@ -196,3 +196,34 @@ def test_a_script_without_a_main_guard_fuses_by_candidates_in_workers(tmp_path):
     workers, candidates, kernels = map(int, counts.split())
     assert top == "top level" and candidates == 3 and kernels < 6
     assert workers == min(2, os.cpu_count() or 1)
+
+
+def test_an_imported_model_is_called_with_its_own_names_and_shapes(tmp_path):
+    """As onnxruntime runs it: inputs and outputs by the model's names (not identifiers) in
+    its shapes (with the unit dimensions the program drops), unfused and fused alike."""
+    onnx = pytest.importorskip("onnx")
+    from onnx import TensorProto, helper, numpy_helper
+    from onnx.reference import ReferenceEvaluator
+    w = np.random.default_rng(2).standard_normal((16, 4)).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["input.1", "w"], ["logits"]),
+         helper.make_node("Softmax", ["logits"], ["probs.0"], axis=-1)], "g",
+        [helper.make_tensor_value_info("input.1", TensorProto.FLOAT, [1, 8, 16])],
+        [helper.make_tensor_value_info("probs.0", TensorProto.FLOAT, [1, 8, 4])],
+        [numpy_helper.from_array(w, "w")])
+    path = tmp_path / "m.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), path)
+    x = np.random.default_rng(3).standard_normal((1, 8, 16)).astype(np.float32)
+    want = ReferenceEvaluator(str(path)).run(None, {"input.1": x})[0]
+    for program in (path, bbrules.fuse(path)):
+        run = bbrules.compile(program)
+        assert repr(run) == "<bbrules.Compiled numpy: input.1[1, 8, 16] -> probs.0[1, 8, 4]>"
+        got = run(**{"input.1": x})
+        assert list(got) == ["probs.0"] and got["probs.0"].shape == (1, 8, 4)
+        np.testing.assert_allclose(got["probs.0"], want, rtol=1e-5, atol=1e-6)
+    with pytest.raises(UsageError, match=r"input input.1 has shape \(8, 16\), the model takes "
+                                         r"\(1, 8, 16\)"):
+        run(**{"input.1": x[0]})
+    with pytest.raises(UsageError, match=r"takes inputs input.1\[1, 8, 16\]; missing input.1; "
+                                         r"no input named input_1"):
+        run(input_1=x)
