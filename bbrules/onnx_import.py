@@ -1255,21 +1255,9 @@ def _conv(im: Importer, node) -> list[Value]:
     x, w, b = im.value(node.input[0]), im.value(node.input[1]), im.input(node, 2)
     r = len(x.shape) - 2
     kernel, spatial = w.shape[2:], x.shape[2:]
-    strides = _attr(node, "strides", [1] * r)
-    dilations = _attr(node, "dilations", [1] * r)
     if _attr(node, "group", 1) != 1:
         raise im.error("grouped convolutions are not supported")
-    auto = _attr(node, "auto_pad", "NOTSET")
-    if auto in ("SAME_UPPER", "SAME_LOWER"):
-        total = [max((-(-n // st) - 1) * st + (k - 1) * dl + 1 - n, 0)
-                 for n, k, st, dl in zip(spatial, kernel, strides, dilations)]
-        begin = [t // 2 if auto == "SAME_UPPER" else t - t // 2 for t in total]
-        end = [t - lo for t, lo in zip(total, begin)]
-    else:
-        pads = _attr(node, "pads", [0] * 2 * r) if auto == "NOTSET" else [0] * 2 * r
-        begin, end = pads[:r], pads[r:]
-    out = [(n + lo + hi - dl * (k - 1) - 1) // st + 1
-           for n, lo, hi, k, st, dl in zip(spatial, begin, end, kernel, strides, dilations)]
+    strides, dilations, begin, out = _window(node, spatial, kernel)
     # statement dims: n, m, o..., then the reduced c, k..., s...
     o_dims = list(range(2, 2 + r))
     c_dim = 2 + r
@@ -1290,10 +1278,93 @@ def _conv(im: Importer, node) -> list[Value]:
     return [im.statement(node.output[0], dims, range(2 + r), operands, expr)]
 
 
+def _window(node, spatial: Sequence[int], kernel: Sequence[int]
+            ) -> tuple[list[int], list[int], list[int], list[int]]:
+    """A convolution's or a pool's strides, dilations, padding before each spatial dimension
+    and output extents, from its attributes (`pads`, or `auto_pad`)."""
+    r = len(spatial)
+    strides = _attr(node, "strides", [1] * r)
+    dilations = _attr(node, "dilations", [1] * r)
+    auto = _attr(node, "auto_pad", "NOTSET")
+    if auto in ("SAME_UPPER", "SAME_LOWER"):
+        total = [max((-(-n // st) - 1) * st + (k - 1) * dl + 1 - n, 0)
+                 for n, k, st, dl in zip(spatial, kernel, strides, dilations)]
+        begin = [t // 2 if auto == "SAME_UPPER" else t - t // 2 for t in total]
+        end = [t - lo for t, lo in zip(total, begin)]
+    else:
+        pads = _attr(node, "pads", [0] * 2 * r) if auto == "NOTSET" else [0] * 2 * r
+        begin, end = pads[:r], pads[r:]
+    out = [(n + lo + hi - dl * (k - 1) - 1) // st + 1
+           for n, lo, hi, k, st, dl in zip(spatial, begin, end, kernel, strides, dilations)]
+    return strides, dilations, begin, out
+
+
+@lowering("MaxPool", "AveragePool")
+def _pool(im: Importer, node) -> list[Value]:
+    """A pool, as a convolution picks its taps (`_conv`): each output position takes the max
+    (the mean) over the kernel's taps of the input position each picks by a one-hot sum,
+    y[n, c, o] = max[k] where(o * stride + k * dilation - pad inside the input,
+    sum[s] where(s == o * stride + k * dilation - pad, 1, 0) * x[n, c, s], -inf).  A tap in
+    the padding is -inf to a max; to a mean it counts where `count_include_pad` says so."""
+    x = im.value(node.input[0])
+    r = len(x.shape) - 2
+    kernel, spatial = list(_attr(node, "kernel_shape", [])), x.shape[2:]
+    if len(kernel) != r or any(k < 1 for k in kernel):
+        raise im.error(f"kernel_shape {kernel} does not fit an input of shape {list(x.shape)}")
+    if _attr(node, "ceil_mode", 0):
+        raise im.error("ceil_mode is not supported")
+    if len(node.output) > 1 and node.output[1]:
+        raise im.error("MaxPool's Indices output is not supported")
+    strides, dilations, begin, out = _window(node, spatial, kernel)
+    o_dims = list(range(2, 2 + r))
+    k_dims = list(range(2 + r, 2 + 2 * r))
+    s_dims = list(range(2 + 2 * r, 2 + 3 * r))
+    dims = [x.shape[0], x.shape[1], *out, *kernel, *spatial]
+    mean = node.op_type == "AveragePool"
+    padded = mean and _attr(node, "count_include_pad", 0)
+
+    def expr(refs: list[str], ix: _Index) -> str:
+        at = [f"({ix.position(o)} * {st} + {ix.position(k)} * {dl} - {lo})"
+              for o, k, st, dl, lo in zip(o_dims, k_dims, strides, dilations, begin)]
+        hits = " and ".join(f"{ix.position(s)} == {a}" for s, a in zip(s_dims, at))
+        inside = " and ".join(f"{a} >= 0 and {a} < {n}" for a, n in zip(at, spatial))
+        picked = reduce_expr("sum", ix.axes(s_dims), f"where({hits}, 1, 0) * {refs[0]}")
+        taps = ix.axes(k_dims)
+        if not mean:
+            return reduce_expr("max", taps, f"where({inside}, {picked}, -inf)")
+        count = math.prod(kernel) if padded else reduce_expr("sum", taps,
+                                                             f"where({inside}, 1, 0)")
+        return f"{reduce_expr('sum', taps, picked)} / {count}"
+    return [im.statement(node.output[0], dims, range(2 + r), [(x, [0, 1, *s_dims])], expr)]
+
+
 @lowering("Expand")
 def _expand(im: Importer, node) -> list[Value]:
     shape = im.const(node.input[1], "the shape").reshape(-1).tolist()
     return [im.expand(im.value(node.input[0]), shape)]
+
+
+@lowering("Tile")
+def _tile(im: Importer, node) -> list[Value]:
+    """`x` repeated `repeats[d]` times along each dimension d: a dimension of one element is
+    broadcast (no data moves; torch's `repeat_interleave`, grouped-query attention's K and V
+    heads, tiles a unit dimension); a longer one is read as (1, n), broadcast to (r, n) and
+    merged, which stores the copies."""
+    x = im.value(node.input[0])
+    repeats = [int(r) for r in im.const(node.input[1], "the repeats").reshape(-1).tolist()]
+    if len(repeats) != len(x.shape) or any(r < 1 for r in repeats):
+        raise im.error(f"repeats {repeats} do not fit an input of shape {list(x.shape)} (one "
+                       f"count of at least 1 per dimension)")
+    for d, r in enumerate(repeats):
+        n, before, after = x.shape[d], x.shape[:d], x.shape[d + 1:]
+        if r == 1:
+            continue
+        if n == 1:
+            x = im.expand(x, (*before, r, *after))
+        else:
+            x = im.expand(im.reshape(x, (*before, 1, n, *after)), (*before, r, n, *after))
+            x = im.reshape(x, (*before, r * n, *after))
+    return [x]
 
 
 _REDUCTIONS = {"ReduceSum": ("sum", lambda a: a), "ReduceMean": ("mean", lambda a: a),
