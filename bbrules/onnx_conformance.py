@@ -11,6 +11,8 @@ the test suite runs a fixed subset.
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import re
 import warnings
 from dataclasses import dataclass
 from typing import Callable
@@ -44,13 +46,22 @@ def backend_cases(ops: list[str]) -> list:
             before = len(cases._NodeTestCases)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                importlib.import_module(f"onnx.backend.test.case.node.{op.lower()}")
+                importlib.import_module(f"onnx.backend.test.case.node.{_module(op)}")
             _CASES[op] = [c for c in cases._NodeTestCases[before:] if c.model is not None]
         found += _CASES[op]
     return found
 
 
 _CASES: dict[str, list] = {}  # by operator: a generator module runs once per process
+
+
+def _module(op: str) -> str:
+    """The generator module of operator `op`: its name in lower case (`layernormalization`),
+    or in snake case where the lower case names none (`instance_normalization`)."""
+    lower = op.lower()
+    if importlib.util.find_spec(f"onnx.backend.test.case.node.{lower}") is not None:
+        return lower
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", op).lower()
 
 
 def _numpy(x) -> np.ndarray:

@@ -370,7 +370,10 @@ class Importer:
             except (TypeError, ValueError):
                 raise self.error(f"constant '{name}' of type {self.consts[name].dtype} is not "
                                  f"a number") from None
-            if arr.size > 0 and np.all(arr == arr.flat[0]) and np.isfinite(arr.flat[0]):
+            if arr.size == 0:
+                raise self.error(f"constant '{name}' has no elements (shape {list(arr.shape)}): "
+                                 f"empty tensors are not supported")
+            if np.all(arr == arr.flat[0]) and np.isfinite(arr.flat[0]):
                 v = Value(tuple(arr.shape), number=float(arr.flat[0]))
             elif (band := band_of(arr)) is not None:
                 v = self.band(name, tuple(arr.shape), band)
@@ -1417,13 +1420,20 @@ def _softmax(im: Importer, node) -> list[Value]:
     return [im.map(name, [x, m, s], lambda a, b, c: f"{a} - {b} - log({c})")]
 
 
-@lowering("LayerNormalization", "RMSNormalization")
+@lowering("LayerNormalization", "RMSNormalization", "InstanceNormalization")
 def _normalization(im: Importer, node) -> list[Value]:
+    """Normalised over the axes from `axis` on (over the spatial axes, each channel scaled
+    and shifted by its own, for InstanceNormalization: torch's GroupNorm exports as one)."""
     x = im.value(node.input[0])
     r = len(x.shape)
     axes = list(range(_attr(node, "axis", -1) % r, r))
     eps = _number(_attr(node, "epsilon", 1e-5))
     scale, bias = im.input(node, 1), im.input(node, 2)
+    if node.op_type == "InstanceNormalization":
+        if r < 3:
+            raise im.error(f"an input of shape {list(x.shape)} has no spatial axes")
+        axes = list(range(2, r))
+        scale, bias = (im.reshape(v, (x.shape[1],) + (1,) * (r - 2)) for v in (scale, bias))
     name = node.output[0]
     if node.op_type == "RMSNormalization":
         ms = im.reduce(f"{name}_ms", x, axes, "mean", lambda a: f"square({a})")
@@ -1451,6 +1461,25 @@ def _normalization(im: Importer, node) -> list[Value]:
         if len(node.output) > 2:
             outs.append(im.map(node.output[2], [var], lambda c: f"rsqrt({c} + {eps})"))
     return outs
+
+
+@lowering("BatchNormalization")
+def _batch_normalization(im: Importer, node) -> list[Value]:
+    """Inference's batch normalisation: each channel (axis 1) by the statistics given,
+    scale * (x - mean) * rsqrt(var + eps) + bias."""
+    if _attr(node, "training_mode", 0):
+        raise im.error("training_mode is not supported (inference's statistics only)")
+    if len(node.output) > 1 and any(node.output[1:]):
+        raise im.error("the running statistics' outputs are not supported")
+    x = im.value(node.input[0])
+    r = len(x.shape)
+    if r < 2:
+        raise im.error(f"an input of shape {list(x.shape)} has no channel axis")
+    eps = _number(_attr(node, "epsilon", 1e-5))
+    per_channel = [im.reshape(im.value(n), (x.shape[1],) + (1,) * (r - 2))
+                   for n in node.input[1:5]]
+    return [im.map(node.output[0], [x, *per_channel],
+                   lambda a, g, b, m, v: f"({a} - {m}) * rsqrt({v} + {eps}) * {g} + {b}")]
 
 
 @lowering("MatMul", "Gemm")
