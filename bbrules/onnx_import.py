@@ -1496,6 +1496,65 @@ def _matmul(im: Importer, node) -> list[Value]:
     return [contract(im, node.output[0], a, b, alpha=alpha, bias=c, beta=beta)]
 
 
+@lowering("Einsum")
+def _einsum(im: Importer, node) -> list[Value]:
+    """An einsum is index notation already: one statement dimension per letter, the letters
+    the output does not name summed, `bhqk = sum[d] Q[b, h, q, d] * K[b, h, k, d]`.  An
+    ellipsis stands for the same trailing dimensions in every operand (broadcast where one has
+    extent 1); without `->` the output is the ellipsis, then the letters used once, in
+    alphabetical order.  A letter twice in one operand (a diagonal) is refused."""
+    equation = str(_attr(node, "equation", "")).replace(" ", "")
+    values = [im.value(n) for n in node.input]
+    given, arrow, result = equation.partition("->")
+    terms = given.split(",")
+    if len(terms) != len(values) or not all(re.fullmatch(r"[A-Za-z]*(\.\.\.)?[A-Za-z]*", t)
+                                             for t in [*terms, result]):
+        raise im.error(f"equation '{equation}' does not fit {len(values)} operand(s)")
+    spread = max((len(v.shape) - len(t) + 3 for t, v in zip(terms, values) if "..." in t),
+                 default=0)
+
+    def letters(term: str, rank: int | None) -> list[str]:
+        """The term's letters, its ellipsis as one name per dimension it stands for
+        (right-aligned: `.0` is the last)."""
+        before, dots, after = term.partition("...")
+        n = (rank - len(before) - len(after)) if rank is not None else spread
+        if dots and n < 0 or not dots and rank is not None and len(term) != rank:
+            raise im.error(f"'{term}' in equation '{equation}' does not fit an operand of "
+                           f"{rank} dimension(s)")
+        return [*before, *(f".{i}" for i in reversed(range(n if dots else 0))), *after]
+
+    named = [letters(t, len(v.shape)) for t, v in zip(terms, values)]
+    extents: dict[str, int] = {}
+    for term, v in zip(named, values):
+        if len(set(term)) != len(term):
+            raise im.error(f"equation '{equation}' repeats a letter in one operand (a "
+                           f"diagonal): not supported")
+        for name, n in zip(term, v.shape):
+            if extents.get(name, 1) not in (1, n) and n != 1:
+                raise im.error(f"equation '{equation}': '{name}' has extents "
+                               f"{extents[name]} and {n}")
+            extents[name] = max(extents.get(name, 1), n)
+    if arrow:
+        out = letters(result, None)
+        if len(set(out)) != len(out) or any(name not in extents for name in out):
+            raise im.error(f"equation '{equation}': its output names a letter twice or one "
+                           f"no operand has")
+    else:
+        used = [name for term in named for name in term]
+        out = sorted({n for n in used if n.startswith(".")}, key=lambda n: -int(n[1:])) + \
+            sorted(n for n in set(used) if not n.startswith(".") and used.count(n) == 1)
+    order = out + [n for n in extents if n not in out]
+    dims = [extents[n] for n in order]
+    operands: list[Operand] = [
+        (v, [order.index(name) if n == extents[name] else None
+             for name, n in zip(term, v.shape)]) for term, v in zip(named, values)]
+    summed = [order.index(n) for n in order if n not in out]
+
+    def expr(refs: list[str], ix: _Index) -> str:
+        return reduce_expr("sum", ix.axes(summed), " * ".join(refs))
+    return [im.statement(node.output[0], dims, range(len(out)), operands, expr)]
+
+
 def contract(im: Importer, hint: str, a: Value, b: Value, alpha: float = 1.0,
              bias: Value | None = None, beta: float = 1.0,
              epilogue: Callable[[str], str] | None = None) -> Value:

@@ -32,7 +32,7 @@ SUBSET = ["Add", "Mul", "Div", "Pow", "Sqrt", "Reciprocal", "Tanh", "Erf", "Gelu
           "LayerNormalization", "RMSNormalization", "Attention", "Transpose", "Reshape",
           "Squeeze", "Unsqueeze", "Expand", "Where", "Equal", "Less", "Identity", "Slice",
           "Concat", "Split", "RotaryEmbedding", "Conv", "Gather", "MaxPool", "AveragePool",
-          "Tile", "InstanceNormalization", "BatchNormalization", "Trilu"]
+          "Tile", "InstanceNormalization", "BatchNormalization", "Trilu", "Einsum"]
 
 # ... and these must be among the passes (each a kind of attention or norm a model uses).
 MUST_PASS = ["test_attention_4d", "test_attention_4d_causal", "test_attention_4d_gqa",
@@ -51,7 +51,8 @@ MUST_PASS = ["test_attention_4d", "test_attention_4d_causal", "test_attention_4d
              "test_maxpool_2d_pads", "test_maxpool_2d_same_lower", "test_maxpool_1d_default",
              "test_averagepool_2d_pads", "test_averagepool_2d_pads_count_include_pad",
              "test_averagepool_2d_strides", "test_instancenorm_epsilon",
-             "test_batchnorm_epsilon", "test_tril_neg", "test_triu_square_neg"]
+             "test_batchnorm_epsilon", "test_tril_neg", "test_triu_square_neg",
+             "test_einsum_batch_matmul", "test_einsum_transpose", "test_einsum_inner_prod"]
 
 
 # Run by the numpy backend, which gathers a window's taps: the interpreter builds each one-hot
