@@ -1,0 +1,115 @@
+"""How the models of tests/test_torch_exports.py were made: three transformer blocks written
+as model code usually is, exported by torch's TorchScript exporter (torch 2.13, opset 17)
+with one input and torch's own output for it (`NAME_io.npz`).  Not run by the suite (torch is
+no dependency):
+
+    python tests/models/export.py      # in an environment with torch and onnx
+"""
+
+import math
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+T, D, H, KV, FF = 16, 32, 4, 2, 64
+
+
+class GPT2(nn.Module):
+    """Pre-LayerNorm, one QKV projection with bias split three ways, causal softmax attention
+    by a buffer mask, a tanh-GELU MLP."""
+
+    def __init__(self):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(D), nn.LayerNorm(D)
+        self.qkv, self.proj = nn.Linear(D, 3 * D), nn.Linear(D, D)
+        self.fc1, self.fc2 = nn.Linear(D, 4 * D), nn.Linear(4 * D, D)
+        self.register_buffer("mask", torch.tril(torch.ones(T, T)).view(1, 1, T, T))
+
+    def forward(self, x):
+        b = x.shape[0]
+        q, k, v = (t.view(b, T, H, D // H).transpose(1, 2)
+                   for t in self.qkv(self.ln1(x)).split(D, dim=2))
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(D // H))
+        att = F.softmax(att.masked_fill(self.mask == 0, float("-inf")), dim=-1)
+        x = x + self.proj((att @ v).transpose(1, 2).contiguous().view(b, T, D))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x)), approximate="tanh"))
+
+
+class Llama(nn.Module):
+    """RMSNorm, rotate-half RoPE, grouped-query heads repeated by `repeat_interleave` (ONNX
+    Tile), an additive causal mask, a SwiGLU MLP."""
+
+    def __init__(self):
+        super().__init__()
+        hd = D // H
+        self.w1, self.w2 = nn.Parameter(torch.rand(D) + 0.5), nn.Parameter(torch.rand(D) + 0.5)
+        self.q, self.o = nn.Linear(D, D, bias=False), nn.Linear(D, D, bias=False)
+        self.k, self.v = nn.Linear(D, KV * hd, bias=False), nn.Linear(D, KV * hd, bias=False)
+        self.g, self.u = nn.Linear(D, FF, bias=False), nn.Linear(D, FF, bias=False)
+        self.d = nn.Linear(FF, D, bias=False)
+        freqs = torch.outer(torch.arange(T).float(),
+                            1.0 / (10000 ** (torch.arange(0, hd, 2).float() / hd)))
+        emb = torch.cat((freqs, freqs), -1)
+        self.register_buffer("cos", emb.cos())
+        self.register_buffer("sin", emb.sin())
+        self.register_buffer("mask", torch.full((T, T), float("-inf")).triu(1))
+
+    @staticmethod
+    def norm(x, w):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+
+    def rope(self, x):
+        a, b = x.chunk(2, dim=-1)
+        return x * self.cos + torch.cat((-b, a), dim=-1) * self.sin
+
+    def forward(self, x):
+        b, hd = x.shape[0], D // H
+        h = self.norm(x, self.w1)
+        q = self.rope(self.q(h).view(b, T, H, hd).transpose(1, 2))
+        k = self.rope(self.k(h).view(b, T, KV, hd).transpose(1, 2))
+        v = self.v(h).view(b, T, KV, hd).transpose(1, 2)
+        k, v = k.repeat_interleave(H // KV, dim=1), v.repeat_interleave(H // KV, dim=1)
+        a = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(hd) + self.mask, dim=-1)
+        x = x + self.o((a @ v).transpose(1, 2).reshape(b, T, D))
+        h = self.norm(x, self.w2)
+        return x + self.d(F.silu(self.g(h)) * self.u(h))
+
+
+class Bert(nn.Module):
+    """Post-LayerNorm, a padding mask given as an input (1 keeps a key) made additive, an
+    erf-GELU MLP."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.out = nn.Linear(D, 3 * D), nn.Linear(D, D)
+        self.ln1, self.ln2 = nn.LayerNorm(D), nn.LayerNorm(D)
+        self.f1, self.f2 = nn.Linear(D, FF), nn.Linear(FF, D)
+
+    def forward(self, x, m):
+        b, hd = x.shape[0], D // H
+        q, k, v = self.qkv(x).view(b, T, 3, H, hd).permute(2, 0, 3, 1, 4)
+        scores = q @ k.transpose(-1, -2) / math.sqrt(hd) + (1.0 - m[:, None, None, :]) * -1e4
+        y = (torch.softmax(scores, -1) @ v).transpose(1, 2).reshape(b, T, D)
+        x = self.ln1(x + self.out(y))
+        return self.ln2(x + self.f2(F.gelu(self.f1(x))))
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(1, T, D)
+    keep = (torch.rand(1, T) > 0.2).float()
+    for name, model, args in (("gpt2", GPT2(), (x,)), ("llama", Llama(), (x,)),
+                              ("bert", Bert(), (x, keep))):
+        names = ["x", "m"][:len(args)]
+        model = model.eval()
+        torch.onnx.export(model, args, f"{name}.onnx", input_names=names, output_names=["y"],
+                          opset_version=17, dynamo=False)
+        with torch.no_grad():
+            y = model(*args)
+        np.savez(f"{name}_io.npz", **{n: a.numpy() for n, a in zip(names, args)}, y=y.numpy())
+
+
+if __name__ == "__main__":
+    main()
