@@ -354,21 +354,30 @@ BACKENDS: dict[str, Callable[[BlockProgram, dict[str, np.ndarray]], dict[str, np
     "triton": _run_triton,
 }
 
-def _load_values(path: str, program: BlockProgram) -> dict[str, np.ndarray]:
-    """Input values from an .npz file, each checked to be an input of the program's shape."""
+def _load_values(path: str, program: BlockProgram, interface: Interface | None = None
+                 ) -> dict[str, np.ndarray]:
+    """Input values from an .npz file, each checked to be an input of the program's shape;
+    for an imported model, also by the model's own names in its shapes (`interface`)."""
     try:
         with np.load(path, allow_pickle=False) as f:
             values = {name: f[name] for name in f.files}
     except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as err:
         raise UsageError(f"--values {path}: not a readable .npz file ({err})") from None
+    for name, (tensor, shape) in (interface.inputs.items() if interface else ()):
+        if name in values and values[name].shape == shape:
+            x = values.pop(name)
+            values[tensor] = x.reshape([program.dims[a].extent
+                                        for a in program.tensors[tensor].axes])
     for name, x in values.items():
         decl = program.tensors.get(name)
         if decl is None or decl.role != "input":
             raise UsageError(f"--values {path}: '{name}' is not an input of the program")
         shape = tuple(program.dims[a].extent for a in decl.axes)
         if x.shape != shape:
-            raise UsageError(f"--values {path}: '{name}' has shape {list(x.shape)}, the "
-                             f"program declares {list(shape)}")
+            own = interface.inputs.get(name) if interface else None
+            wants = f"the model takes {list(own[1])}" if own else \
+                f"the program declares {list(shape)}"
+            raise UsageError(f"--values {path}: '{name}' has shape {list(x.shape)}, {wants}")
         if x.dtype.kind not in "biuf":
             raise UsageError(f"--values {path}: '{name}' holds {x.dtype} values, not real "
                              f"numbers")
@@ -402,7 +411,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if ast is not None:
         inputs.update(ast.values)
     if args.values:
-        inputs.update(_load_values(args.values, program))
+        inputs.update(_load_values(args.values, program, ast.interface if ast else None))
     native_groups = _native(args, numpy_gen.default_native())
     execute = BACKENDS[args.backend]
     if args.backend == "numpy":

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import bbrules
+from bbrules.cli import main
 
 pytest.importorskip("onnx")
 
@@ -34,3 +35,16 @@ def test_an_exported_block_fused_computes_what_torch_does(name, target, objectiv
     y = bbrules.compile(fused)(**feed)["y"]
     assert y.shape == saved["y"].shape
     np.testing.assert_allclose(y, saved["y"], rtol=1e-5, atol=1e-5 * np.abs(saved["y"]).max())
+
+
+def test_run_takes_a_models_inputs_in_its_own_shapes(tmp_path, capsys):
+    """`bbrules run model.onnx --values` reads the arrays the model takes (x[1, 16, 32]) as
+    well as the program's (x[16, 32]); a wrong shape is told in the model's terms."""
+    x = np.load(MODELS / "gpt2_io.npz")["x"]
+    for given, status in ((x, 0), (x[0], 0), (x[:, :8], 2)):
+        np.savez(tmp_path / "x.npz", x=given)
+        assert main(["run", str(MODELS / "gpt2.onnx"), "--values", str(tmp_path / "x.npz"),
+                     "--no-fuse"]) == status
+        out, err = capsys.readouterr()
+        assert ("y: norm-wise error" in out) == (status == 0), out + err
+    assert "'x' has shape [1, 8, 32], the model takes [1, 16, 32]" in err
