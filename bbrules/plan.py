@@ -334,8 +334,9 @@ def block_bound_axes(p: BlockProgram, kernel: Kernel) -> frozenset[str]:
         for n in postorder(store.value):
             if isinstance(n, Reduce) and n.axis not in bound:
                 size = kp.block(n.axis)
-                if any(isinstance(c, Const) and c.value in (size, 1 / size)
-                       for c in postorder(n.x)):
+                if any(isinstance(c, Const) and (math.isclose(c.value, size, rel_tol=1e-6) or
+                                                 math.isclose(c.value, 1 / size, rel_tol=1e-6))
+                       for c in postorder(n.x)):  # (1 / 48 may have been rounded to f32)
                     bound.add(n.axis)
     return frozenset(bound)
 
