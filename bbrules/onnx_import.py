@@ -1260,7 +1260,7 @@ def _conv(im: Importer, node) -> list[Value]:
     kernel, spatial = w.shape[2:], x.shape[2:]
     if _attr(node, "group", 1) != 1:
         raise im.error("grouped convolutions are not supported")
-    strides, dilations, begin, out = _window(node, spatial, kernel)
+    strides, dilations, begin, _, out = _window(node, spatial, kernel)
     # statement dims: n, m, o..., then the reduced c, k..., s...
     o_dims = list(range(2, 2 + r))
     c_dim = 2 + r
@@ -1282,9 +1282,11 @@ def _conv(im: Importer, node) -> list[Value]:
 
 
 def _window(node, spatial: Sequence[int], kernel: Sequence[int]
-            ) -> tuple[list[int], list[int], list[int], list[int]]:
-    """A convolution's or a pool's strides, dilations, padding before each spatial dimension
-    and output extents, from its attributes (`pads`, or `auto_pad`)."""
+            ) -> tuple[list[int], list[int], list[int], list[int], list[int]]:
+    """A convolution's or a pool's strides, dilations, padding before and after each spatial
+    dimension and output extents, from its attributes (`pads`, or `auto_pad`; a pool's
+    `ceil_mode` rounds the extents up, the last window starting inside the input or the
+    padding before it)."""
     r = len(spatial)
     strides = _attr(node, "strides", [1] * r)
     dilations = _attr(node, "dilations", [1] * r)
@@ -1297,9 +1299,15 @@ def _window(node, spatial: Sequence[int], kernel: Sequence[int]
     else:
         pads = _attr(node, "pads", [0] * 2 * r) if auto == "NOTSET" else [0] * 2 * r
         begin, end = pads[:r], pads[r:]
-    out = [(n + lo + hi - dl * (k - 1) - 1) // st + 1
-           for n, lo, hi, k, st, dl in zip(spatial, begin, end, kernel, strides, dilations)]
-    return strides, dilations, begin, out
+    ceil = bool(_attr(node, "ceil_mode", 0))
+    out = []
+    for n, lo, hi, k, st, dl in zip(spatial, begin, end, kernel, strides, dilations):
+        span = n + lo + hi - dl * (k - 1) - 1
+        extent = (-(-span // st) if ceil else span // st) + 1
+        if ceil and (extent - 1) * st >= n + lo:
+            extent -= 1
+        out.append(extent)
+    return strides, dilations, begin, end, out
 
 
 @lowering("MaxPool", "AveragePool")
@@ -1308,17 +1316,16 @@ def _pool(im: Importer, node) -> list[Value]:
     (the mean) over the kernel's taps of the input position each picks by a one-hot sum,
     y[n, c, o] = max[k] where(o * stride + k * dilation - pad inside the input,
     sum[s] where(s == o * stride + k * dilation - pad, 1, 0) * x[n, c, s], -inf).  A tap in
-    the padding is -inf to a max; to a mean it counts where `count_include_pad` says so."""
+    the padding is -inf to a max; to a mean it counts where `count_include_pad` says so (a
+    tap past the padding, which `ceil_mode` windows reach, never)."""
     x = im.value(node.input[0])
     r = len(x.shape) - 2
     kernel, spatial = list(_attr(node, "kernel_shape", [])), x.shape[2:]
     if len(kernel) != r or any(k < 1 for k in kernel):
         raise im.error(f"kernel_shape {kernel} does not fit an input of shape {list(x.shape)}")
-    if _attr(node, "ceil_mode", 0):
-        raise im.error("ceil_mode is not supported")
     if len(node.output) > 1 and node.output[1]:
         raise im.error("MaxPool's Indices output is not supported")
-    strides, dilations, begin, out = _window(node, spatial, kernel)
+    strides, dilations, begin, end, out = _window(node, spatial, kernel)
     o_dims = list(range(2, 2 + r))
     k_dims = list(range(2 + r, 2 + 2 * r))
     s_dims = list(range(2 + 2 * r, 2 + 3 * r))
@@ -1335,8 +1342,10 @@ def _pool(im: Importer, node) -> list[Value]:
         taps = ix.axes(k_dims)
         if not mean:
             return reduce_expr("max", taps, f"where({inside}, {picked}, -inf)")
-        count = math.prod(kernel) if padded else reduce_expr("sum", taps,
-                                                             f"where({inside}, 1, 0)")
+        if padded:  # the padding counts, not what `ceil_mode` reads past it
+            inside = " and ".join(f"{a} >= {-lo} and {a} < {n + hi}"
+                                  for a, n, lo, hi in zip(at, spatial, begin, end))
+        count = reduce_expr("sum", taps, f"where({inside}, 1, 0)")
         return f"{reduce_expr('sum', taps, picked)} / {count}"
     return [im.statement(node.output[0], dims, range(2 + r), [(x, [0, 1, *s_dims])], expr)]
 

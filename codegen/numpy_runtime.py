@@ -57,7 +57,10 @@ def gather_one_hot(values: np.ndarray, axis: int,
     picks nothing) where the pick's guards hold; two picks of one position count once, as the
     one-hot's `or` does.  With `window`, one pick that steps evenly is a read-only view of the
     values (`_window`): for the native product, which reads any strides (numpy's matmul,
-    given magika's window, whose rows overlap, took 3.9 ms; 1.9 given a copy of it)."""
+    given magika's window, whose rows overlap, took 3.9 ms; 1.9 given a copy of it).  A
+    position known while generating may be a number, not a tile: one position everywhere."""
+    picks = [(np.reshape(at, (1,) * values.ndim) if np.ndim(at) == 0 else at, guards)
+             for at, guards in picks]
     if window and len(picks) == 1 and (view := _window(values, axis, *picks[0])) is not None:
         return view
     size = values.shape[axis]
@@ -116,9 +119,10 @@ def _window(values: np.ndarray, axis: int, at: np.ndarray, guards: Sequence[np.n
     window in place: magika's convolution gathered 2.6 MB a call (0.2 ms); its product reads
     the window of its 0.5 MB of values instead (the model: 3.23 -> 3.10 ms)."""
     at = np.asarray(at)
+    if at.ndim != values.ndim:
+        return None
     spans = [d for d in range(values.ndim) if d != axis and at.shape[d] > 1]
-    if at.ndim != values.ndim or at.shape[axis] != 1 or \
-            any(values.shape[d] > 1 for d in spans) or \
+    if at.shape[axis] != 1 or any(values.shape[d] > 1 for d in spans) or \
             not all(np.all(np.asarray(g) != 0) for g in guards):
         return None
     index = at.astype(np.intp)

@@ -50,7 +50,9 @@ MUST_PASS = ["test_attention_4d", "test_attention_4d_causal", "test_attention_4d
              "test_rotary_embedding", "test_rotary_embedding_3d_input", "test_tile",
              "test_maxpool_2d_pads", "test_maxpool_2d_same_lower", "test_maxpool_1d_default",
              "test_averagepool_2d_pads", "test_averagepool_2d_pads_count_include_pad",
-             "test_averagepool_2d_strides", "test_instancenorm_epsilon",
+             "test_averagepool_2d_strides", "test_maxpool_2d_ceil",
+             "test_maxpool_2d_ceil_output_size_reduce_by_one",
+             "test_averagepool_2d_ceil_last_window_starts_on_pad", "test_instancenorm_epsilon",
              "test_batchnorm_epsilon", "test_tril_neg", "test_triu_square_neg",
              "test_einsum_batch_matmul", "test_einsum_transpose", "test_einsum_inner_prod"]
 
