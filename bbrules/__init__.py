@@ -172,22 +172,10 @@ class Compiled:
         unknown = sorted(set(given) - set(face.inputs))
         missing = [n for n in face.inputs if n not in given]
         if missing or unknown:
-            raise UsageError(f"the model takes inputs {_model_shapes(face.inputs)}"
+            raise UsageError(f"the model takes inputs {face.listed(face.inputs)}"
                              + (f"; missing {', '.join(missing)}" if missing else "")
                              + (f"; no input named {', '.join(unknown)}" if unknown else ""))
-        inputs = {}
-        for name, (tensor, shape) in face.inputs.items():
-            if np.shape(given[name]) != shape:
-                raise UsageError(f"input {name} has shape {np.shape(given[name])}, the model "
-                                 f"takes {shape}")
-            inputs[tensor] = np.reshape(given[name], self._shape(tensor))
-        results = self._run(inputs)
-        return {name: results[tensor].reshape(shape)
-                for name, (tensor, shape) in face.outputs.items()}
-
-    def _shape(self, tensor: str) -> tuple[int, ...]:
-        p = self.program
-        return tuple(p.extent(a) for a in p.tensors[tensor].axes)
+        return face.model_outputs(self._run(face.program_inputs(given)))
 
     def _run(self, given: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The program on `given` and the values it holds, checked against its inputs."""
@@ -200,7 +188,7 @@ class Compiled:
                              + (f"; missing {', '.join(missing)}" if missing else "")
                              + (f"; no input named {', '.join(unknown)}" if unknown else ""))
         for name in p.inputs:
-            want = self._shape(name)
+            want = tuple(p.extent(a) for a in p.tensors[name].axes)
             if np.shape(inputs[name]) != want:
                 raise UsageError(f"input {name} has shape {np.shape(inputs[name])}, the "
                                  f"program declares {want}")
@@ -215,8 +203,8 @@ class Compiled:
     def __repr__(self) -> str:
         p, face = self.program, self.interface
         if face is not None:
-            return (f"<bbrules.Compiled {self.backend}: {_model_shapes(face.inputs)} -> "
-                    f"{_model_shapes(face.outputs)}>")
+            return (f"<bbrules.Compiled {self.backend}: {face.listed(face.inputs)} -> "
+                    f"{face.listed(face.outputs)}>")
         return (f"<bbrules.Compiled {self.backend}: {_shapes(p, self.arguments)} -> "
                 f"{_shapes(p, p.outputs)}>")
 
@@ -394,11 +382,6 @@ def _shapes(p: BlockProgram, names: Sequence[str]) -> str:
     """Tensors with their extents: what a caller passes and gets back."""
     return ", ".join(f"{n}[{', '.join(str(p.extent(a)) for a in p.tensors[n].axes)}]"
                      for n in names)
-
-
-def _model_shapes(names: Mapping[str, tuple[str, tuple[int, ...]]]) -> str:
-    """An imported model's inputs or outputs with its shapes."""
-    return ", ".join(f"{n}{list(shape)}" for n, (_, shape) in names.items())
 
 
 def _html(summary: str, *blocks: str) -> str:

@@ -110,8 +110,7 @@ def load_onnx(path: str, dims: DimOverrides) -> Program:
     """An ONNX model imported as a checked program that carries its weights."""
     imported = import_onnx(path, dims)
     ast = parse_program(imported.text, f"{path} (imported)")
-    return replace(ast, values=imported.weights,
-                   interface=Interface(imported.inputs, imported.outputs))
+    return replace(ast, values=imported.weights, interface=imported.interface)
 
 
 def _source_program(bbk: Path, block_file: BlockFile) -> Program | None:

@@ -36,6 +36,7 @@ import numpy as np
 
 from .errors import UsageError
 from .ir import check_whole
+from .program import Interface
 
 DEFAULT_SYMBOLIC_EXTENT = 1
 _KEYWORDS = {"dim", "input", "output", "sum", "max", "min", "mean", "inf", "and", "or", "not"}
@@ -87,40 +88,31 @@ class Imported:
 
     `weights`: initializer values by `.bbp` input name, shaped as the program declares them,
     read-only: constants, of which a backend may keep copies in other layouts (`relaid`).
-    `inputs` / `outputs`: ONNX name -> (`.bbp` tensor, ONNX shape); an array passes between
-    the two shapes by `reshape` (the same elements in the same order).
+    `interface`: the model's input and output names and shapes, and the `.bbp` tensor each
+    is; an array passes between the two shapes by `reshape` (the same elements in the same
+    order).
     """
 
     text: str
     weights: dict[str, np.ndarray]
-    inputs: dict[str, tuple[str, tuple[int, ...]]]
-    outputs: dict[str, tuple[str, tuple[int, ...]]]
+    interface: Interface
     symbolic: dict[str, int] = field(default_factory=dict)
     whole: frozenset[str] = frozenset()  # the inputs of integers, declared i32
 
     def bbp_inputs(self, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The program's inputs: the weights, and `arrays` (by ONNX name) reshaped; integers
         past what f32 holds exactly are refused."""
-        out = dict(self.weights)
-        for name, (tensor, shape) in self.inputs.items():
-            if name not in arrays:
-                raise UsageError(f"missing input '{name}' of shape {list(shape)}")
-            x = np.asarray(arrays[name])
-            if tuple(x.shape) != shape:
-                raise UsageError(f"input '{name}' has shape {list(x.shape)}, the model "
-                                 f"wants {list(shape)}")
-            if name in self.whole:
-                try:
-                    check_whole(name, x)
-                except ValueError as e:
-                    raise UsageError(str(e)) from None
-            out[tensor] = x.astype(np.float32).reshape(_squeezed(shape))
-        return out
+        given = self.interface.program_inputs(arrays)
+        for name in self.whole:
+            try:
+                check_whole(name, arrays[name])
+            except ValueError as e:
+                raise UsageError(str(e)) from None
+        return {**self.weights, **{t: x.astype(np.float32) for t, x in given.items()}}
 
     def onnx_outputs(self, results: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The program's results by ONNX output name, in ONNX shapes."""
-        return {name: np.asarray(results[tensor]).reshape(shape)
-                for name, (tensor, shape) in self.outputs.items()}
+        return self.interface.model_outputs(results)
 
 
 def _squeezed(shape: Sequence[int]) -> tuple[int, ...]:
@@ -625,8 +617,8 @@ class Importer:
             outputs[out.name] = (v.tensor, v.shape)
         if not outputs:
             raise self.error("the graph has no outputs")
-        return Imported(self.text(outputs), self.weights, inputs, outputs, self.symbolic,
-                        frozenset(whole))
+        return Imported(self.text(outputs), self.weights, Interface(inputs, outputs),
+                        self.symbolic, frozenset(whole))
 
     def check_declarations(self) -> None:
         """Read the initializers and refuse negative declared dimensions before ONNX's shape

@@ -9,12 +9,13 @@ programs that say the same thing compare equal wherever they were written.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Callable, TypeVar, Union
 
 import numpy as np
 
-from .errors import Span
+from .errors import Span, UsageError
 from .ir import Axis, AxisSet, Dim, TensorDecl
 
 
@@ -92,6 +93,31 @@ class Interface:
 
     inputs: dict[str, tuple[str, tuple[int, ...]]]
     outputs: dict[str, tuple[str, tuple[int, ...]]]
+
+    def program_inputs(self, arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """`arrays`, by the model's input names and in its shapes, as the program's inputs;
+        a missing one or one of another shape is a `UsageError`."""
+        missing = [n for n in self.inputs if n not in arrays]
+        if missing:
+            raise UsageError(f"the model takes inputs {self.listed(self.inputs)}; missing "
+                             f"{', '.join(missing)}")
+        out = {}
+        for name, (tensor, shape) in self.inputs.items():
+            x = np.asarray(arrays[name])
+            if x.shape != shape:
+                raise UsageError(f"input {name} has shape {x.shape}, the model takes {shape}")
+            out[tensor] = x.reshape([n for n in shape if n != 1])
+        return out
+
+    def model_outputs(self, results: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The program's `results` by the model's output names, in its shapes."""
+        return {name: np.asarray(results[tensor]).reshape(shape)
+                for name, (tensor, shape) in self.outputs.items()}
+
+    @staticmethod
+    def listed(names: Mapping[str, tuple[str, tuple[int, ...]]]) -> str:
+        """The model's inputs or outputs with their shapes: `input.1[1, 8, 16]`."""
+        return ", ".join(f"{n}{list(shape)}" for n, (_, shape) in names.items())
 
 
 @dataclass(frozen=True)
