@@ -134,7 +134,7 @@ _INFIX = {"add": "+", "sub": "-", "mul": "*", "div": "/"}
 # (`_Functions.ref`) and Python's builtins (loops call `range`).  A tensor named like one of
 # them is renamed.
 _RESERVED = {"np", "f32", "run", "outputs", "_execute", "every", "inputs", "_input",
-             "run_parts", "gather_one_hot", "relaid",
+             "run_parts", "gather_one_hot", "lookup", "relaid",
              "check_whole", "compiled", "NATIVE", "compiled_matmul", "matmul", "matmuls",
              "ELEMENTWISE",
              "TILE_REDUCE",
@@ -155,6 +155,14 @@ def _identifier(name: str, taken: AbstractSet[str]) -> str:
     while keyword.iskeyword(out) or out in _RESERVED or out in taken:
         out += "_"
     return out
+
+
+def _counted_from_both_ends(picks: Sequence[Pick], size: int) -> bool:
+    """Are the picks one position and the same position plus `size`, no guards: a lookup
+    by ids in which a negative id counts from the end (ONNX's Gather), numpy's indexing?"""
+    if len(picks) != 2 or any(p.guards for p in picks) or picks[0].at != picks[1].at:
+        return False
+    return sorted(p.offset for p in picks) == [-float(size), 0.0]
 
 
 def _literal(v: float) -> str:
@@ -1314,6 +1322,14 @@ class _KernelWriter:
         if (c := self.gathered_dim(n, values, picks)) is None:
             return None
         start = self.loop_vars.get(n.axis)
+        if start is None and _counted_from_both_ends(picks, self.p.block(n.axis)) and \
+                any(isinstance(m, Load) for m in postorder(picks[0].at)):  # ids: data
+            self.fns.runtime.add("lookup")
+            at, tensors = picks[0].at, self.p.tensors
+            whole = isinstance(at, Load) and tensors[tensors[at.tensor].storage].dtype in \
+                WHOLE_DTYPES  # (`_input` checked them)
+            return (f"lookup({self.tile(values)}, {c}, {self.lookup(at)}"
+                    f"{', whole=True' if whole else ''})")
         codes = []
         for pick in picks:
             at = self.lookup(pick.at)  # minus the block's start and the pick's offset

@@ -77,15 +77,16 @@ def test_inputs_declared_i32_are_drawn_whole(lowered):
 
 @pytest.mark.parametrize("run", [interp.run, numpy_gen.run], ids=["interp", "numpy"])
 def test_i32_inputs_take_integers_and_refuse_what_f32_would_round(run):
-    """Integer arrays are taken as they are; a fraction, an infinity and a magnitude past 2^24
-    (16777217 would be read as 16777216, another id) are refused, naming the element."""
+    """Integer arrays are taken as they are; a fraction, an infinity, a NaN and a magnitude
+    past 2^24 (16777217 would be read as 16777216, another id) are refused, naming the
+    element."""
     p = lower(parse_program(WHOLE))
     inputs = random_inputs(p, seed=2)
     ids = inputs["IDS"].astype(np.int64)
     got = run(p, {**inputs, "IDS": ids})["X"]
     assert np.array_equal(got, run(p, inputs)["X"])
-    for bad, shown in ((0.5, "0.5"), (np.inf, "inf"), (2 ** 24 + 1, "16777217"),
-                       (-2.0 ** 25, "-33554432.0")):
+    for bad, shown in ((0.5, "0.5"), (np.inf, "inf"), (np.nan, "nan"),
+                       (2 ** 24 + 1, "16777217"), (-2.0 ** 25, "-33554432.0")):
         given = ids.astype(type(bad)) if isinstance(bad, int) else ids.astype(np.float64)
         given[7] = bad
         with pytest.raises(ValueError, match=rf"input 'IDS' is declared i32 but holds "

@@ -498,34 +498,37 @@ def test_axes_summed_into_one_matmul_count_only_its_result(monkeypatch):
     assert_close(numpy_gen.run(p, inputs)["Y"], want, "vs numpy")
 
 
-@pytest.mark.parametrize("vocab, hot", [
-    (256, "where(IDS[t] == v, 1, 0)"),
-    (256, "where(IDS[t] == v or IDS[t] == v - 256, 1, 0)"),
-    (257, "where(IDS[t] == v, 1, 0)"),
-    (257, "(IDS[t] == v)"),
+@pytest.mark.parametrize("vocab, hot, ids_type", [
+    (256, "where(IDS[t] == v, 1, 0)", "f32"),
+    (256, "where(IDS[t] == v or IDS[t] == v - 256, 1, 0)", "f32"),
+    (256, "where(IDS[t] == v or IDS[t] == v - 256, 1, 0)", "i32"),
+    (257, "where(IDS[t] == v, 1, 0)", "f32"),
+    (257, "(IDS[t] == v)", "f32"),
 ])
-def test_a_one_hot_contraction_is_a_gather(vocab, hot):
+def test_a_one_hot_contraction_is_a_gather(vocab, hot, ids_type):
     """An embedding lookup as models import it, a sum over the vocabulary of a one-hot times
     the table, is a gather in numpy: no matmul by a matrix of zeros, no loop over the
     vocabulary's blocks.  Ids out of range or not whole pick nothing, as the one-hot does;
-    negative ids wrap with the second equality (ONNX's Gather).  A vocabulary of 257 in
+    negative ids wrap with the second equality (ONNX's Gather): numpy's indexing, one take
+    (`lookup`), which need not check that ids declared i32 are whole.  A vocabulary of 257 in
     blocks of 64 masks both operands past 257: the values carry the mask, so the one-hot's
     copy of it does not keep the gather from being one, and the padding is never picked.  A
     comparison is a one-hot as it stands (its values are 1 and 0)."""
-    source = (f"dim t = 64 / 16\ndim v = {vocab} / 64\ndim e = 32\n"
-              f"input IDS[t], E[v, e] : f32\nX[t, e] = sum[v] {hot} * E[v, e]\noutput X\n")
+    source = (f"dim t = 64 / 16\ndim v = {vocab} / 64\ndim e = 32\ninput IDS[t] : {ids_type}\n"
+              f"input E[v, e] : f32\nX[t, e] = sum[v] {hot} * E[v, e]\noutput X\n")
     ast = parse_program(source)
     p = lower(ast)
     code = numpy_gen.generate(p)
-    assert "gather_one_hot(" in code and "np.matmul" not in code and python_loops(code) == 0
+    wraps = " or " in hot
+    assert ("lookup(" if wraps else "gather_one_hot(") in code and "np.matmul" not in code
+    assert python_loops(code) == 0 and ("whole=True" in code) == (ids_type == "i32")
     inputs = random_inputs(ast, seed=2)
     ids = np.random.default_rng(3).integers(-vocab, 320, 64).astype(np.float32)
-    ids[:6] = [300, -300, 2.5, vocab - 1, 257, 319]
+    ids[:6] = [300, -300, 2.5 if ids_type == "f32" else 3, vocab - 1, 257, 319]
     inputs["IDS"] = ids
     got = numpy_gen.run(p, inputs)["X"]
     assert_close(got, interp.run(p, inputs)["X"], "vs interpreter")
     assert_close(got, dense.evaluate(ast, inputs, np.float64)["X"], "vs dense")
-    wraps = " or " in hot
     rows = [inputs["E"][int(i) % vocab] if (0 <= i < vocab or wraps and -vocab <= i < 0)
             and i == int(i) else np.zeros(32) for i in ids]
     np.testing.assert_allclose(got, np.array(rows), rtol=1e-6)
