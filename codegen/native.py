@@ -43,6 +43,7 @@ import shutil
 import subprocess
 import sysconfig
 import tempfile
+from contextlib import suppress
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -93,10 +94,45 @@ static void bb_release(int count, Py_buffer *views) {
         PyBuffer_Release(&views[k]);
 }
 
+/* The bytes from the lowest to past the highest element of `v`. */
+static void bb_span(const Py_buffer *v, const char **lo, const char **hi) {
+    *lo = *hi = v->buf;
+    for (int d = 0; d < v->ndim; d++) {
+        const Py_ssize_t reach = v->strides[d] * (v->shape[d] - 1);
+        *(reach < 0 ? lo : hi) += reach;
+    }
+    *hi += v->itemsize;
+}
+
+/* Does the array written first share memory with a leaf (an array after the `written`)
+   other than one laid out as it is, whose elements each are read before they are written?
+   The span test numpy's `may_share_memory` makes: here, since a Python call of it for each
+   leaf cost 1.2% of LLaMA's layer at 128 tokens (a Python call costs several times its warm
+   time in a run whose products stream their weights through the caches). */
+static int bb_overlaps(int count, int written, const Py_buffer *views, int nd) {
+    const char *lo, *hi, *leaf_lo, *leaf_hi;
+    bb_span(&views[0], &lo, &hi);
+    for (int k = written; k < count; k++) {
+        int same = views[k].buf == views[0].buf;
+        for (int d = 0; same && d < nd; d++)
+            same = views[k].shape[d] == views[0].shape[d] &&
+                   (views[k].shape[d] == 1 || views[k].strides[d] == views[0].strides[d]);
+        bb_span(&views[k], &leaf_lo, &leaf_hi);
+        if (!same && leaf_lo < hi && lo < leaf_hi)
+            return 1;
+    }
+    return 0;
+}
+
+/* Marks a library whose `bb_buffers` makes that test (`Library`). */
+const int bb_checks_overlap = 1;
+
 /* The buffers of `count` arrays (the first `written` written), each a float32 array of shape
    `shapes[k]` of `nd` dimensions, and their strides in elements along the `walked`
    dimensions `kept` (0 where an array's extent is 1: it is broadcast).  0 when every array
-   is such; else 1, nothing held and no Python error set: the caller converts its arrays. */
+   is such; else, nothing held and no Python error set, 2 where the first array overlaps a
+   leaf (`bb_overlaps`: the caller writes into a new one) and 1 otherwise (the caller
+   converts its arrays). */
 static int bb_buffers(int count, int written, PyObject **arrays, Py_buffer *views, int nd,
                       const long *shapes, int walked, const int *kept, long *strides) {
     for (int k = 0; k < count; k++) {
@@ -118,6 +154,10 @@ static int bb_buffers(int count, int written, PyObject **arrays, Py_buffer *view
         for (int j = 0; j < walked; j++)
             strides[k * walked + j] = shapes[k * nd + kept[j]] == 1 ? 0
                                       : (long)(v->strides[kept[j]] / 4);
+    }
+    if (bb_overlaps(count, written, views, nd)) {
+        bb_release(count, views);
+        return 2;
     }
     return 0;
 }
@@ -396,9 +436,10 @@ def function(g: Group) -> str:
              f"    static const int kept[] = {{{', '.join(map(str, kept))}}};",
              f"    {ctx} x = {{.n = {{{', '.join(str(g.dims[d]) for d in kept)}}}}};",
              f"    Py_buffer v[{arrays}];",
-             f"    if (bb_buffers({arrays}, {outs}, arrays, v, {len(g.dims)}, shapes, {nd}, "
-             "kept, &x.s[0][0]))",
-             "        return 1;",
+             f"    const int got = bb_buffers({arrays}, {outs}, arrays, v, {len(g.dims)}, shapes, "
+             f"{nd}, kept, &x.s[0][0]);",
+             "    if (got)",
+             "        return got;",
              *([f"    x.ov = v[{v_at}].buf;"] if values else []),
              *([f"    x.oa = v[{a_at}].buf;"] if reduced else []),
              *(f"    x.a[{i}] = v[{outs + i}].buf;" for i in range(k)),
@@ -669,6 +710,7 @@ class Library:
             lib.bb_set_parallel.argtypes = [ctypes.c_void_p]
             lib.bb_set_parallel(_parallel_for())
         self.calls = builtin_functions(lib) if hasattr(lib, "bb_functions") else {}  # (likewise)
+        self.checks_overlap = hasattr(lib, "bb_checks_overlap")  # (likewise)
 
     def function(self, name: str, dims: tuple[int, ...], leaves: tuple[tuple[int, ...], ...],
                  reduce: tuple[str, int] | None = None, keeps: bool = False) -> Call:
@@ -678,7 +720,7 @@ class Library:
             fn = getattr(self.lib, name)
             fn.restype = ctypes.c_int
             fn.argtypes = [ctypes.py_object] * (len(g.outputs()) + len(leaves)) + [ctypes.c_int]
-        return Call(fn, g)
+        return Call(fn, g, self.checks_overlap)
 
 
 def _parallel_for() -> ctypes.c_void_p:
@@ -700,7 +742,8 @@ class Call:
     returns (values, reduction).  The function reads the arrays' memory through the buffer
     protocol and releases the GIL while it loops, its rows on `threads` threads."""
 
-    def __init__(self, fn: Callable[..., int], g: Group):
+    def __init__(self, fn: Callable[..., int], g: Group, checks_overlap: bool = True):
+        self.checks_overlap = checks_overlap  # (else a module written before it did: here)
         self.dims = g.outputs()[0]
         self.reduced = g.result() if g.reduce is not None else None
         self.both = len(g.outputs()) == 2
@@ -710,18 +753,22 @@ class Call:
 
     def __call__(self, out: np.ndarray | None, *leaves: np.ndarray, threads: int = 1
                  ) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
-        if out is None or any(a is not out and np.may_share_memory(out, a) for a in leaves):
+        if out is None or not self.checks_overlap and \
+                any(a is not out and np.may_share_memory(out, a) for a in leaves):
             out = self.new(leaves)
         outs = (out, np.empty(self.reduced, np.float32)) if self.both else (out,)
-        if self.fn(*outs, *leaves, threads):  # a numpy scalar, another dtype, an odd view
-            try:
-                converted = [_as_leaf(a, dims) for a, dims in zip(leaves, self.leaf_dims)]
-            except ValueError:
-                converted = None
-            if converted is None or self.fn(*outs, *converted, threads):
-                raise ValueError(f"native group of dimensions {self.dims}: its arrays have "
-                                 f"shapes {[np.shape(a) for a in (*outs, *leaves)]}")
-        return outs if self.both else out
+        status = self.fn(*outs, *leaves, threads)
+        if status == 1:  # a numpy scalar, another dtype, an odd view
+            with suppress(ValueError):
+                leaves = tuple(_as_leaf(a, dims) for a, dims in zip(leaves, self.leaf_dims))
+                status = self.fn(*outs, *leaves, threads)
+        if status == 2:  # out overlaps a leaf
+            outs = (self.new(leaves), *outs[1:])
+            status = self.fn(*outs, *leaves, threads)
+        if status:
+            raise ValueError(f"native group of dimensions {self.dims}: its arrays have "
+                             f"shapes {[np.shape(a) for a in (*outs, *leaves)]}")
+        return outs if self.both else outs[0]
 
     def new(self, leaves: Sequence[np.ndarray]) -> np.ndarray:
         """A result array laid out in memory as the first leaf of its shape is (as numpy's
