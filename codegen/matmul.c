@@ -98,10 +98,23 @@ static void pack(const float *b, long sk, long sn, long kc, long n, float *panel
             panel[k * NR + j] = j < n ? b[k * sk + j * sn] : 0.0f;
 }
 
-/* out's block of m <= MR rows and n <= NR columns (+)= a's m rows (kc long) times the panel. */
+/* The addend's row r from column j (columns scn apart; 0: one number broadcast) as a vector. */
+static inline __attribute__((always_inline)) vec addend_row(const float *c, long scn) {
+    if (scn == 1)
+        return *(const vec *)c;
+    vec x;
+#pragma GCC unroll 16
+    for (int i = 0; i < W; i++)
+        x[i] = c[i * scn];
+    return x;
+}
+
+/* out's block of m <= MR rows and n <= NR columns (+)= a's m rows (kc long) times the panel:
+   added to out where `add`, else to the addend `c` (rows scm apart, columns scn; 0 where it
+   is broadcast) where there is one (the contraction's first block). */
 static inline __attribute__((always_inline)) void
 block(const float *a, long sm, long sk, const float *panel, long kc, float *out, long so,
-      long m, long n, int add) {
+      long m, long n, int add, const float *c, long scm, long scn) {
     const float *rows[MR];
     for (int r = 0; r < MR; r++)  /* rows past m repeat the last one; they are not stored */
         rows[r] = a + (r < m ? r : m - 1) * sm;
@@ -128,14 +141,17 @@ block(const float *a, long sm, long sk, const float *panel, long kc, float *out,
     }
     for (long r = 0; r < m; r++) {
         float *o = out + r * so;
+        const float *cr = c == NULL ? NULL : c + r * scm;
         if (n == NR) {
 #pragma GCC unroll 4
             for (int v = 0; v < NV; v++)
-                *(vec *)(o + W * v) = (add ? *(vec *)(o + W * v) : (vec){0}) + acc[r][v];
+                *(vec *)(o + W * v) = (add ? *(vec *)(o + W * v)
+                                       : cr ? addend_row(cr + W * v * scn, scn) : (vec){0})
+                                      + acc[r][v];
         } else {
             const float *s = (const float *)acc[r];
             for (long j = 0; j < n; j++)
-                o[j] = (add ? o[j] : 0.0f) + s[j];
+                o[j] = (add ? o[j] : cr ? cr[j * scn] : 0.0f) + s[j];
         }
     }
 }
@@ -148,6 +164,8 @@ typedef struct {
     long sa[MAX_DIMS + 2], sb[MAX_DIMS + 2], so[MAX_DIMS + 2];  /* strides in floats */
     const float *a, *b;
     float *out;
+    const float *c;                   /* the addend (out = c + a @ b), NULL where none */
+    long sc[MAX_DIMS + 2];            /* its strides, 0 along dimensions it is broadcast */
 } Product;
 
 static long offset(const Product *p, const long *strides, long index) {
@@ -259,13 +277,29 @@ static int thin(const Product *p, const float *a, const float *b, float *out, lo
     return 0;
 }
 
+/* Adds the addend's rows [r0, r1), columns [j, j + n), to batch entry e of out (after a thin
+   product, which writes out as a whole; into an empty one). */
+static void add_addend(const Product *p, long e, long j, long r0, long r1, long n) {
+    const long d = p->dims;
+    const float *c = p->c + offset(p, p->sc, e) + j * p->sc[d + 1];
+    float *out = p->out + offset(p, p->so, e) + j;
+    for (long r = r0; r < r1; r++)
+        for (long t = 0; t < n; t++)
+            out[r * p->so[d] + t] += c[r * p->sc[d] + t * p->sc[d + 1]];
+}
+
 /* Rows [r0, r1) of batch entry e's panel of columns from j (`packed`: `panel` holds it). */
 static void rows(const Product *p, long e, long j, long r0, long r1, float *panel, int packed) {
     const long n = p->n - j < NR ? p->n - j : NR, d = p->dims;
     const float *a = p->a + offset(p, p->sa, e), *b = p->b + offset(p, p->sb, e) + j * p->sb[d + 1];
     float *out = p->out + offset(p, p->so, e) + j;
-    if (p->m < MR && thin(p, a, b, out, n))
+    const float *c = p->c == NULL ? NULL : p->c + offset(p, p->sc, e) + j * p->sc[d + 1];
+    const long scm = p->sc[d], scn = p->sc[d + 1];
+    if (p->m < MR && thin(p, a, b, out, n)) {
+        if (c != NULL)
+            add_addend(p, e, j, r0, r1, n);
         return;
+    }
     for (long k0 = 0; k0 < p->k; k0 += KC) {
         const long kc = p->k - k0 < KC ? p->k - k0 : KC;
         if (!packed)
@@ -273,11 +307,13 @@ static void rows(const Product *p, long e, long j, long r0, long r1, float *pane
         for (long r = r0; r < r1; r += MR) {
             const long m = r1 - r < MR ? r1 - r : MR;
             const float *ar = a + r * p->sa[d] + k0 * p->sa[d + 1];
+            const float *cr = c == NULL ? NULL : c + r * scm;
             if (p->sa[d + 1] == 1)  /* (the common case, specialised: unit steps along k) */
-                block(ar, p->sa[d], 1, panel, kc, out + r * p->so[d], p->so[d], m, n, k0 > 0);
+                block(ar, p->sa[d], 1, panel, kc, out + r * p->so[d], p->so[d], m, n, k0 > 0,
+                      cr, scm, scn);
             else
                 block(ar, p->sa[d], p->sa[d + 1], panel, kc, out + r * p->so[d], p->so[d], m,
-                      n, k0 > 0);
+                      n, k0 > 0, cr, scm, scn);
         }
     }
 }
@@ -579,34 +615,55 @@ static int product_of(const Py_buffer *v, Product *p) {
     return 1;
 }
 
-/* out = a @ b for each triple (out, a, b) of the `n` `arrays`, as one job on `threads`
-   threads: 0 when done; 1 (no Python error set) where some triple does not fit (`product_of`),
-   there are more than MAX_PRODUCTS or memory ran out: the caller falls back to numpy. */
-int bb_matmuls(PyObject *const *arrays, long n, int threads) {
-    const long count = n / 3;
-    if (n % 3 != 0 || count < 1 || count > MAX_PRODUCTS)
-        return 1;
-    Py_buffer v[3 * MAX_PRODUCTS];
-    Products set = {.count = 0};
-    long got = 0;
-    for (; got < 3 * count; got++) {
-        int flags = PyBUF_STRIDES | PyBUF_FORMAT | (got % 3 == 0 ? PyBUF_WRITABLE : 0);
-        if (PyObject_GetBuffer(arrays[got], &v[got], flags) != 0) {
-            PyErr_Clear();
-            break;
-        }
+/* The addend `c` of product `p` (of `nd` dimensions) from its buffer: 0 where it is not a
+   float32 array of nd dimensions each out's extent or 1 (broadcast). */
+static int addend_of(const Py_buffer *c, Product *p, int nd) {
+    if (!fits(c, nd))
+        return 0;
+    for (int d = 0; d < nd; d++) {
+        const long extent = d < p->dims ? p->shape[d] : d == p->dims ? p->m : p->n;
+        if (c->shape[d] != extent && c->shape[d] != 1)
+            return 0;
+        p->sc[d] = c->shape[d] == 1 ? 0 : c->strides[d] / 4;
     }
-    int ok = got == 3 * count;
+    p->c = c->buf;
+    return 1;
+}
+
+/* out = c + a @ b for each quadruple (out, a, b, c) of the `n` `arrays` (c None where there
+   is no addend), as one job on `threads` threads: 0 when done; 1 (no Python error set) where
+   some quadruple does not fit (`product_of`, `addend_of`), there are more than MAX_PRODUCTS
+   or memory ran out: the caller falls back to numpy. */
+int bb_matmuls(PyObject *const *arrays, long n, int threads) {
+    const long count = n / 4;
+    if (n % 4 != 0 || count < 1 || count > MAX_PRODUCTS)
+        return 1;
+    Py_buffer v[4 * MAX_PRODUCTS];
+    int held[4 * MAX_PRODUCTS] = {0};
+    Products set = {.count = 0};
+    int ok = 1;
+    for (long k = 0; ok && k < 4 * count; k++) {
+        if (k % 4 == 3 && arrays[k] == Py_None)
+            continue;
+        int flags = PyBUF_STRIDES | PyBUF_FORMAT | (k % 4 == 0 ? PyBUF_WRITABLE : 0);
+        held[k] = ok = PyObject_GetBuffer(arrays[k], &v[k], flags) == 0;
+        if (!ok)
+            PyErr_Clear();
+    }
     for (int q = 0; ok && q < count; q++)
-        ok = product_of(&v[3 * q], &set.p[q]);
+        ok = product_of(&v[4 * q], &set.p[q]) && (!held[4 * q + 3] ||
+             addend_of(&v[4 * q + 3], &set.p[q], v[4 * q].ndim));
     if (ok) {
         Py_BEGIN_ALLOW_THREADS
         for (int q = 0; q < count; q++) {  /* the empty ones now: the job takes the rest */
             const Product *p = &set.p[q];
             if (p->k == 0) {
-                for (long e = 0; e < p->batch; e++)
+                for (long e = 0; e < p->batch; e++) {
                     for (long r = 0; r < p->m; r++)
                         memset(p->out + offset(p, p->so, e) + r * p->so[p->dims], 0, 4 * p->n);
+                    if (p->c != NULL)
+                        add_addend(p, e, 0, 0, p->m, p->n);
+                }
             } else if (p->m > 0 && p->n > 0) {
                 set.p[set.count++] = *p;
             }
@@ -615,13 +672,14 @@ int bb_matmuls(PyObject *const *arrays, long n, int threads) {
             ok = run(&set, threads < 1 ? 1 : threads) == 0;
         Py_END_ALLOW_THREADS
     }
-    for (long k = 0; k < got; k++)
-        PyBuffer_Release(&v[k]);
+    for (long k = 0; k < 4 * count; k++)
+        if (held[k])
+            PyBuffer_Release(&v[k]);
     return !ok;
 }
 
-/* out = a @ b on `threads` threads (`bb_matmuls` of one triple). */
-int bb_matmul(PyObject *out, PyObject *a, PyObject *b, int threads) {
-    PyObject *const arrays[3] = {out, a, b};
-    return bb_matmuls(arrays, 3, threads);
+/* out = c + a @ b (c None: out = a @ b) on `threads` threads (`bb_matmuls` of one). */
+int bb_matmul(PyObject *out, PyObject *a, PyObject *b, PyObject *c, int threads) {
+    PyObject *const arrays[4] = {out, a, b, c};
+    return bb_matmuls(arrays, 4, threads);
 }

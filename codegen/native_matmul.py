@@ -8,7 +8,9 @@ transposed right operand, a weight read as W^T, 310).  On large products it is 5
 of OpenBLAS (magika's convolution, 512 x 1280 by 1280 x 512: 1.7-1.9 against 2.0-2.2 ms).
 
 `matmul(x, y, threads)` computes `np.matmul(x, y)` for float32 operands of two or more
-dimensions (the batch broadcast as numpy's is) on `threads` threads (`matmul.c`'s own): a
+dimensions (the batch broadcast as numpy's is) on `threads` threads (`matmul.c`'s own), and
+`matmul(x, y, threads, add)` `add + np.matmul(x, y)`, the addend read as the first block of
+the contraction starts (a residual, a bias, an attention mask: one numpy pass less): a
 kernel run whole asks for every core, a kernel's part for one (the parts already take every
 core).  Anything else (another dtype, a 1-D operand, a product too small to gain that numpy's
 OpenBLAS keeps on one thread) goes to numpy: OpenBLAS's own threads, once woken, spin on the
@@ -45,20 +47,21 @@ def library() -> ctypes.CDLL:
         text = _SOURCE.read_text()
     except OSError as e:
         raise NativeUnavailable(f"reading {_SOURCE} failed: {e}") from e
-    return build(text + exported([("bb_matmul", 3), ("bb_matmuls", None)]), [], FLAGS)
+    return build(text + exported([("bb_matmul", 4), ("bb_matmuls", None)]), [], FLAGS)
 
 
 @lru_cache(maxsize=None)
-def product() -> Callable[[np.ndarray, np.ndarray, np.ndarray, int], int]:
-    """`bb_matmul(out, a, b, threads)`: 0 once out = a @ b, 1 where the arrays do not fit."""
+def product() -> Callable[..., int]:
+    """`bb_matmul(out, a, b, c, threads)`: 0 once out = c + a @ b (c None: a @ b), 1 where
+    the arrays do not fit."""
     return builtin_functions(library())["bb_matmul"]
 
 
 @lru_cache(maxsize=None)
 def products() -> Callable[..., int]:
-    """`bb_matmuls(out0, a0, b0, out1, a1, b1, ..., threads)`: 0 once every out = a @ b (one
-    job on the threads), 1 where some triple does not fit or there are more than
-    `MAX_PRODUCTS`."""
+    """`bb_matmuls(out0, a0, b0, c0, out1, a1, b1, c1, ..., threads)`: 0 once every out =
+    c + a @ b (one job on the threads), 1 where some quadruple does not fit or there are more
+    than `MAX_PRODUCTS`."""
     return builtin_functions(library())["bb_matmuls"]
 
 
@@ -89,43 +92,53 @@ BLAS_THREADS_VECTOR = 9216
 MAX_PRODUCTS = 8
 
 
-def matmul(x: np.ndarray, y: np.ndarray, threads: int = 1) -> np.ndarray:
-    """`np.matmul(x, y)` through `matmul.c` where both are float32 arrays of two or more
+def matmul(x: np.ndarray, y: np.ndarray, threads: int = 1, add: np.ndarray | None = None
+           ) -> np.ndarray:
+    """`np.matmul(x, y)`, plus `add` (broadcast to the product's shape, of as many
+    dimensions) where given, through `matmul.c` where both are float32 arrays of two or more
     dimensions, on `threads` threads where the product is large enough; through numpy (given
     operands BLAS can read: a window whose rows overlap is copied) where numpy's call costs
     less and its BLAS stays on one thread."""
     native = _native(x, y)
     if native is None:
-        return np.matmul(_blas_ready(x), _blas_ready(y))
+        return _numpy_product(x, y, add)
     out, x, y, macs = native
-    if product()(out, x, y, threads if macs >= MIN_MACS else 1):  # numpy's error, if any
-        return np.matmul(_blas_ready(x), _blas_ready(y))
+    if product()(out, x, y, add, threads if macs >= MIN_MACS else 1):  # numpy's error, if any
+        return _numpy_product(x, y, add)
     return out
 
 
-def matmuls(*pairs: tuple[np.ndarray, np.ndarray], threads: int = 1) -> list[np.ndarray]:
-    """`[matmul(x, y, threads) for x, y in pairs]`, the products `matmul.c` takes run as one
-    job (`bb_matmuls`; on `threads` threads where the job, not each product, has `MIN_MACS`
-    multiply-adds): a kernel's products of one operand (K and V from the normed input, an
-    MLP's gate and up) then share the threads' start and finish."""
-    results: list[np.ndarray | None] = [None] * len(pairs)
-    native = []  # (index, (out, x, y, macs))
-    for i, (x, y) in enumerate(pairs):
+def matmuls(*operands: tuple[np.ndarray, ...], threads: int = 1) -> list[np.ndarray]:
+    """`[matmul(x, y, threads, *add) for x, y, *add in operands]`, the products `matmul.c`
+    takes run as one job (`bb_matmuls`; on `threads` threads where the job, not each
+    product, has `MIN_MACS` multiply-adds): a kernel's products of one operand (K and V from
+    the normed input, an MLP's gate and up) then share the threads' start and finish."""
+    results: list[np.ndarray | None] = [None] * len(operands)
+    native = []  # (index, (out, x, y, add), multiply-adds)
+    for i, (x, y, *add) in enumerate(operands):
+        add = add[0] if add else None
         if (got := _native(x, y)) is None:
-            results[i] = np.matmul(_blas_ready(x), _blas_ready(y))
+            results[i] = _numpy_product(x, y, add)
         else:
-            native.append((i, got))
+            native.append((i, (*got[:3], add), got[3]))
     for start in range(0, len(native), MAX_PRODUCTS):
         job = native[start:start + MAX_PRODUCTS]
-        macs = sum(got[3] for _, got in job)
-        if products()(*(a for _, got in job for a in got[:3]),
+        macs = sum(m for _, _, m in job)
+        if products()(*(a for _, arrays, _ in job for a in arrays),
                       threads if macs >= MIN_MACS else 1):
-            for i, (_, x, y, _) in job:  # numpy's error, if any
-                results[i] = np.matmul(_blas_ready(x), _blas_ready(y))
+            for i, (_, x, y, add), _ in job:  # numpy's error, if any
+                results[i] = _numpy_product(x, y, add)
         else:
-            for i, got in job:
-                results[i] = got[0]
+            for i, arrays, _ in job:
+                results[i] = arrays[0]
     return results
+
+
+def _numpy_product(x: np.ndarray, y: np.ndarray, add: np.ndarray | None) -> np.ndarray:
+    out = np.matmul(_blas_ready(x), _blas_ready(y))
+    if add is not None:
+        out += add
+    return out
 
 
 def _native(x: np.ndarray, y: np.ndarray

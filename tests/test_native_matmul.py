@@ -72,7 +72,7 @@ def test_thin_products_read_the_matrix_in_place(m, n, k, transposed):
     if transposed:
         y = np.ascontiguousarray(y.T).T
     out = np.empty((m, n), np.float32)
-    assert native_matmul.product()(out, x, y, 2) == 0
+    assert native_matmul.product()(out, x, y, None, 2) == 0
     close_to_float64(out, x, y)
 
 
@@ -97,6 +97,39 @@ def test_batches_broadcast_as_numpys_do():
     check(x, y)
     check(x, np.broadcast_to(rand(30, 70, seed=5), (3, 4, 30, 70)))
     check(rand(2, 2, 128, 64, seed=6), rand(2, 2, 128, 64, seed=7).transpose(0, 1, 3, 2))
+
+
+ADDENDS = {  # the addend's shape and layout, given the product's (batch, m, n)
+    "whole": lambda b, m, n: rand(b, m, n, seed=11),
+    "a bias (a row)": lambda b, m, n: rand(1, 1, n, seed=12),
+    "a column": lambda b, m, n: rand(b, m, 1, seed=13),
+    "one number": lambda b, m, n: rand(1, 1, 1, seed=14),
+    "columns contiguous": lambda b, m, n: rand(b, n, m, seed=15).swapaxes(1, 2),
+    "a mask shared by the batch": lambda b, m, n: rand(1, m, n, seed=16)[:, :, ::-1],
+}
+
+
+@pytest.mark.parametrize("addend", list(ADDENDS))
+@pytest.mark.parametrize("m, n, k", [(5, 15, 9), (61, 130, 64), (30, 67, 1100), (7, 64, 0),
+                                     (2, 2, 3)])
+def test_an_addend_is_added_as_the_contraction_starts(addend, m, n, k):
+    """`matmul(x, y, threads, add)` is `add + x @ y`, the addend broadcast along its
+    dimensions of 1 and read at any strides: by thin products (added after), blocks of the
+    micro-kernel, a contraction of several blocks (added once), an empty one (the addend),
+    in a job of several products; `matmul` gives numpy's product (below `MIN_MACS`) the
+    addend too."""
+    batch = 3
+    x, y = rand(batch, m, k, seed=m), rand(batch, k, n, seed=n)
+    add = ADDENDS[addend](batch, m, n)
+    want = add.astype(np.float64) + np.matmul(x.astype(np.float64), y.astype(np.float64))
+    bound = np.abs(add) + np.matmul(np.abs(x).astype(np.float64), np.abs(y).astype(np.float64))
+    alone, first, second = (np.empty((batch, m, n), np.float32) for _ in range(3))
+    assert native_matmul.product()(alone, x, y, add, 2) == 0
+    assert native_matmul.products()(first, x, y, add, second, x, y, None, 2) == 0
+    close_to_float64(second, x, y)
+    for got in (alone, first, native_matmul.matmul(x, y, 2, add)):
+        assert got.shape == want.shape and got.dtype == np.float32
+        np.testing.assert_array_less(np.abs(got - want), (k + 1) * 2.0 ** -23 * bound + 1e-30)
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3, 8])
@@ -268,9 +301,9 @@ def test_small_products_are_numpys_unless_its_blas_would_thread_them(monkeypatch
     called = []
     real = native_matmul.product()
 
-    def spy(out, x, y, threads):
+    def spy(out, x, y, add, threads):
         called.append((x.shape, y.shape, threads))
-        return real(out, x, y, threads)
+        return real(out, x, y, add, threads)
     monkeypatch.setattr(native_matmul, "product", lambda: spy)
     for x, y in [(rand(8, 32), rand(32, 256)), (rand(64, 64), rand(64, 64)),
                  (rand(1, 64), rand(64, 128))]:
@@ -322,6 +355,37 @@ def test_a_convolutions_window_is_read_in_place():
     want = np.einsum("osc,mcs->om", np.stack([x[o:o + 5] for o in range(60)]), w)
     assert_close(got, want, "vs numpy")
     assert_close(got, interp.run(p, inputs)["Y"], "vs interpreter")
+
+
+ADDED = """dim t = 96 / 32
+dim u = 96 / 32
+dim e = 64
+dim f = 80
+dim h = 3
+input X[t, e], W[e, f], R[t, f], B[f], Q[h, t, e], K[h, u, e], M[t, u] : f32
+Y[t, f] = R[t, f] + sum[e] X[t, e] * W[e, f]
+Z[t, f] = sum[e] X[t, e] * W[e, f] + B[f]
+S[h, t, u] = sum[e] Q[h, t, e] * K[h, u, e] + M[t, u]
+V[t, f] = (sum[e] X[t, e] * W[e, f]) * (sum[e] X[t, e] * W[e, f] + R[t, f])
+output Y, Z, S, V
+"""
+
+
+def test_a_tile_added_to_a_product_is_its_addend():
+    """A residual, a bias (one row, loaded after the product) and a mask the heads share,
+    added to products, are the native product's addend: no numpy pass adds them.  A product
+    read twice is not (V's is read by its sum with R and by their product).  The results are
+    the interpreter's."""
+    ast = parse_program(ADDED)
+    p = lower(ast)
+    source = numpy_gen.generate(p, threads=2, native=True)
+    added = re.findall(r"= matmul\(.*, 2, t\d+_(\w+)\.reshape\([\d, ]+\)\)", source)
+    assert sorted(added) == ["B", "M", "R"] and "np.add(" not in source
+    inputs = random_inputs(ast, seed=21)
+    got = numpy_gen.module_from_source(source).run(**inputs)
+    want = interp.run(p, inputs)
+    for name in "YZSV":
+        assert_close(got[name], want[name], name)
 
 
 def test_without_a_compiler_products_are_numpys(monkeypatch):
