@@ -109,12 +109,12 @@ static inline __attribute__((always_inline)) vec addend_row(const float *c, long
     return x;
 }
 
-/* out's block of m <= MR rows and n <= NR columns (+)= a's m rows (kc long) times the panel:
-   added to out where `add`, else to the addend `c` (rows scm apart, columns scn; 0 where it
-   is broadcast) where there is one (the contraction's first block). */
+/* out's block of m <= MR rows and n <= NR columns (+)= `scale` times a's m rows (kc long)
+   times the panel: added to out where `add`, else to the addend `c` (rows scm apart, columns
+   scn; 0 where it is broadcast) where there is one (the contraction's first block). */
 static inline __attribute__((always_inline)) void
 block(const float *a, long sm, long sk, const float *panel, long kc, float *out, long so,
-      long m, long n, int add, const float *c, long scm, long scn) {
+      long m, long n, int add, const float *c, long scm, long scn, float scale) {
     const float *rows[MR];
     for (int r = 0; r < MR; r++)  /* rows past m repeat the last one; they are not stored */
         rows[r] = a + (r < m ? r : m - 1) * sm;
@@ -147,11 +147,11 @@ block(const float *a, long sm, long sk, const float *panel, long kc, float *out,
             for (int v = 0; v < NV; v++)
                 *(vec *)(o + W * v) = (add ? *(vec *)(o + W * v)
                                        : cr ? addend_row(cr + W * v * scn, scn) : (vec){0})
-                                      + acc[r][v];
+                                      + scale * acc[r][v];
         } else {
             const float *s = (const float *)acc[r];
             for (long j = 0; j < n; j++)
-                o[j] = (add ? o[j] : cr ? cr[j * scn] : 0.0f) + s[j];
+                o[j] = (add ? o[j] : cr ? cr[j * scn] : 0.0f) + scale * s[j];
         }
     }
 }
@@ -164,8 +164,9 @@ typedef struct {
     long sa[MAX_DIMS + 2], sb[MAX_DIMS + 2], so[MAX_DIMS + 2];  /* strides in floats */
     const float *a, *b;
     float *out;
-    const float *c;                   /* the addend (out = c + a @ b), NULL where none */
+    const float *c;                   /* the addend (out = c + scale a @ b), NULL where none */
     long sc[MAX_DIMS + 2];            /* its strides, 0 along dimensions it is broadcast */
+    float scale;
 } Product;
 
 static long offset(const Product *p, const long *strides, long index) {
@@ -277,15 +278,17 @@ static int thin(const Product *p, const float *a, const float *b, float *out, lo
     return 0;
 }
 
-/* Adds the addend's rows [r0, r1), columns [j, j + n), to batch entry e of out (after a thin
-   product, which writes out as a whole; into an empty one). */
-static void add_addend(const Product *p, long e, long j, long r0, long r1, long n) {
+/* Rows [r0, r1), columns [j, j + n), of batch entry e of out scaled by `scale` and added to
+   the addend where there is one (after a thin product, which writes a @ b as a whole; into
+   an empty product's zeros). */
+static void finish(const Product *p, float scale, long e, long j, long r0, long r1, long n) {
     const long d = p->dims;
-    const float *c = p->c + offset(p, p->sc, e) + j * p->sc[d + 1];
+    const float *c = p->c == NULL ? NULL : p->c + offset(p, p->sc, e) + j * p->sc[d + 1];
     float *out = p->out + offset(p, p->so, e) + j;
     for (long r = r0; r < r1; r++)
         for (long t = 0; t < n; t++)
-            out[r * p->so[d] + t] += c[r * p->sc[d] + t * p->sc[d + 1]];
+            out[r * p->so[d] + t] = (c ? c[r * p->sc[d] + t * p->sc[d + 1]] : 0.0f) +
+                                    scale * out[r * p->so[d] + t];
 }
 
 /* Rows [r0, r1) of batch entry e's panel of columns from j (`packed`: `panel` holds it). */
@@ -296,8 +299,8 @@ static void rows(const Product *p, long e, long j, long r0, long r1, float *pane
     const float *c = p->c == NULL ? NULL : p->c + offset(p, p->sc, e) + j * p->sc[d + 1];
     const long scm = p->sc[d], scn = p->sc[d + 1];
     if (p->m < MR && thin(p, a, b, out, n)) {
-        if (c != NULL)
-            add_addend(p, e, j, r0, r1, n);
+        if (c != NULL || p->scale != 1.0f)
+            finish(p, p->scale, e, j, r0, r1, n);
         return;
     }
     for (long k0 = 0; k0 < p->k; k0 += KC) {
@@ -310,10 +313,10 @@ static void rows(const Product *p, long e, long j, long r0, long r1, float *pane
             const float *cr = c == NULL ? NULL : c + r * scm;
             if (p->sa[d + 1] == 1)  /* (the common case, specialised: unit steps along k) */
                 block(ar, p->sa[d], 1, panel, kc, out + r * p->so[d], p->so[d], m, n, k0 > 0,
-                      cr, scm, scn);
+                      cr, scm, scn, p->scale);
             else
                 block(ar, p->sa[d], p->sa[d + 1], panel, kc, out + r * p->so[d], p->so[d], m,
-                      n, k0 > 0, cr, scm, scn);
+                      n, k0 > 0, cr, scm, scn, p->scale);
         }
     }
 }
@@ -612,6 +615,7 @@ static int product_of(const Py_buffer *v, Product *p) {
         p->sb[d] = v[2].strides[d] / 4;
     }
     p->out = v[0].buf, p->a = v[1].buf, p->b = v[2].buf;
+    p->scale = 1.0f;
     return 1;
 }
 
@@ -630,29 +634,36 @@ static int addend_of(const Py_buffer *c, Product *p, int nd) {
     return 1;
 }
 
-/* out = c + a @ b for each quadruple (out, a, b, c) of the `n` `arrays` (c None where there
-   is no addend), as one job on `threads` threads: 0 when done; 1 (no Python error set) where
-   some quadruple does not fit (`product_of`, `addend_of`), there are more than MAX_PRODUCTS
-   or memory ran out: the caller falls back to numpy. */
+/* out = c + scale a @ b for each group of five (out, a, b, c, scale) of the `n` `arrays` (c
+   None where there is no addend, scale a Python float), as one job on `threads` threads: 0
+   when done; 1 (no Python error set) where some group does not fit (`product_of`,
+   `addend_of`), there are more than MAX_PRODUCTS or memory ran out: the caller falls back to
+   numpy. */
 int bb_matmuls(PyObject *const *arrays, long n, int threads) {
-    const long count = n / 4;
-    if (n % 4 != 0 || count < 1 || count > MAX_PRODUCTS)
+    const long count = n / 5;
+    if (n % 5 != 0 || count < 1 || count > MAX_PRODUCTS)
         return 1;
     Py_buffer v[4 * MAX_PRODUCTS];
     int held[4 * MAX_PRODUCTS] = {0};
     Products set = {.count = 0};
     int ok = 1;
-    for (long k = 0; ok && k < 4 * count; k++) {
-        if (k % 4 == 3 && arrays[k] == Py_None)
-            continue;
-        int flags = PyBUF_STRIDES | PyBUF_FORMAT | (k % 4 == 0 ? PyBUF_WRITABLE : 0);
-        held[k] = ok = PyObject_GetBuffer(arrays[k], &v[k], flags) == 0;
-        if (!ok)
-            PyErr_Clear();
+    for (long q = 0; ok && q < count; q++)
+        for (long k = 0; ok && k < 4; k++) {
+            PyObject *array = arrays[5 * q + k];
+            if (k == 3 && array == Py_None)
+                continue;
+            int flags = PyBUF_STRIDES | PyBUF_FORMAT | (k == 0 ? PyBUF_WRITABLE : 0);
+            held[4 * q + k] = ok = PyObject_GetBuffer(array, &v[4 * q + k], flags) == 0;
+            if (!ok)
+                PyErr_Clear();
+        }
+    for (int q = 0; ok && q < count; q++) {
+        const double scale = PyFloat_AsDouble(arrays[5 * q + 4]);
+        ok = !PyErr_Occurred() && product_of(&v[4 * q], &set.p[q]) &&
+             (!held[4 * q + 3] || addend_of(&v[4 * q + 3], &set.p[q], v[4 * q].ndim));
+        set.p[q].scale = (float)scale;
+        PyErr_Clear();
     }
-    for (int q = 0; ok && q < count; q++)
-        ok = product_of(&v[4 * q], &set.p[q]) && (!held[4 * q + 3] ||
-             addend_of(&v[4 * q + 3], &set.p[q], v[4 * q].ndim));
     if (ok) {
         Py_BEGIN_ALLOW_THREADS
         for (int q = 0; q < count; q++) {  /* the empty ones now: the job takes the rest */
@@ -661,8 +672,7 @@ int bb_matmuls(PyObject *const *arrays, long n, int threads) {
                 for (long e = 0; e < p->batch; e++) {
                     for (long r = 0; r < p->m; r++)
                         memset(p->out + offset(p, p->so, e) + r * p->so[p->dims], 0, 4 * p->n);
-                    if (p->c != NULL)
-                        add_addend(p, e, 0, 0, p->m, p->n);
+                    finish(p, 1.0f, e, 0, 0, p->m, p->n);
                 }
             } else if (p->m > 0 && p->n > 0) {
                 set.p[set.count++] = *p;
@@ -678,8 +688,9 @@ int bb_matmuls(PyObject *const *arrays, long n, int threads) {
     return !ok;
 }
 
-/* out = c + a @ b (c None: out = a @ b) on `threads` threads (`bb_matmuls` of one). */
-int bb_matmul(PyObject *out, PyObject *a, PyObject *b, PyObject *c, int threads) {
-    PyObject *const arrays[4] = {out, a, b, c};
-    return bb_matmuls(arrays, 4, threads);
+/* out = c + scale a @ b (c None: no addend) on `threads` threads (`bb_matmuls` of one). */
+int bb_matmul(PyObject *out, PyObject *a, PyObject *b, PyObject *c, PyObject *scale,
+              int threads) {
+    PyObject *const arrays[5] = {out, a, b, c, scale};
+    return bb_matmuls(arrays, 5, threads);
 }

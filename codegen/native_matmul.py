@@ -9,15 +9,15 @@ of OpenBLAS (magika's convolution, 512 x 1280 by 1280 x 512: 1.7-1.9 against 2.0
 
 `matmul(x, y, threads)` computes `np.matmul(x, y)` for float32 operands of two or more
 dimensions (the batch broadcast as numpy's is) on `threads` threads (`matmul.c`'s own), and
-`matmul(x, y, threads, add)` `add + np.matmul(x, y)`, the addend read as the first block of
-the contraction starts (a residual, a bias, an attention mask: one numpy pass less): a
-kernel run whole asks for every core, a kernel's part for one (the parts already take every
-core).  Anything else (another dtype, a 1-D operand, a product too small to gain that numpy's
-OpenBLAS keeps on one thread) goes to numpy: OpenBLAS's own threads, once woken, spin on the
-cores the native threads need.  Rounding differs from BLAS's: fused multiply-adds,
-accumulated along k in blocks.  The library is compiled once per machine, as
-native groups are (`codegen.native`); `compiled_matmul()` raises `NativeUnavailable` where it
-cannot be.
+`matmul(x, y, threads, add, scale)` `add + scale * np.matmul(x, y)`, the addend read as the
+first block of the contraction starts (a residual, a bias, an attention mask) and the scale
+applied as each block is stored (attention's): numpy passes less.  A kernel run whole asks
+for every core, a kernel's part for one (the parts already take every core).  Anything else
+(another dtype, a 1-D operand, a product too small to gain that numpy's OpenBLAS keeps on
+one thread) goes to numpy: OpenBLAS's own threads, once woken, spin on the cores the native
+threads need.  Rounding differs from BLAS's: fused multiply-adds, accumulated along k in
+blocks.  The library is compiled once per machine, as native groups are (`codegen.native`);
+`compiled_matmul()` raises `NativeUnavailable` where it cannot be.
 """
 
 from __future__ import annotations
@@ -47,20 +47,20 @@ def library() -> ctypes.CDLL:
         text = _SOURCE.read_text()
     except OSError as e:
         raise NativeUnavailable(f"reading {_SOURCE} failed: {e}") from e
-    return build(text + exported([("bb_matmul", 4), ("bb_matmuls", None)]), [], FLAGS)
+    return build(text + exported([("bb_matmul", 5), ("bb_matmuls", None)]), [], FLAGS)
 
 
 @lru_cache(maxsize=None)
 def product() -> Callable[..., int]:
-    """`bb_matmul(out, a, b, c, threads)`: 0 once out = c + a @ b (c None: a @ b), 1 where
-    the arrays do not fit."""
+    """`bb_matmul(out, a, b, c, scale, threads)`: 0 once out = c + scale a @ b (c None: no
+    addend; scale a float), 1 where the arrays do not fit."""
     return builtin_functions(library())["bb_matmul"]
 
 
 @lru_cache(maxsize=None)
 def products() -> Callable[..., int]:
-    """`bb_matmuls(out0, a0, b0, c0, out1, a1, b1, c1, ..., threads)`: 0 once every out =
-    c + a @ b (one job on the threads), 1 where some quadruple does not fit or there are more
+    """`bb_matmuls(out0, a0, b0, c0, scale0, out1, ..., threads)`: 0 once every out = c +
+    scale a @ b (one job on the threads), 1 where some group does not fit or there are more
     than `MAX_PRODUCTS`."""
     return builtin_functions(library())["bb_matmuls"]
 
@@ -92,50 +92,54 @@ BLAS_THREADS_VECTOR = 9216
 MAX_PRODUCTS = 8
 
 
-def matmul(x: np.ndarray, y: np.ndarray, threads: int = 1, add: np.ndarray | None = None
-           ) -> np.ndarray:
-    """`np.matmul(x, y)`, plus `add` (broadcast to the product's shape, of as many
-    dimensions) where given, through `matmul.c` where both are float32 arrays of two or more
+def matmul(x: np.ndarray, y: np.ndarray, threads: int = 1, add: np.ndarray | None = None,
+           scale: float = 1.0) -> np.ndarray:
+    """`np.matmul(x, y)` times `scale`, plus `add` (broadcast to the product's shape, of as
+    many dimensions) where given, through `matmul.c` where both are float32 arrays of two or more
     dimensions, on `threads` threads where the product is large enough; through numpy (given
     operands BLAS can read: a window whose rows overlap is copied) where numpy's call costs
     less and its BLAS stays on one thread."""
     native = _native(x, y)
     if native is None:
-        return _numpy_product(x, y, add)
+        return _numpy_product(x, y, add, scale)
     out, x, y, macs = native
-    if product()(out, x, y, add, threads if macs >= MIN_MACS else 1):  # numpy's error, if any
-        return _numpy_product(x, y, add)
+    if product()(out, x, y, add, float(scale), threads if macs >= MIN_MACS else 1):
+        return _numpy_product(x, y, add, scale)  # (numpy's error, if any)
     return out
 
 
 def matmuls(*operands: tuple[np.ndarray, ...], threads: int = 1) -> list[np.ndarray]:
-    """`[matmul(x, y, threads, *add) for x, y, *add in operands]`, the products `matmul.c`
-    takes run as one job (`bb_matmuls`; on `threads` threads where the job, not each
+    """`[matmul(x, y, threads, *extra) for x, y, *extra in operands]` (extra: the addend or
+    None, and the scale), the products `matmul.c` takes run as one job (`bb_matmuls`; on `threads` threads where the job, not each
     product, has `MIN_MACS` multiply-adds): a kernel's products of one operand (K and V from
     the normed input, an MLP's gate and up) then share the threads' start and finish."""
     results: list[np.ndarray | None] = [None] * len(operands)
-    native = []  # (index, (out, x, y, add), multiply-adds)
-    for i, (x, y, *add) in enumerate(operands):
-        add = add[0] if add else None
+    native = []  # (index, (out, x, y, add, scale), multiply-adds)
+    for i, (x, y, *extra) in enumerate(operands):
+        add, scale = extra[0] if extra else None, extra[1] if len(extra) > 1 else 1.0
         if (got := _native(x, y)) is None:
-            results[i] = _numpy_product(x, y, add)
+            results[i] = _numpy_product(x, y, add, scale)
         else:
-            native.append((i, (*got[:3], add), got[3]))
+            native.append((i, (*got[:3], add, float(scale)), got[3]))
     for start in range(0, len(native), MAX_PRODUCTS):
         job = native[start:start + MAX_PRODUCTS]
         macs = sum(m for _, _, m in job)
         if products()(*(a for _, arrays, _ in job for a in arrays),
                       threads if macs >= MIN_MACS else 1):
-            for i, (_, x, y, add), _ in job:  # numpy's error, if any
-                results[i] = _numpy_product(x, y, add)
+            for i, (_, x, y, add, scale), _ in job:  # numpy's error, if any
+                results[i] = _numpy_product(x, y, add, scale)
         else:
             for i, arrays, _ in job:
                 results[i] = arrays[0]
     return results
 
 
-def _numpy_product(x: np.ndarray, y: np.ndarray, add: np.ndarray | None) -> np.ndarray:
+def _numpy_product(x: np.ndarray, y: np.ndarray, add: np.ndarray | None, scale: float
+                   ) -> np.ndarray:
+    """`add + scale * x @ y` through numpy."""
     out = np.matmul(_blas_ready(x), _blas_ready(y))
+    if scale != 1.0:
+        out *= out.dtype.type(scale)
     if add is not None:
         out += add
     return out

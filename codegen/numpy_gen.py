@@ -533,10 +533,13 @@ class _Product:
     y: str
     threads: int
     add: str | None = None
+    scale: float = 1.0
 
     def operands(self) -> str:
-        """Its operands as `matmuls` takes them."""
-        return f"({self.x}, {self.y}{'' if self.add is None else ', ' + self.add})"
+        """Its operands as `matmuls` takes them: (x, y), with the addend and the scale."""
+        extra = [] if self.add is None and self.scale == 1.0 else [self.add or "None"]
+        extra += [] if self.scale == 1.0 else [_literal(self.scale)]
+        return f"({', '.join([self.x, self.y, *extra])})"
 
 
 # One schedule step as generated code, per node kind: the statement, or None for a value that
@@ -1227,11 +1230,12 @@ class _KernelWriter:
         if not also and (hot := one_hot(n)) is not None and \
                 (code := self.gather(n, *hot)) is not None:
             return code
-        xs, ys = self.dims(n.x), self.dims(n.y)
+        xn, yn, scale = self.factors(n, also)
+        xs, ys = self.dims(xn), self.dims(yn)
         contracted = (*also, n.axis)
         # contracted in the order the larger operand holds them in memory (a view of it, the
         # other copied into that order), a gathered one's of equal sizes (`held_order`)
-        held = [(prod(self.dims(o)), not isinstance(o, Load), order) for o in (n.x, n.y)
+        held = [(prod(self.dims(o)), not isinstance(o, Load), order) for o in (xn, yn)
                 if (order := self.held_order(o)) is not None and set(contracted) <= set(order)]
         if held:
             order = max(held, key=lambda h: h[:2])[2]
@@ -1249,27 +1253,61 @@ class _KernelWriter:
             # maxima and sums over a row run across contiguous columns, two to three times
             # faster.  Native groups reduce rows fastest where they are contiguous: attention's
             # exp and sum over 4 x 1024 x 256 scores took 830 µs column-major, 290 by rows.
-            x = _from_layout(self.tile(n.x), xs, [[i] for i in batch] + [cs, xfree])
-            y = _from_layout(self.tile(n.y), ys, [[i] for i in batch] + [yfree, cs])
+            x = _from_layout(self.tile(xn), xs, [[i] for i in batch] + [cs, xfree])
+            y = _from_layout(self.tile(yn), ys, [[i] for i in batch] + [yfree, cs])
             return _to_layout(f"{self.matmul(y, x)}.swapaxes(-1, -2)", parts, dims)
-        x = self.operand(n.x, xs, batch, xfree, cs)
-        y = self.operand(n.y, ys, batch, cs, yfree)
+        x = self.operand(xn, xs, batch, xfree, cs)
+        y = self.operand(yn, ys, batch, cs, yfree)
         addend = None if add is None else _from_layout(
             self.tile(add), self.dims(add), [[i] for i in batch] + [xfree, yfree])
-        return _to_layout(self.matmul(x, y, addend), parts, dims)
+        return _to_layout(self.matmul(x, y, addend, scale), parts, dims)
 
-    def matmul(self, x: str, y: str, add: str | None = None) -> str:
-        """The product of operands `x` and `y` (plus `add`, in native modules): numpy's, or
-        in native modules the native product (`codegen.native_matmul`), on one thread in a
-        kernel's part (the parts take every core) and on the module's threads in a kernel run
-        whole."""
+    def factors(self, n: Dot, also: tuple[Axis, ...] = ()) -> tuple[Node, Node, float]:
+        """The operands of contraction `n` (summed over `also` too) as the product reads them,
+        and a number it scales the product by: in native modules, each operand seen through
+        what repeats another tile (`same_as`: grouped-query attention's key and value heads
+        shared by query heads, which then are rows of one product, not a batch of broadcast
+        ones) and through a product by a number (attention's scale), where the tile seen is
+        computed and the product still spans what the contraction does.  LLaMA's layer at 128
+        tokens broadcast K and V and scaled K in numpy passes of their own."""
+        operands, scale = [n.x, n.y], 1.0
+        if not self.fns.native:
+            return n.x, n.y, scale
+        cs = [self.layout.element_dim(a) for a in (*also, n.axis)]
+        spans = [max(a, b) for a, b in zip(self.dims(n.x), self.dims(n.y))]
+        for k in range(2):
+            while True:
+                o, seen, factor = operands[k], None, 1.0
+                if is_elementwise(o) and o not in self.known:
+                    seen = self.same_as(o)
+                    if isinstance(o, Binary) and o.op == "mul":
+                        for a, b in ((o.x, o.y), (o.y, o.x)):
+                            number = b.value if isinstance(b, Const) else self.known.get(b)
+                            if number is not None and self.dims(a) == self.dims(o):
+                                seen, factor = a, number
+                if seen is None or isinstance(seen, Const) or self.named(seen) is None:
+                    break
+                tried = [seen if i == k else operands[i] for i in range(2)]
+                if any(max(a, b) != w for i, (a, b, w) in enumerate(zip(
+                        self.dims(tried[0]), self.dims(tried[1]), spans)) if i not in cs):
+                    break
+                operands[k], scale = seen, scale * factor
+        return operands[0], operands[1], scale
+
+    def matmul(self, x: str, y: str, add: str | None = None, scale: float = 1.0) -> str:
+        """The product of operands `x` and `y` (times `scale`, plus `add`, in native
+        modules): numpy's, or in native modules the native product (`codegen.native_matmul`),
+        on one thread in a kernel's part (the parts take every core) and on the module's
+        threads in a kernel run whole."""
         if self.fns.native:
             self.fns.products = True
             threads = 1 if self.part is not None else self.fns.threads
-            call = f"matmul({x}, {y}, {threads}{'' if add is None else ', ' + add})"
-            self.product = _Product(call, x, y, threads, add)
+            extra = ("" if add is None else f", {add}") + \
+                ("" if scale == 1.0 else f", scale={_literal(scale)}")
+            call = f"matmul({x}, {y}, {threads}{extra})"
+            self.product = _Product(call, x, y, threads, add, scale)
             return self.product.call
-        assert add is None, "only the native product adds"
+        assert add is None and scale == 1.0, "only the native product adds and scales"
         return f"np.matmul({x}, {y})"
 
     def contraction(self, n: Node, dot: Dot, also: tuple[Axis, ...] = ()) -> _Stmt:
@@ -1306,7 +1344,8 @@ class _KernelWriter:
             return False
         dims = self.dims(top)
         cs = [self.layout.element_dim(a) for a in (*also, dot.axis)]
-        batch, rows, cols = _product_dims(self.dims(dot.x), self.dims(dot.y), cs)
+        x, y, _ = self.factors(dot, also)
+        batch, rows, cols = _product_dims(self.dims(x), self.dims(y), cs)
         groups = [[i] for i in batch] + [rows, cols]
         grouped = {i for g in groups for i in g}
         for operand, add in ((n.x, n.y), (n.y, n.x)):

@@ -72,7 +72,7 @@ def test_thin_products_read_the_matrix_in_place(m, n, k, transposed):
     if transposed:
         y = np.ascontiguousarray(y.T).T
     out = np.empty((m, n), np.float32)
-    assert native_matmul.product()(out, x, y, None, 2) == 0
+    assert native_matmul.product()(out, x, y, None, 1.0, 2) == 0
     close_to_float64(out, x, y)
 
 
@@ -109,27 +109,30 @@ ADDENDS = {  # the addend's shape and layout, given the product's (batch, m, n)
 }
 
 
+@pytest.mark.parametrize("scale", [1.0, -0.75])
 @pytest.mark.parametrize("addend", list(ADDENDS))
 @pytest.mark.parametrize("m, n, k", [(5, 15, 9), (61, 130, 64), (30, 67, 1100), (7, 64, 0),
                                      (2, 2, 3)])
-def test_an_addend_is_added_as_the_contraction_starts(addend, m, n, k):
-    """`matmul(x, y, threads, add)` is `add + x @ y`, the addend broadcast along its
-    dimensions of 1 and read at any strides: by thin products (added after), blocks of the
-    micro-kernel, a contraction of several blocks (added once), an empty one (the addend),
-    in a job of several products; `matmul` gives numpy's product (below `MIN_MACS`) the
-    addend too."""
+def test_an_addend_is_added_as_the_contraction_starts(addend, m, n, k, scale):
+    """`matmul(x, y, threads, add, scale)` is `add + scale * x @ y`, the addend broadcast
+    along its dimensions of 1 and read at any strides: by thin products (added after), blocks
+    of the micro-kernel, a contraction of several blocks (added once, each block scaled), an
+    empty one (the addend), in a job of several products; `matmul` gives numpy's product
+    (below `MIN_MACS`) the addend and the scale too."""
     batch = 3
     x, y = rand(batch, m, k, seed=m), rand(batch, k, n, seed=n)
     add = ADDENDS[addend](batch, m, n)
-    want = add.astype(np.float64) + np.matmul(x.astype(np.float64), y.astype(np.float64))
+    product = np.matmul(x.astype(np.float64), y.astype(np.float64))
+    want = add.astype(np.float64) + scale * product
     bound = np.abs(add) + np.matmul(np.abs(x).astype(np.float64), np.abs(y).astype(np.float64))
     alone, first, second = (np.empty((batch, m, n), np.float32) for _ in range(3))
-    assert native_matmul.product()(alone, x, y, add, 2) == 0
-    assert native_matmul.products()(first, x, y, add, second, x, y, None, 2) == 0
+    assert native_matmul.product()(alone, x, y, add, scale, 2) == 0
+    assert native_matmul.products()(first, x, y, add, scale, second, x, y, None, 1.0, 2) == 0
     close_to_float64(second, x, y)
-    for got in (alone, first, native_matmul.matmul(x, y, 2, add)):
+    for got in (alone, first, native_matmul.matmul(x, y, 2, add, scale),
+                native_matmul.matmuls((x, y, add, scale), threads=2)[0]):
         assert got.shape == want.shape and got.dtype == np.float32
-        np.testing.assert_array_less(np.abs(got - want), (k + 1) * 2.0 ** -23 * bound + 1e-30)
+        np.testing.assert_array_less(np.abs(got - want), (k + 2) * 2.0 ** -23 * bound + 1e-30)
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3, 8])
@@ -301,9 +304,9 @@ def test_small_products_are_numpys_unless_its_blas_would_thread_them(monkeypatch
     called = []
     real = native_matmul.product()
 
-    def spy(out, x, y, add, threads):
+    def spy(out, x, y, add, scale, threads):
         called.append((x.shape, y.shape, threads))
-        return real(out, x, y, add, threads)
+        return real(out, x, y, add, scale, threads)
     monkeypatch.setattr(native_matmul, "product", lambda: spy)
     for x, y in [(rand(8, 32), rand(32, 256)), (rand(64, 64), rand(64, 64)),
                  (rand(1, 64), rand(64, 128))]:
@@ -385,6 +388,36 @@ def test_a_tile_added_to_a_product_is_its_addend():
     got = numpy_gen.module_from_source(source).run(**inputs)
     want = interp.run(p, inputs)
     for name in "YZSV":
+        assert_close(got[name], want[name], name)
+
+
+GROUPED_QUERIES = """dim h = 2
+dim g = 3
+dim t = 64 / 32
+dim u = 64 / 32
+dim e = 32
+input Q[h, g, t, e], K[h, u, e], V[h, u, e] : f32
+S[h, g, t, u] = sum[e] Q[h, g, t, e] * (K[h, u, e] * 0.125 + 0 * g)
+O[h, g, t, e] = sum[u] S[h, g, t, u] * (V[h, u, e] + 0 * g)
+output O
+"""
+
+
+def test_a_product_reads_a_repeated_and_scaled_operand_as_it_was_computed():
+    """Grouped-query attention's keys and values, shared by g query heads (`+ 0 * g`), and
+    the keys scaled by a number: the native product reads K and V themselves, the query
+    heads of a group rows of one product (a batch of h, not of h x g), and scales the scores
+    as it stores them; numpy code broadcasts and scales in passes of their own."""
+    ast = parse_program(GROUPED_QUERIES)
+    p = lower(ast)
+    source = numpy_gen.generate(p, threads=2, native=True)
+    assert "broadcast_to" not in source and "* f32(0.125)" not in source
+    assert re.search(r"matmul\(t\d+_Q\.reshape\(2, 192, 32\), .*, scale=f32\(0\.125\)\)", source)
+    assert "broadcast_to" in numpy_gen.generate(p)
+    inputs = random_inputs(ast, seed=22)
+    got = numpy_gen.module_from_source(source).run(**inputs)
+    want = interp.run(p, inputs)
+    for name in "SO":
         assert_close(got[name], want[name], name)
 
 
