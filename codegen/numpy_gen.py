@@ -1222,11 +1222,13 @@ class _KernelWriter:
             code, parts = f"np.arange({d.block}, dtype=f32)", [[element]]
         return _to_layout(code, parts, self.dims(n))
 
-    def dot(self, n: Dot, also: tuple[Axis, ...] = (), add: Node | None = None) -> str:
+    def dot(self, n: Dot, also: tuple[Axis, ...] = (),
+            add: tuple[str, tuple[int, ...]] | None = None, negated: bool = False) -> str:
         """A contraction as one (batched) matmul: x-only axes become rows, y-only columns;
         over a one-hot operand, a gather (`gather`).  `also`: axes both operands span that
         the matmul contracts too (the contraction summed over them within the block at once).
-        `add`: a tile the native product adds (`added_to_product`)."""
+        `add`: the code and dimensions of a tile the native product adds, `negated`: the
+        product subtracted from it (`added_to_product`)."""
         if not also and (hot := one_hot(n)) is not None and \
                 (code := self.gather(n, *hot)) is not None:
             return code
@@ -1259,8 +1261,8 @@ class _KernelWriter:
         x = self.operand(xn, xs, batch, xfree, cs)
         y = self.operand(yn, ys, batch, cs, yfree)
         addend = None if add is None else _from_layout(
-            self.tile(add), self.dims(add), [[i] for i in batch] + [xfree, yfree])
-        return _to_layout(self.matmul(x, y, addend, scale), parts, dims)
+            *add, [[i] for i in batch] + [xfree, yfree])
+        return _to_layout(self.matmul(x, y, addend, -scale if negated else scale), parts, dims)
 
     def factors(self, n: Dot, also: tuple[Axis, ...] = ()) -> tuple[Node, Node, float]:
         """The operands of contraction `n` (summed over `also` too) as the product reads them,
@@ -1327,8 +1329,10 @@ class _KernelWriter:
         product's step is the last product written, no step after it that computes reads its
         array or defines what it reads, `n` alone reads its array (`reads_alone`), and the
         addend spans all or none of each of the product's batch, row and column groups of
-        dimensions, and no other."""
-        if not isinstance(n, Binary) or n.op != "add":
+        dimensions, and no other.  A difference is a sum: a tile less the product scales the
+        product by -1, the product less a tile computed on loading (a mask) adds that tile
+        negated, computed on loading too."""
+        if not isinstance(n, Binary) or n.op not in ("add", "sub"):
             return False
         at = next((i for i in reversed(range(len(self.emitted)))
                    if self.emitted[i].product is not None), None)
@@ -1349,15 +1353,19 @@ class _KernelWriter:
         groups = [[i] for i in batch] + [rows, cols]
         grouped = {i for g in groups for i in g}
         for operand, add in ((n.x, n.y), (n.y, n.x)):
-            adds = self.dims(add)
+            adds, code = self.dims(add), self.named(add)
+            if n.op == "sub" and operand is n.x:  # the product less a tile computed on loading
+                code = self.fns.computed_on_loading(f"np.negative({code})") \
+                    if code in self.fns.known.values() else None
             if isinstance(add, Const) or add in self.known or self.dims(n) != dims or \
                     self.named(operand) != name or not self.reads_alone(n, operand, top) or \
-                    not isinstance(self.named(add), str) or \
+                    not isinstance(code, str) or \
                     any(adds[i] > 1 for i in range(len(adds)) if i not in grouped) or \
                     not all(all(adds[i] == 1 for i in g) or all(adds[i] == dims[i] for i in g)
                             for g in groups):
                 continue
-            code = self.dot(dot, also, add=add)
+            self.reads.add(code)
+            code = self.dot(dot, also, add=(code, adds), negated=n.op == "sub" and operand is n.y)
             self.emitted[at:] = [  # (steps that only name its array, after it)
                 *(s for s in later if name not in s.uses),
                 replace(stmt, lines=[f"{name} = {code}"], uses=stmt.uses | self.reads,

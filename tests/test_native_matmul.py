@@ -370,24 +370,31 @@ Y[t, f] = R[t, f] + sum[e] X[t, e] * W[e, f]
 Z[t, f] = sum[e] X[t, e] * W[e, f] + B[f]
 S[h, t, u] = sum[e] Q[h, t, e] * K[h, u, e] + M[t, u]
 V[t, f] = (sum[e] X[t, e] * W[e, f]) * (sum[e] X[t, e] * W[e, f] + R[t, f])
-output Y, Z, S, V
+D[t, f] = R[t, f] - sum[e] X[t, e] * W[e, f]
+C[h, t, u] = sum[e] Q[h, t, e] * K[h, u, e] - where(u <= t, 0, inf)
+output Y, Z, S, V, D, C
 """
 
 
 def test_a_tile_added_to_a_product_is_its_addend():
     """A residual, a bias (one row, loaded after the product) and a mask the heads share,
-    added to products, are the native product's addend: no numpy pass adds them.  A product
-    read twice is not (V's is read by its sum with R and by their product).  The results are
-    the interpreter's."""
+    added to products, are the native product's addend: no numpy pass adds them.  So are a
+    residual less a product (the product scaled by -1) and a product less a mask computed on
+    loading (the mask negated on loading).  A product read twice is not (V's is read by its
+    sum with R and by their product).  The results are the interpreter's."""
     ast = parse_program(ADDED)
     p = lower(ast)
     source = numpy_gen.generate(p, threads=2, native=True)
-    added = re.findall(r"= matmul\(.*, 2, t\d+_(\w+)\.reshape\([\d, ]+\)\)", source)
-    assert sorted(added) == ["B", "M", "R"] and "np.add(" not in source
+    added = re.findall(r"= matmul\(.*, 2, (t\d+_\w+|known_\d+)\.reshape\([\d, ]+\)"
+                       r"(, scale=f32\(-1\.0\))?\)", source)
+    assert sorted((re.sub(r"^t\d+_|_\d+$", "", a), bool(s)) for a, s in added) == [
+        ("B", False), ("M", False), ("R", False), ("R", True), ("known", False)]
+    assert re.search(r"\nknown_\d+ = np\.negative\(known_\d+\)\n", source)
+    assert "np.add(" not in source and "np.subtract(" not in source
     inputs = random_inputs(ast, seed=21)
     got = numpy_gen.module_from_source(source).run(**inputs)
     want = interp.run(p, inputs)
-    for name in "YZSV":
+    for name in "YZSVDC":
         assert_close(got[name], want[name], name)
 
 
