@@ -95,10 +95,10 @@ MAX_PRODUCTS = 8
 def matmul(x: np.ndarray, y: np.ndarray, threads: int = 1, add: np.ndarray | None = None,
            scale: float = 1.0) -> np.ndarray:
     """`np.matmul(x, y)` times `scale`, plus `add` (broadcast to the product's shape, of as
-    many dimensions) where given, through `matmul.c` where both are float32 arrays of two or more
-    dimensions, on `threads` threads where the product is large enough; through numpy (given
-    operands BLAS can read: a window whose rows overlap is copied) where numpy's call costs
-    less and its BLAS stays on one thread."""
+    many dimensions) where given, through `matmul.c` where both are float32 arrays of two or
+    more dimensions, on `threads` threads where the product is large enough; through numpy
+    (given operands BLAS can read: a window whose rows overlap is copied) where numpy's call
+    costs less and its BLAS stays on one thread."""
     native = _native(x, y)
     if native is None:
         return _numpy_product(x, y, add, scale)
@@ -110,9 +110,10 @@ def matmul(x: np.ndarray, y: np.ndarray, threads: int = 1, add: np.ndarray | Non
 
 def matmuls(*operands: tuple[np.ndarray, ...], threads: int = 1) -> list[np.ndarray]:
     """`[matmul(x, y, threads, *extra) for x, y, *extra in operands]` (extra: the addend or
-    None, and the scale), the products `matmul.c` takes run as one job (`bb_matmuls`; on `threads` threads where the job, not each
-    product, has `MIN_MACS` multiply-adds): a kernel's products of one operand (K and V from
-    the normed input, an MLP's gate and up) then share the threads' start and finish."""
+    None, and the scale), the products `matmul.c` takes run as one job (`bb_matmuls`; on
+    `threads` threads where the job, not each product, has `MIN_MACS` multiply-adds): a
+    kernel's products of one operand (K and V from the normed input, an MLP's gate and up)
+    then share the threads' start and finish."""
     results: list[np.ndarray | None] = [None] * len(operands)
     native = []  # (index, (out, x, y, add, scale), multiply-adds)
     for i, (x, y, *extra) in enumerate(operands):

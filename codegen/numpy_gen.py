@@ -525,8 +525,8 @@ class _Stmt:
 
 @dataclass(frozen=True)
 class _Product:
-    """A native product call in a statement's line: `call` is `matmul(x, y, threads)`, or
-    `matmul(x, y, threads, add)` with an addend (`_KernelWriter.added_to_product`)."""
+    """A native product call in a statement's line: `call` is `matmul(x, y, threads)`, with
+    an addend and a scale where it has them (`_KernelWriter.added_to_product`, `factors`)."""
 
     call: str
     x: str
@@ -1287,7 +1287,8 @@ class _KernelWriter:
                             number = b.value if isinstance(b, Const) else self.known.get(b)
                             if number is not None and self.dims(a) == self.dims(o):
                                 seen, factor = a, number
-                if seen is None or isinstance(seen, Const) or self.named(seen) is None:
+                if seen is None or isinstance(seen, Const) or seen in self.known or \
+                        self.named(seen) is None:
                     break
                 tried = [seen if i == k else operands[i] for i in range(2)]
                 if any(max(a, b) != w for i, (a, b, w) in enumerate(zip(
@@ -1354,16 +1355,17 @@ class _KernelWriter:
         grouped = {i for g in groups for i in g}
         for operand, add in ((n.x, n.y), (n.y, n.x)):
             adds, code = self.dims(add), self.named(add)
-            if n.op == "sub" and operand is n.x:  # the product less a tile computed on loading
-                code = self.fns.computed_on_loading(f"np.negative({code})") \
-                    if code in self.fns.known.values() else None
+            negative = n.op == "sub" and operand is n.x  # the product less the addend
             if isinstance(add, Const) or add in self.known or self.dims(n) != dims or \
                     self.named(operand) != name or not self.reads_alone(n, operand, top) or \
                     not isinstance(code, str) or \
+                    negative and code not in self.fns.known.values() or \
                     any(adds[i] > 1 for i in range(len(adds)) if i not in grouped) or \
                     not all(all(adds[i] == 1 for i in g) or all(adds[i] == dims[i] for i in g)
                             for g in groups):
                 continue
+            if negative:  # a tile computed on loading, negated on loading
+                code = self.fns.computed_on_loading(f"np.negative({code})")
             self.reads.add(code)
             code = self.dot(dot, also, add=(code, adds), negated=n.op == "sub" and operand is n.y)
             self.emitted[at:] = [  # (steps that only name its array, after it)

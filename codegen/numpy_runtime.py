@@ -158,7 +158,7 @@ def lookup(values: np.ndarray, axis: int, at: np.ndarray, whole: bool = False) -
     Where every id is a whole number in [-size, size) it is one take: LLaMA's 128 ids into a
     1024 x 256 table took 48 µs in a run of its layer as two picks checked one by one (a
     numpy call costs several times its warm time once a product has streamed its weights
-    through the caches), and the layer ran 3% faster as one take.  Other ids pick nothing,
+    through the caches), and the layer ran 2% faster as one take.  Other ids pick nothing,
     as the picks say, through `gather_one_hot`.  `whole`: the ids are known to be whole
     numbers (an input declared i32, which the module checks as it reads it)."""
     index = at.astype(np.intp)
