@@ -83,6 +83,8 @@ _DECLARED = "".join(f'__attribute__((simd("notinbranch"))) float {f}(float'
 FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-shared", "-fPIC",
          "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off")
 
+_F32 = np.dtype(np.float32)  # (a dtype compares with a dtype faster than with a type)
+
 _PRELUDE = """\
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -756,7 +758,7 @@ class Call:
         if out is None or not self.checks_overlap and \
                 any(a is not out and np.may_share_memory(out, a) for a in leaves):
             out = self.new(leaves)
-        outs = (out, np.empty(self.reduced, np.float32)) if self.both else (out,)
+        outs = (out, np.empty(self.reduced, _F32)) if self.both else (out,)
         status = self.fn(*outs, *leaves, threads)
         if status == 1:  # a numpy scalar, another dtype, an odd view
             with suppress(ValueError):
@@ -775,9 +777,9 @@ class Call:
         ufuncs lay out theirs: a transposed product's result stays so), else C order."""
         for i in self.alike:  # (the leaves declared of its shape: a call's Python costs)
             a = leaves[i]
-            if isinstance(a, np.ndarray) and a.shape == self.dims and a.dtype == np.float32:
+            if isinstance(a, np.ndarray) and a.shape == self.dims and a.dtype == _F32:
                 return np.empty_like(a)
-        return np.empty(self.dims, np.float32)
+        return np.empty(self.dims, _F32)
 
 
 def _as_leaf(a: np.ndarray, dims: tuple[int, ...]) -> np.ndarray:

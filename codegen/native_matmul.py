@@ -88,6 +88,8 @@ BLAS_THREADS_MACS = 1 << 18
 BLAS_THREADS_VECTOR = 9216
 
 
+_F32 = np.dtype(np.float32)
+
 # Products `matmuls` runs as one job at most (matmul.c's MAX_PRODUCTS)
 MAX_PRODUCTS = 8
 
@@ -150,19 +152,23 @@ def _native(x: np.ndarray, y: np.ndarray
             ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int] | None:
     """(out, x, y, multiply-adds) for `matmul.c`'s product of `x` and `y`, their batch
     broadcast and `out` allocated; None where numpy's product is the one to call."""
-    if x.ndim < 2 or y.ndim < 2 or x.dtype != np.float32 or y.dtype != np.float32:
+    # (each step a few hundred ns warm, several times that in a run)
+    if x.dtype != _F32 or y.dtype != _F32 or x.ndim < 2 or y.ndim < 2:
         return None
-    (m, k), n = x.shape[-2:], y.shape[-1]
+    xs, ys = x.shape, y.shape
+    m, k, n = xs[-2], xs[-1], ys[-1]
     macs = x.size * n
     vector = m == 1 or n == 1
     if (m < MIN_ROWS or macs < MIN_MACS) and \
             m * k * n < (BLAS_THREADS_VECTOR if vector else BLAS_THREADS_MACS + 1):
         return None
-    if x.shape[:-2] != y.shape[:-2]:  # (numpy's helpers cost 6 µs a call: not when equal)
-        batch = np.broadcast_shapes(x.shape[:-2], y.shape[:-2])
-        x = np.broadcast_to(x, batch + x.shape[-2:])
-        y = np.broadcast_to(y, batch + y.shape[-2:])
-    return np.empty(x.shape[:-1] + y.shape[-1:], np.float32), x, y, macs
+    if len(xs) > 2 or len(ys) > 2:
+        if xs[:-2] != ys[:-2]:  # (numpy's helpers cost 6 µs a call: not when equal)
+            batch = np.broadcast_shapes(xs[:-2], ys[:-2])
+            x = np.broadcast_to(x, batch + xs[-2:])
+            y = np.broadcast_to(y, batch + ys[-2:])
+        return np.empty(x.shape[:-1] + (n,), _F32), x, y, macs
+    return np.empty((m, n), _F32), x, y, macs
 
 
 def _blas_ready(a: np.ndarray) -> np.ndarray:
