@@ -731,12 +731,14 @@ class _KernelWriter:
         self.taken.add(name)
         return name
 
+    def named(self, n: Node) -> Code | None:
+        """The code in scope for `n`, or None (not counted as read: `lookup`)."""
+        return next((scope[n] for scope in reversed(self.scopes) if n in scope), None)
+
     def lookup(self, n: Node) -> Code:
-        for scope in reversed(self.scopes):
-            if n in scope:
-                code = scope[n]
-                self.reads.update(code if isinstance(code, tuple) else (code,))
-                return code
+        if (code := self.named(n)) is not None:
+            self.reads.update(code if isinstance(code, tuple) else (code,))
+            return code
         if isinstance(n, Const):
             return _literal(n.value)
         raise IRError(f"numpy backend: {n!r} used before the schedule computes it")
@@ -1376,10 +1378,6 @@ class _KernelWriter:
             self.scopes[-1][n] = name
             return True
         return False
-
-    def named(self, n: Node) -> Code | None:
-        """The code in scope for `n`, or None (not counted as read: `lookup`)."""
-        return next((scope[n] for scope in reversed(self.scopes) if n in scope), None)
 
     def reads_alone(self, n: Node, x: Node, top: Node) -> bool:
         """Is `x` node `top`, or a chain of one-operand nodes down to it (sums over one
