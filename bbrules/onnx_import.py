@@ -36,7 +36,7 @@ import numpy as np
 
 from .errors import UsageError
 from .ir import check_whole
-from .program import Interface
+from .program import Interface, squeezed
 
 DEFAULT_SYMBOLIC_EXTENT = 1
 _KEYWORDS = {"dim", "input", "output", "sum", "max", "min", "mean", "inf", "and", "or", "not"}
@@ -115,10 +115,6 @@ class Imported:
         return self.interface.model_outputs(results)
 
 
-def _squeezed(shape: Sequence[int]) -> tuple[int, ...]:
-    return tuple(n for n in shape if n != 1)
-
-
 def _number(x: float) -> str:
     """A literal the `.bbp` grammar reads back exactly."""
     if math.isnan(x):
@@ -194,22 +190,22 @@ def band_of(arr: np.ndarray) -> Band | None:
 
     Row by row, so that a mask of a long context costs one boolean matrix, not index
     matrices; a weight (many values) is refused from its first elements."""
-    squeezed = np.asarray(arr).reshape(_squeezed(np.shape(arr)))
-    if squeezed.ndim != 2 or len(np.unique(squeezed.ravel()[:1024])) > 2:
+    plane = np.asarray(arr).reshape(squeezed(np.shape(arr)))
+    if plane.ndim != 2 or len(np.unique(plane.ravel()[:1024])) > 2:
         return None
-    first = squeezed.flat[0]
-    second = squeezed[squeezed != first][:1]
+    first = plane.flat[0]
+    second = plane[plane != first][:1]
     if second.size == 0:
         return None
     pair = [float(first), float(second[0])]
     if any(map(math.isnan, pair)):
         return None
-    n, m = squeezed.shape
+    n, m = plane.shape
     rows = np.arange(n)
     for inside, outside in sorted([pair, pair[::-1]],
                                   key=lambda io: (math.isfinite(io[1]), io[1] != 0)):
-        held = squeezed == inside
-        if not (held | (squeezed == outside)).all():
+        held = plane == inside
+        if not (held | (plane == outside)).all():
             return None  # a third value
         count = held.sum(axis=1)
         some = count > 0
@@ -327,7 +323,7 @@ class Importer:
         """A graph input or a weight: a fresh input tensor with an axis per dimension > 1."""
         self.check_shape(shape)
         name = self.fresh(onnx_name)
-        extents = _squeezed(shape)
+        extents = squeezed(shape)
         axes = self.axis_names(extents)
         self.decls.append(f"input {name}[{', '.join(axes)}] : {dtype}")
         self.tensor_axes[name] = extents
@@ -348,7 +344,7 @@ class Importer:
         for n in shape:
             groups.append((i,) if n > 1 else ())
             i += n > 1
-        extents = _squeezed(shape)
+        extents = squeezed(shape)
         return Value(tuple(shape), tensor, None, extents, tuple(range(len(extents))),
                      tuple(groups))
 
@@ -529,7 +525,7 @@ class Importer:
         if any(not g and n > 1 for g, n in zip(v.groups, v.shape)):
             v = self.copy(v)
         order = [p for g in v.groups for p in g]  # the pieces as row-major digits of `shape`
-        new = refine(math.prod(shape), [[v.pieces[p] for p in order], _squeezed(shape)])
+        new = refine(math.prod(shape), [[v.pieces[p] for p in order], squeezed(shape)])
         if new is None:
             raise self.error(f"cannot read {list(v.shape)} as {list(shape)}: the two shapes "
                              f"cut it in ways no view can join (the shapes interleave)")

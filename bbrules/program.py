@@ -9,7 +9,7 @@ programs that say the same thing compare equal wherever they were written.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Callable, TypeVar, Union
 
@@ -84,6 +84,11 @@ class Statement:
     axis_spans: tuple[Span, ...] = field(compare=False, repr=False, default=())
 
 
+def squeezed(shape: Sequence[int]) -> tuple[int, ...]:
+    """An imported array's shape as its `.bbp` tensor has it: without dimensions of one."""
+    return tuple(n for n in shape if n != 1)
+
+
 @dataclass(frozen=True)
 class Interface:
     """An imported model's own names and shapes for a program's inputs and outputs: name ->
@@ -106,7 +111,7 @@ class Interface:
             x = np.asarray(arrays[name])
             if x.shape != shape:
                 raise UsageError(f"input {name} has shape {x.shape}, the model takes {shape}")
-            out[tensor] = x.reshape([n for n in shape if n != 1])
+            out[tensor] = x.reshape(squeezed(shape))
         return out
 
     def model_outputs(self, results: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
