@@ -12,7 +12,7 @@ ONNX's reference evaluator on random inputs; with `--cpu`, its numpy code's time
 whole, whichever `numpy_timing.tune` timed faster) against onnxruntime's.
 
     python benchmarks/llama_onnx.py [--layers 1,4,32] [--tokens 128] [--width 256]
-                                    [--vocab 1024] [--check] [--cpu]
+                                    [--vocab 1024] [--check] [--cpu [--save DIR]]
 
 Nothing is asserted: this measures.
 """
@@ -30,6 +30,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from bbrules.codegen import native, numpy_gen
+from bbrules.codegen.numpy_runtime import default_threads
 from bbrules.codegen.numpy_timing import tune
 from bbrules.cost import fmt_bytes, fmt_time
 from bbrules.engine import Budget
@@ -127,6 +128,9 @@ def main() -> int:
     ap.add_argument("--cpu", action="store_true",
                     help="time the fused model through the numpy backend against onnxruntime "
                          "(when installed) on the same input, medians of 9")
+    ap.add_argument("--save", type=Path, metavar="DIR",
+                    help="with --cpu, write each layer count's native module and its inputs "
+                         "into DIR (llama-L.py, llama-L-inputs.npz), for benchmarks/paired.py")
     args = ap.parse_args()
     target = get_target(args.target or ("cpu" if args.cpu else "h100"))
     pack = load_packs([])
@@ -165,7 +169,7 @@ def main() -> int:
             err = np.abs(got["Y"] - want).max() / np.abs(want).max()
             print(f"  layers={layers}: max error relative to max |Y|: {err:.2e}", file=sys.stderr)
         if args.cpu:
-            print(f"  layers={layers}: {cpu_times(model, imported, r.program, args)}",
+            print(f"  layers={layers}: {cpu_times(model, imported, r.program, args, layers)}",
                   file=sys.stderr)
     return 0
 
@@ -176,16 +180,23 @@ def token_ids(args, seed: int) -> dict[str, np.ndarray]:
     return {"IDS": ids.astype(np.int64)}
 
 
-def cpu_times(model: onnx.ModelProto, imported, program, args) -> str:
+def cpu_times(model: onnx.ModelProto, imported, program, args, layers: int) -> str:
     """Median wall times on this machine (`timing.compare`: rounds, each contender after a
     pause): the fused program's generated numpy code (in parts or whole, whichever `tune`
     timed faster), without and with native groups (where a C compiler is found), against
-    onnxruntime's CPU session of the same model, on the same input."""
+    onnxruntime's CPU session of the same model, on the same input.  With `--save`, the
+    native module's source and the inputs are written first."""
     feed = token_ids(args, seed=2)
     inputs = imported.bbp_inputs(feed)
     modules = {"numpy": tune(program, inputs, native=False)}
     if native.available():
         modules["native"] = tune(program, inputs, native=True)
+        if args.save:
+            args.save.mkdir(parents=True, exist_ok=True)
+            generated = numpy_gen.generate_module(program, threads=default_threads(),
+                                                  split=modules["native"].parts, native=True)
+            (args.save / f"llama-{layers}.py").write_text(generated.source)
+            np.savez(args.save / f"llama-{layers}-inputs.npz", **inputs)
 
     contenders = {name: (lambda m: lambda: m.outputs(**inputs))(tuned.module)
                   for name, tuned in modules.items()}
