@@ -1143,3 +1143,32 @@ def test_outputs_returns_the_outputs_and_frees_each_temporary_after_its_last_rea
     mib = 2 ** 20
     assert peak(module.run) >= 5 * mib
     assert peak(module.outputs) <= 3 * mib + 2 ** 16  # A, the array being read, the new one
+
+
+def test_a_temporary_only_reshaped_later_is_computed_where_it_is_read():
+    """`t = x.reshape(a)` read as `t.reshape(b)` is `x.reshape(b)` there; any other value so
+    read moves to its reader, parenthesized where it is not a primary.  Not where the reader
+    reads it otherwise, reads a computed value twice, reads it inside a loop, or a statement
+    between redefines what it reads; never for a kept name (a parameter, an output)."""
+    S = numpy_gen._Stmt
+    def once(stmts, kept=frozenset()):
+        return [s.lines for s in numpy_gen._reshaped_once(stmts, kept)]
+    view = S(["t1 = x.reshape(1, 4, 8)"], ("t1",))
+    twice = S(["y = f(t1.reshape(4, 8), t1.reshape(4, 8))"], ("y",), frozenset({"t1"}))
+    assert once([view, twice]) == [["y = f(x.reshape(4, 8), x.reshape(4, 8))"]]
+    summed = S(["t2 = a + b"], ("t2",))
+    assert once([summed, S(["y = t2.reshape(4, 8)"], ("y",), frozenset({"t2"}))]) == \
+        [["y = (a + b).reshape(4, 8)"]]
+    assert once([summed, S(["y = f(t2.reshape(4, 8), t2.reshape(8, 4))"], ("y",),
+                           frozenset({"t2"}))])[0] == ["t2 = a + b"]
+    assert once([view, S(["y = t1 + t1.reshape(1, 4, 8)"], ("y",), frozenset({"t1"}))])[0] == \
+        view.lines
+    assert once([view, S(["for i in (0, 1):", "    y = t1.reshape(4, 8)[i]"], ("y",),
+                         frozenset({"t1"}))])[0] == view.lines
+    product = S(["t3 = matmul(a, b).reshape(1, 4, 8)"], ("t3",), frozenset({"a", "b"}))
+    assert once([product, S(["a = g()"], ("a",)), S(["y = t3.reshape(4, 8)"], ("y",),
+                                                   frozenset({"t3"}))])[0] == product.lines
+    assert once([product, S(["y = t3.reshape(4, 8)"], ("y",), frozenset({"t3"}))]) == \
+        [["y = matmul(a, b).reshape(4, 8)"]]
+    assert once([view, S(["y = t1.reshape(4, 8)"], ("y",), frozenset({"t1"}))], {"t1"})[0] == \
+        view.lines
