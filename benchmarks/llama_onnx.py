@@ -127,7 +127,9 @@ def main() -> int:
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--cpu", action="store_true",
                     help="time the fused model through the numpy backend against onnxruntime "
-                         "(when installed) on the same input, medians of 9")
+                         "(when installed) on the same input")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="with --cpu, rounds of timed calls per runtime (`timing.compare`)")
     ap.add_argument("--save", type=Path, metavar="DIR",
                     help="with --cpu, write each layer count's native module and its inputs "
                          "into DIR (llama-L.py, llama-L-inputs.npz), for benchmarks/paired.py")
@@ -208,7 +210,7 @@ def cpu_times(model: onnx.ModelProto, imported, program, args, layers: int) -> s
         session = onnxruntime.InferenceSession(model.SerializeToString(),
                                                providers=["CPUExecutionProvider"])
         contenders["onnxruntime"] = lambda: session.run(None, feed)
-    timed = compare(contenders)
+    timed = compare(contenders, args.rounds)
     theirs = timed.pop("onnxruntime", None)
     return ", ".join(
         f"{name} {t.seconds * 1e3:.2f} ms {'in parts' if modules[name].parts else 'whole'}"

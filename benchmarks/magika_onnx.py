@@ -61,6 +61,8 @@ def main() -> int:
                     help="what fusion prices the program on (default: h100, whose program "
                          "ran through the numpy backend at least as fast as the cpu target's: "
                          "11.5-16.8 ms against 15.1-16.5 ms over runs on 2026-12-05)")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="rounds of timed calls per runtime (`timing.compare`)")
     args = ap.parse_args()
     import onnxruntime
     with tempfile.TemporaryDirectory() as tmp:
@@ -99,7 +101,7 @@ def main() -> int:
     timed = compare({**{name: (lambda m: lambda: m.outputs(**inputs))(tuned.module)
                         for name, tuned in modules.items()},
                      "unfused": lambda: unfused(**inputs),
-                     "onnxruntime": lambda: session.run(None, {"bytes": x})})
+                     "onnxruntime": lambda: session.run(None, {"bytes": x})}, args.rounds)
     plain, theirs = timed.pop("unfused"), timed.pop("onnxruntime")
     fused = ", ".join(f"{t.seconds * 1e3:.2f} ms {name} "
                       f"({'in parts' if modules[name].parts else 'whole'}, rounds "
