@@ -43,10 +43,10 @@ def main() -> int:
                          (args.base, args.variant))
         with np.load(args.inputs) as npz:
             inputs = {name: npz[name] for name in npz.files}
-    except (OSError, SyntaxError, ValueError) as e:
+        want, got = base.outputs(**inputs), variant.outputs(**inputs)
+    except (OSError, SyntaxError, ValueError) as e:  # (a missing input is a ValueError)
         print(f"paired.py: {e}", file=sys.stderr)
         return 2
-    want, got = base.outputs(**inputs), variant.outputs(**inputs)
     if want.keys() != got.keys():
         print(f"paired.py: the modules return {sorted(want)} and {sorted(got)}",
               file=sys.stderr)
