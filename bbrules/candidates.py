@@ -38,6 +38,7 @@ from .cost import ProgramCost, cost_program
 from .blockfile import parse_block_program
 from .engine import Budget
 from .extract import NoCandidate
+from .forward import forwarded
 from .fuse import fuse
 from .ir import (BlockProgram, IRError, Kernel, Load, Node, Sort, Store, TensorDecl, axes_named,
                  map_attrs, postorder, show_program, transform, validate)
@@ -448,7 +449,7 @@ def fuse_candidates(p: BlockProgram, candidates: list[Candidate], pack: RulePack
             c.index, (c.start, c.stop), c.stored, c.program.inputs, c.program.outputs,
             len(fused[own].kernels), None if own == c.index else own,
             seconds if own == c.index else 0.0, stop))
-    stitched = stitch(p, programs)
+    stitched = forwarded(stitch(p, programs), target, objective)
     return StitchedResult(stitched, cost_program(p, target), cost_program(stitched, target),
                           tuple(reports), objective, workers, time.perf_counter() - start)
 
