@@ -111,10 +111,12 @@ static inline __attribute__((always_inline)) vec addend_row(const float *c, long
 
 /* out's block of m <= MR rows and n <= NR columns (+)= `scale` times a's m rows (kc long)
    times the panel: added to out where `add`, else to the addend `c` (rows scm apart, columns
-   scn; 0 where it is broadcast) where there is one (the contraction's first block). */
+   scn; 0 where it is broadcast; the block's first row `row` of out adds its row row % period)
+   where there is one (the contraction's first block). */
 static inline __attribute__((always_inline)) void
 block(const float *a, long sm, long sk, const float *panel, long kc, float *out, long so,
-      long m, long n, int add, const float *c, long scm, long scn, float scale) {
+      long m, long n, int add, const float *c, long row, long period, long scm, long scn,
+      float scale) {
     const float *rows[MR];
     for (int r = 0; r < MR; r++)  /* rows past m repeat the last one; they are not stored */
         rows[r] = a + (r < m ? r : m - 1) * sm;
@@ -141,7 +143,7 @@ block(const float *a, long sm, long sk, const float *panel, long kc, float *out,
     }
     for (long r = 0; r < m; r++) {
         float *o = out + r * so;
-        const float *cr = c == NULL ? NULL : c + r * scm;
+        const float *cr = c == NULL ? NULL : c + (row + r) % period * scm;
         if (n == NR) {
 #pragma GCC unroll 4
             for (int v = 0; v < NV; v++)
@@ -166,6 +168,7 @@ typedef struct {
     float *out;
     const float *c;                   /* the addend (out = c + scale a @ b), NULL where none */
     long sc[MAX_DIMS + 2];            /* its strides, 0 along dimensions it is broadcast */
+    long period;                      /* out's row r adds the addend's row r % period */
     float scale;
 } Product;
 
@@ -287,8 +290,9 @@ static void finish(const Product *p, float scale, long e, long j, long r0, long 
     float *out = p->out + offset(p, p->so, e) + j;
     for (long r = r0; r < r1; r++)
         for (long t = 0; t < n; t++)
-            out[r * p->so[d] + t] = (c ? c[r * p->sc[d] + t * p->sc[d + 1]] : 0.0f) +
-                                    scale * out[r * p->so[d] + t];
+            out[r * p->so[d] + t] =
+                (c ? c[r % p->period * p->sc[d] + t * p->sc[d + 1]] : 0.0f) +
+                scale * out[r * p->so[d] + t];
 }
 
 /* Rows [r0, r1) of batch entry e's panel of columns from j (`packed`: `panel` holds it). */
@@ -310,13 +314,12 @@ static void rows(const Product *p, long e, long j, long r0, long r1, float *pane
         for (long r = r0; r < r1; r += MR) {
             const long m = r1 - r < MR ? r1 - r : MR;
             const float *ar = a + r * p->sa[d] + k0 * p->sa[d + 1];
-            const float *cr = c == NULL ? NULL : c + r * scm;
             if (p->sa[d + 1] == 1)  /* (the common case, specialised: unit steps along k) */
                 block(ar, p->sa[d], 1, panel, kc, out + r * p->so[d], p->so[d], m, n, k0 > 0,
-                      cr, scm, scn, p->scale);
+                      c, r, p->period, scm, scn, p->scale);
             else
                 block(ar, p->sa[d], p->sa[d + 1], panel, kc, out + r * p->so[d], p->so[d], m,
-                      n, k0 > 0, cr, scm, scn, p->scale);
+                      n, k0 > 0, c, r, p->period, scm, scn, p->scale);
         }
     }
 }
@@ -616,19 +619,25 @@ static int product_of(const Py_buffer *v, Product *p) {
     }
     p->out = v[0].buf, p->a = v[1].buf, p->b = v[2].buf;
     p->scale = 1.0f;
+    p->period = p->m > 0 ? p->m : 1;
     return 1;
 }
 
 /* The addend `c` of product `p` (of `nd` dimensions) from its buffer: 0 where it is not a
-   float32 array of nd dimensions each out's extent or 1 (broadcast). */
+   float32 array of nd dimensions each out's extent or 1 (broadcast), or for the rows a
+   divisor of out's, which out's rows repeat (`period`: the query heads of a group, rows of
+   one product, each adding the mask the addend's rows hold). */
 static int addend_of(const Py_buffer *c, Product *p, int nd) {
     if (!fits(c, nd))
         return 0;
     for (int d = 0; d < nd; d++) {
         const long extent = d < p->dims ? p->shape[d] : d == p->dims ? p->m : p->n;
-        if (c->shape[d] != extent && c->shape[d] != 1)
+        const int period = d == p->dims && c->shape[d] > 0 && extent % c->shape[d] == 0;
+        if (c->shape[d] != extent && c->shape[d] != 1 && !period)
             return 0;
         p->sc[d] = c->shape[d] == 1 ? 0 : c->strides[d] / 4;
+        if (d == p->dims && c->shape[d] > 1)
+            p->period = c->shape[d];
     }
     p->c = c->buf;
     return 1;

@@ -97,10 +97,10 @@ MAX_PRODUCTS = 8
 def matmul(x: np.ndarray, y: np.ndarray, threads: int = 1, add: np.ndarray | None = None,
            scale: float = 1.0) -> np.ndarray:
     """`np.matmul(x, y)` times `scale`, plus `add` (broadcast to the product's shape, of as
-    many dimensions) where given, through `matmul.c` where both are float32 arrays of two or
-    more dimensions, on `threads` threads where the product is large enough; through numpy
-    (given operands BLAS can read: a window whose rows overlap is copied) where numpy's call
-    costs less and its BLAS stays on one thread."""
+    many dimensions; rows a divisor of the product's repeat) where given, through `matmul.c`
+    where both are float32 arrays of two or more dimensions, on `threads` threads where the
+    product is large enough; through numpy (given operands BLAS can read: a window whose rows
+    overlap is copied) where numpy's call costs less and its BLAS stays on one thread."""
     native = _native(x, y)
     if native is None:
         return _numpy_product(x, y, add, scale)
@@ -139,12 +139,18 @@ def matmuls(*operands: tuple[np.ndarray, ...], threads: int = 1) -> list[np.ndar
 
 def _numpy_product(x: np.ndarray, y: np.ndarray, add: np.ndarray | None, scale: float
                    ) -> np.ndarray:
-    """`add + scale * x @ y` through numpy."""
+    """`add + scale * x @ y` through numpy (an addend of fewer rows than the product's,
+    a divisor of them, repeated along them)."""
     out = np.matmul(_blas_ready(x), _blas_ready(y))
     if scale != 1.0:
         out *= out.dtype.type(scale)
     if add is not None:
-        out += add
+        m, period = out.shape[-2], np.shape(add)[-2]
+        if period in (1, m):
+            out += add
+        else:
+            rows = out.reshape(*out.shape[:-2], m // period, period, out.shape[-1])
+            rows += np.asarray(add)[..., None, :, :]
     return out
 
 

@@ -1334,7 +1334,9 @@ class _KernelWriter:
         product's step is the last product written, no step after it that computes reads its
         array or defines what it reads, `n` alone reads its array (`reads_alone`), and the
         addend spans all or none of each of the product's batch, row and column groups of
-        dimensions, and no other.  A difference is a sum: a tile less the product scales the
+        dimensions, and no other (or, of the rows, the inner ones: the query heads of a group
+        as rows of one product, each adding the mask of its rows, `matmul.c` repeating the
+        addend's rows).  A difference is a sum: a tile less the product scales the
         product by -1, the product less a tile computed on loading (a mask) adds that tile
         negated, computed on loading too."""
         if not isinstance(n, Binary) or n.op not in ("add", "sub"):
@@ -1365,8 +1367,7 @@ class _KernelWriter:
                     not isinstance(code, str) or \
                     negative and code not in self.fns.known.values() or \
                     any(adds[i] > 1 for i in range(len(adds)) if i not in grouped) or \
-                    not all(all(adds[i] == 1 for i in g) or all(adds[i] == dims[i] for i in g)
-                            for g in groups):
+                    not all(_spans(adds, dims, g, inner=g is rows) for g in groups):
                 continue
             if negative:  # a tile computed on loading, negated on loading
                 code = self.fns.computed_on_loading(f"np.negative({code})")
@@ -2139,6 +2140,17 @@ def _together(stmts: list[_Stmt], fresh: Callable[[str], str]) -> list[_Stmt]:
             *(stmts[j] for j in carried)]
     return [r for i, s in enumerate(stmts) if i in moved or i not in taken
             for r in moved.get(i, [s])]
+
+
+def _spans(adds: Sequence[int], dims: Sequence[int], group: Sequence[int], inner: bool
+           ) -> bool:
+    """Does a tile of dimensions `adds` span all or none of the product's dimensions `group`
+    (of `dims`), or where `inner`, all of some innermost ones and none of the others?"""
+    spanned = [adds[i] == dims[i] for i in group]
+    if all(spanned) or all(adds[i] == 1 for i in group):
+        return True
+    first = spanned.index(True) if True in spanned else len(group)
+    return inner and all(spanned[first:]) and all(adds[i] == 1 for i in group[:first])
 
 
 def _reshaped_once(stmts: list[_Stmt], kept: AbstractSet[str]) -> list[_Stmt]:

@@ -106,25 +106,29 @@ ADDENDS = {  # the addend's shape and layout, given the product's (batch, m, n)
     "one number": lambda b, m, n: rand(1, 1, 1, seed=14),
     "columns contiguous": lambda b, m, n: rand(b, n, m, seed=15).swapaxes(1, 2),
     "a mask shared by the batch": lambda b, m, n: rand(1, m, n, seed=16)[:, :, ::-1],
+    "rows repeating (a mask of the query heads of a group)":
+        lambda b, m, n: rand(1, m // 2 if m % 2 == 0 else m, n, seed=17),
 }
 
 
 @pytest.mark.parametrize("scale", [1.0, -0.75])
 @pytest.mark.parametrize("addend", list(ADDENDS))
 @pytest.mark.parametrize("m, n, k", [(5, 15, 9), (61, 130, 64), (30, 67, 1100), (7, 64, 0),
-                                     (2, 2, 3)])
+                                     (2, 2, 3), (64, 40, 20)])
 def test_an_addend_is_added_as_the_contraction_starts(addend, m, n, k, scale):
     """`matmul(x, y, threads, add, scale)` is `add + scale * x @ y`, the addend broadcast
     along its dimensions of 1 and read at any strides: by thin products (added after), blocks
     of the micro-kernel, a contraction of several blocks (added once, each block scaled), an
     empty one (the addend), in a job of several products; `matmul` gives numpy's product
-    (below `MIN_MACS`) the addend and the scale too."""
+    (below `MIN_MACS`) the addend and the scale too.  An addend of half the rows is repeated
+    (the rows of 30 cross a micro-kernel's block of 6 at row 15)."""
     batch = 3
     x, y = rand(batch, m, k, seed=m), rand(batch, k, n, seed=n)
     add = ADDENDS[addend](batch, m, n)
+    full = np.tile(add, (1, m // add.shape[1], 1)) if add.shape[1] not in (1, m) else add
     product = np.matmul(x.astype(np.float64), y.astype(np.float64))
-    want = add.astype(np.float64) + scale * product
-    bound = np.abs(add) + np.matmul(np.abs(x).astype(np.float64), np.abs(y).astype(np.float64))
+    want = full.astype(np.float64) + scale * product
+    bound = np.abs(full) + np.matmul(np.abs(x).astype(np.float64), np.abs(y).astype(np.float64))
     alone, first, second = (np.empty((batch, m, n), np.float32) for _ in range(3))
     assert native_matmul.product()(alone, x, y, add, scale, 2) == 0
     assert native_matmul.products()(first, x, y, add, scale, second, x, y, None, 1.0, 2) == 0
@@ -426,6 +430,40 @@ def test_a_product_reads_a_repeated_and_scaled_operand_as_it_was_computed():
     got = numpy_gen.module_from_source(source).run(**inputs)
     want = interp.run(p, inputs)
     for name in "SO":
+        assert_close(got[name], want[name], name)
+
+
+MASKED_GROUPS = """dim h = 2
+dim g = 3
+dim t = 64 / 32
+dim u = 64 / 32
+dim e = 32
+input Q[h, g, t, e], K[h, u, e], M[t, u] : f32
+S[h, g, t, u] = sum[e] Q[h, g, t, e] * (K[h, u, e] + 0 * g) + M[t, u]
+C[h, g, t, u] = sum[e] Q[h, g, t, e] * (K[h, u, e] + 0 * g) - where(u <= t, 0, inf)
+B[h, g, t, u] = sum[e] Q[h, g, t, e] * (K[h, u, e] + 0 * g) + M[t, u] * (g + 1)
+output S, C, B
+"""
+
+
+def test_a_mask_the_query_heads_of_a_group_share_is_the_addend_of_their_rows():
+    """The query heads of a group are rows of one product (g x t of them); a mask over [t, u]
+    is its addend, whose rows those of each head repeat (S's input mask, C's causal mask);
+    one that differs by head (B's) is computed for every row, an addend of the product's
+    shape.  Results are the interpreter's."""
+    ast = parse_program(MASKED_GROUPS)
+    p = lower(ast)
+    source = numpy_gen.generate(p, threads=2, native=True)
+    kernels = {t: source.split(f"def kernel_{t}(")[1].split("\ndef ")[0] for t in "SCB"}
+    for t in "SC":
+        assert re.search(r"matmul\((t\d+_)?Q\.reshape\(2, 192, 32\), .*, 2, \w+\.reshape\("
+                         r"1, 64, 64\)", kernels[t]), kernels[t]
+        assert "np.add(" not in kernels[t] and "np.subtract(" not in kernels[t], kernels[t]
+    assert re.search(r"matmul\(.*, 2, .*\.reshape\(1, 192, 64\)\)", kernels["B"]), kernels["B"]
+    inputs = random_inputs(ast, seed=23)
+    got = numpy_gen.module_from_source(source).run(**inputs)
+    want = interp.run(p, inputs)
+    for name in "SCB":
         assert_close(got[name], want[name], name)
 
 
