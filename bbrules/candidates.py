@@ -348,12 +348,14 @@ class StitchedResult:
     objective: str
     workers: int
     seconds: float
+    forwarded: tuple[str, ...] = ()  # what kernels that map one tensor stored (`forward`)
 
     def to_json(self) -> dict:
         return {"objective": self.objective, "before": self.before.to_json(),
                 "after": self.after.to_json(),
                 "candidates": [c.to_json() for c in self.candidates],
                 "distinct_candidates": sum(c.reused_from is None for c in self.candidates),
+                "forwarded": list(self.forwarded),
                 "workers": self.workers, "seconds": self.seconds,
                 "explain": "not available for a program stitched from candidates"}
 
@@ -449,9 +451,12 @@ def fuse_candidates(p: BlockProgram, candidates: list[Candidate], pack: RulePack
             c.index, (c.start, c.stop), c.stored, c.program.inputs, c.program.outputs,
             len(fused[own].kernels), None if own == c.index else own,
             seconds if own == c.index else 0.0, stop))
-    stitched = forwarded(stitch(p, programs), target, objective)
+    whole = stitch(p, programs)
+    stitched = forwarded(whole, target, objective)
+    gone = tuple(t for k in whole.kernels for t in k.tensors if t not in stitched.tensors)
     return StitchedResult(stitched, cost_program(p, target), cost_program(stitched, target),
-                          tuple(reports), objective, workers, time.perf_counter() - start)
+                          tuple(reports), objective, workers, time.perf_counter() - start,
+                          gone)
 
 
 def _in_candidate(err: NoCandidate, c: Candidate, back: dict[str, str]) -> NoCandidate:

@@ -658,6 +658,9 @@ def stitched_report(r: StitchedResult, explain: bool) -> str:
                  f"{r.seconds:.2f} s")
     for c in r.candidates:
         lines.append(f"  {c.line()}")
+    if r.forwarded:
+        lines.append(f"computed where they are read (kernels that map one tensor): "
+                     f"{', '.join(r.forwarded)}")
     if explain:
         lines.append("no chain of rule applications for a program stitched from candidates: "
                      "run apply on a candidate's kernels alone (--no-candidates) for one")

@@ -6,11 +6,14 @@ from __future__ import annotations
 import numpy as np
 
 from bbrules import dense, interp
+from bbrules.candidates import fuse_candidates, select_candidates
+from bbrules.cli import stitched_report
 from bbrules.forward import forwarded
 from bbrules.frontend import parse_program
 from bbrules.inputs import random_inputs
 from bbrules.ir import Load, postorder
 from bbrules.lower import lower
+from bbrules.packs import load_packs
 from bbrules.targets import get_target
 
 PROGRAM = """
@@ -71,3 +74,21 @@ def test_a_kernel_is_not_forwarded_where_its_readers_would_recompute_it_at_a_cos
                             "S[t, u] = sum[d] C[t, d] * K[u, d]\noutput S\n"))
     assert [k.name for k in forwarded(p, get_target("cpu")).kernels] == ["C", "S"]
     assert [k.name for k in forwarded(p, get_target("h100")).kernels] == ["S"]
+
+
+def test_fusion_by_candidates_forwards_and_says_so():
+    """Each kernel a candidate of its own, the stitched program is the unfused one: R and Ps
+    are forwarded, the result says which (and `apply`'s report and its JSON), and the
+    program computes what the dense evaluation does."""
+    ast = parse_program(PROGRAM)
+    p = lower(ast)
+    r = fuse_candidates(p, select_candidates(p, 1), load_packs([]), get_target("h100"))
+    assert r.forwarded == ("R", "Ps") and r.to_json()["forwarded"] == ["R", "Ps"]
+    assert "computed where they are read (kernels that map one tensor): R, Ps" in \
+        stitched_report(r, explain=False)
+    assert r.after.n_kernels == sum(c.kernels_after for c in r.candidates) - 2
+    inputs = random_inputs(ast, seed=4)
+    want = dense.evaluate(ast, inputs, dtype=np.float64)
+    got = interp.run(r.program, inputs)
+    for name in ("S", "T", "Z"):
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-5)
