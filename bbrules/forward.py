@@ -17,8 +17,9 @@ recomputed in every iteration of a reader's loop may cost more than the pass it 
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import lru_cache
 
-from .cost import cost_program
+from .cost import ProgramCost, cost_kernel, cost_program
 from .ir import (BlockProgram, Const, IRError, Kernel, Load, Node, Pos, TensorDecl,
                  is_elementwise, postorder, rebuild, rename_axes, transform, validate)
 from .targets import Target
@@ -32,18 +33,26 @@ def forwarded(p: BlockProgram, target: Target, objective: str = "time") -> Block
     out, cost, i = p, cost_program(p, target), 0
     while i < len(out.kernels):
         shorter = _forward(out, out.kernels[i])
-        if shorter is not None:
-            try:  # (a reader whose tiles would not type: the kernel stays)
-                validate(shorter)
-                fewer = cost_program(shorter, target)
-            except IRError:
-                fewer = None
-            if fewer is not None and \
-                    fewer.key(objective, cost.time) <= cost.key(objective, cost.time):
-                out, cost = shorter, fewer
-                continue
-        i += 1
+        fewer = None if shorter is None else _recosted(out, cost, shorter, target)
+        if fewer is not None and fewer.key(objective, cost.time) <= cost.key(objective, cost.time):
+            out, cost = shorter, fewer
+        else:
+            i += 1
+    try:  # (a forwarded value keeps the tile type of the load it stands for)
+        validate(out)
+    except IRError:
+        return p
     return out
+
+
+def _recosted(p: BlockProgram, cost: ProgramCost, q: BlockProgram, target: Target
+              ) -> ProgramCost:
+    """`q`'s cost, where `q` is `p` (of cost `cost`) with some kernels rewritten: those are
+    costed, the others' costs kept (costing a model's 32 layers whole for each kernel
+    forwarded, and checking them, took 23 s)."""
+    kept = dict(zip(p.kernels, cost.kernels))
+    return replace(cost, kernels=tuple(kept[k] if k in kept else cost_kernel(q, k, target)
+                                       for k in q.kernels))
 
 
 def _forward(p: BlockProgram, k: Kernel) -> BlockProgram | None:
@@ -72,15 +81,21 @@ def _forward(p: BlockProgram, k: Kernel) -> BlockProgram | None:
         view = p.tensors[load.tensor]
         storage = p.tensors[operand.tensor].storage
         name = f"{storage}__{'_'.join(view.axes)}"
-        tensors.setdefault(name, TensorDecl(name, view.axes, tensors[storage].dtype, "view",
-                                            storage))
+        decl = tensors.setdefault(name, TensorDecl(name, view.axes, tensors[storage].dtype,
+                                                   "view", storage))
+        if decl.base != storage or decl.axes != view.axes:
+            return None  # (a tensor of that name that is not this view)
         split = transform(s.value, lambda n, kids: Load(name, view.axes) if n == operand
                           else rebuild(n, kids))
         return rename_axes(split, dict(zip(view.axes, load.axes)))
 
+    read = {s.tensor, *views}
     kernels = []
     for other in p.kernels:
         if other is k:
+            continue
+        if not _loads(other) & read:
+            kernels.append(other)  # (the same kernel: `_recosted` knows its cost)
             continue
         stores = []
         for store in other.stores:
@@ -88,7 +103,7 @@ def _forward(p: BlockProgram, k: Kernel) -> BlockProgram | None:
 
             def forward(n: Node, kids: tuple) -> Node:
                 nonlocal failed
-                if isinstance(n, Load) and (n.tensor == s.tensor or n.tensor in views):
+                if isinstance(n, Load) and n.tensor in read:
                     value = value_for(n)
                     if value is None:
                         failed = True
@@ -98,8 +113,15 @@ def _forward(p: BlockProgram, k: Kernel) -> BlockProgram | None:
             value = transform(store.value, forward)
             if failed:
                 return None
-            stores.append(replace(store, value=value) if value is not store.value else store)
+            stores.append(replace(store, value=value))
         kernels.append(replace(other, stores=tuple(stores)))
-    for name in (s.tensor, *views):
+    for name in read:
         del tensors[name]
     return BlockProgram(p.dims, tensors, tuple(kernels), p.outputs)
+
+
+@lru_cache(maxsize=4096)
+def _loads(k: Kernel) -> frozenset[str]:
+    """The tensors `k` loads."""
+    return frozenset(n.tensor for s in k.stores for n in postorder(s.value)
+                     if isinstance(n, Load))
