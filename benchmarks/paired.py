@@ -8,9 +8,9 @@ module before and after the change (`bbrules codegen PROGRAM --backend numpy -o 
     python benchmarks/paired.py BASE.py VARIANT.py --inputs INPUTS.npz [--pairs 2000]
                                 [--blocks 4] [--json PATH]
 
-Both modules run in this process with the runtime installed here (a change to the runtime
-alone is compared by loading the same module before and after, in two runs of this script,
-or by generating the base with the old generator).  Their outputs are compared first; each
+Both modules run in this process with the runtime installed here, so this measures changes
+to the generated code, not to the runtime (`bbrules.codegen.numpy_runtime`, `matmul.c`),
+which both modules then share.  Their outputs are compared first; each
 block of pairs then prints the median time of each and the median ratio of the pairs
 (`timing.paired`).  Nothing is asserted: this measures.
 """
