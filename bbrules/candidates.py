@@ -348,7 +348,7 @@ class StitchedResult:
     objective: str
     workers: int
     seconds: float
-    forwarded: tuple[str, ...] = ()  # what kernels that map one tensor stored (`forward`)
+    forwarded: tuple[str, ...] = ()  # what the elementwise maps forwarded stored (`forward`)
 
     def to_json(self) -> dict:
         return {"objective": self.objective, "before": self.before.to_json(),

@@ -659,7 +659,7 @@ def stitched_report(r: StitchedResult, explain: bool) -> str:
     for c in r.candidates:
         lines.append(f"  {c.line()}")
     if r.forwarded:
-        lines.append(f"computed where they are read (kernels that map one tensor): "
+        lines.append(f"computed where they are read (elementwise maps): "
                      f"{', '.join(r.forwarded)}")
     if explain:
         lines.append("no chain of rule applications for a program stitched from candidates: "
