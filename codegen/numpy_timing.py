@@ -155,9 +155,10 @@ def tune(p: BlockProgram, inputs: Mapping[str, np.ndarray], threads: int | None 
     """The faster on `inputs` of `p`'s module with every kernel of enough work in parts on
     `threads` threads (default: `default_threads()`) and its module of whole kernels, BLAS
     (or the native product, on `threads` threads) threading their products; each run once,
-    then `runs` times in alternation.  A program with no kernel to split, or one thread, has
-    one module, which is not timed.  Both have native groups or neither (default:
-    `default_native()`)."""
+    then in rounds of one run each (`_rounds`: at least `runs`, and `TUNE_SECONDS`), the
+    faster being the one ahead in the median round.  A program with no kernel to split, or
+    one thread, has one module, which is not timed.  Both have native groups or neither
+    (default: `default_native()`)."""
     threads = default_threads() if threads is None else threads
     native = default_native() if native is None else native
     modules = {"whole": loaded(p, threads, native, split=False)[1]}
@@ -166,9 +167,10 @@ def tune(p: BlockProgram, inputs: Mapping[str, np.ndarray], threads: int | None 
         modules["parts"] = split[1]
     if len(modules) == 1:
         return Tuned(modules["whole"], False, {})
-    seconds = _fastest_runs(modules, inputs, runs)
-    best = min(seconds, key=seconds.__getitem__)
-    return Tuned(modules[best], best == "parts", seconds)
+    times = _rounds(modules, inputs, runs, TUNE_SECONDS)
+    ratio = statistics.median(a / b for a, b in zip(times["parts"], times["whole"]))
+    best = "parts" if ratio < 1 else "whole"
+    return Tuned(modules[best], best == "parts", {name: min(t) for name, t in times.items()})
 
 
 # A pause before tuning: threads of earlier work (OpenBLAS's after numpy's products) spin for
@@ -176,25 +178,36 @@ def tune(p: BlockProgram, inputs: Mapping[str, np.ndarray], threads: int | None 
 # magika's native module chose parts in two runs of three (4.1-4.3 ms, whole 2.8 ms).
 SETTLE_SECONDS = 0.25
 
+# Rounds of tuning go on until this long has passed (and at most `MAX_ROUNDS`): a module of a
+# millisecond gets dozens, where five rounds left the choice to a run or two.
+TUNE_SECONDS = 0.5
+MAX_ROUNDS = 41
 
-def _fastest_runs(modules: Mapping[str, types.ModuleType], inputs: Mapping[str, np.ndarray],
-                  runs: int) -> dict[str, float]:
-    """Each module's fastest run over `runs` rounds of one run each, the order of the modules
-    alternating between rounds (so that load coming and going weighs on each alike), after a
-    first run each.
 
-    The fastest, not the median: what else the machine does only slows a run.  Magika's
-    whole module ran 4.3 ms in most rounds and 8.7-9.5 ms in two of five, against 6.1-11 ms
-    for its parts; a median over such rounds once chose the parts, which then ran 6.0 ms
-    against the whole module's 4.1."""
+def _rounds(modules: Mapping[str, types.ModuleType], inputs: Mapping[str, np.ndarray],
+            runs: int, seconds: float = 0.0) -> dict[str, list[float]]:
+    """Each module's time in each round of one run each, after a first run each: at least
+    `runs` rounds, more until `seconds` have passed (at most `MAX_ROUNDS`), the order of the
+    modules alternating between rounds.
+
+    Modules are compared round by round (`tune`), not by their fastest runs: what else the
+    machine does slows both runs of a round alike, where the fastest of a few runs is the one
+    that met a quiet moment.  LLaMA's layer at 2048 tokens kept its module of whole kernels
+    by its fastest of five runs, and ran 1.15-1.22x slower than in parts in paired runs
+    (`benchmarks/paired.py`).  Nor by their medians: magika's whole module ran 4.3 ms in most
+    rounds and 8.7-9.5 ms in two of five, against 6.1-11 ms for its parts; a median over such
+    rounds once chose the parts, which then ran 6.0 ms against the whole module's 4.1."""
     time.sleep(SETTLE_SECONDS)
     for module in modules.values():
         module.outputs(**inputs)
     times: dict[str, list[float]] = {name: [] for name in modules}
     names = list(modules)
-    for n in range(runs):
+    began = time.perf_counter()
+    n = 0
+    while n < runs or n < MAX_ROUNDS and time.perf_counter() - began < seconds:
         for name in names if n % 2 == 0 else names[::-1]:
             start = time.perf_counter()
             modules[name].outputs(**inputs)
             times[name].append(time.perf_counter() - start)
-    return {name: min(t) for name, t in times.items()}
+        n += 1
+    return times

@@ -85,9 +85,10 @@ def test_the_report_puts_measured_and_modeled_shares_side_by_side():
 def test_tune_keeps_the_module_that_ran_faster(split_small, monkeypatch, faster):
     p, inputs = attention()
     slower = {"parts": "whole", "whole": "parts"}[faster]
-    monkeypatch.setattr(numpy_timing, "_fastest_runs",
-                        lambda modules, *_: {faster: 1.0, slower: 2.0} if set(modules) ==
-                        {"parts", "whole"} else pytest.fail(f"modules {set(modules)}"))
+    monkeypatch.setattr(numpy_timing, "_rounds",
+                        lambda modules, *_: {faster: [1.0, 3.0], slower: [2.0, 4.0]}
+                        if set(modules) == {"parts", "whole"}
+                        else pytest.fail(f"modules {set(modules)}"))
     tuned = numpy_timing.tune(p, inputs, threads=2)
     assert tuned.parts == (faster == "parts") and tuned.seconds[faster] == 1.0
     assert hasattr(tuned.module, "run_parts") == tuned.parts
@@ -121,21 +122,34 @@ def test_candidates_are_run_once_then_timed_in_alternating_order():
     class Module:
         def __init__(self, name):
             self.outputs = lambda **_: calls.append(name)
-    seconds = numpy_timing._fastest_runs({"a": Module("a"), "b": Module("b")}, {}, runs=3)
-    assert calls == ["a", "b", "a", "b", "b", "a", "a", "b"] and set(seconds) == {"a", "b"}
+    times = numpy_timing._rounds({"a": Module("a"), "b": Module("b")}, {}, runs=3)
+    assert calls == ["a", "b", "a", "b", "b", "a", "a", "b"]
+    assert {name: len(t) for name, t in times.items()} == {"a": 3, "b": 3}
 
 
-def test_a_module_is_timed_by_its_fastest_run(monkeypatch):
-    """Rounds slowed by other work do not count: "a" ran 1 once and 9 twice, "b" 2 each time;
-    "a" is the faster (its median, 9, would say "b")."""
+def test_rounds_go_on_for_the_seconds_asked_up_to_a_limit():
+    calls = []
+
     class Module:
-        def __init__(self):
-            self.outputs = lambda **_: None
-    # the clock at each run's start and end, the rounds ordered a b, b a, a b
-    ticks = iter([0, 9, 9, 11, 11, 13, 13, 14, 14, 23, 23, 25])
-    slept = []
-    monkeypatch.setattr(numpy_timing, "time", SimpleNamespace(perf_counter=lambda: next(ticks),
-                                                              sleep=slept.append))
-    seconds = numpy_timing._fastest_runs({"a": Module(), "b": Module()}, {}, runs=3)
-    assert seconds == {"a": 1.0, "b": 2.0}
-    assert slept == [numpy_timing.SETTLE_SECONDS]  # once, before the first run
+        def __init__(self, name):
+            self.outputs = lambda **_: calls.append(name)
+    times = numpy_timing._rounds({"a": Module("a"), "b": Module("b")}, {}, runs=3,
+                                 seconds=60.0)
+    assert len(times["a"]) == len(times["b"]) == numpy_timing.MAX_ROUNDS
+
+
+@pytest.mark.parametrize("whole, parts, faster", [
+    ((10, 5, 10, 10, 10), (8, 8, 8, 8, 8), "parts"),  # one lucky run does not decide
+    ((4, 9, 4, 9, 4), (6, 6, 6, 6, 6), "whole"),  # nor rounds slowed by other work
+])
+def test_tune_keeps_the_module_ahead_in_the_median_round(split_small, monkeypatch, whole,
+                                                         parts, faster):
+    """In the first case the whole module's fastest run (5) beats the parts' (8), but the
+    parts are ahead in four rounds of five; in the second the whole module is ahead in three
+    rounds of five, twice slowed by other work."""
+    p, inputs = attention()
+    monkeypatch.setattr(numpy_timing, "_rounds",
+                        lambda *_: {"whole": list(whole), "parts": list(parts)})
+    tuned = numpy_timing.tune(p, inputs, threads=2)
+    assert tuned.parts == (faster == "parts")
+    assert tuned.seconds == {"whole": min(whole), "parts": min(parts)}
