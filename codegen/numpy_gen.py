@@ -1136,14 +1136,15 @@ class _KernelWriter:
     def fill(self, n: Where, name: str, keep: Node, number: float,
              boxes: list[tuple[slice, ...]]) -> _Stmt:
         """The tile `keep` with `boxes` set to `number`, slice by slice (`fill_boxes`): in
-        place where the tile dies here, else in a copy.  Magika's GELU before its max over 508
-        positions padded to 512: 2 µs, where `np.where` took 118."""
+        place where the tile dies here, else in a copy laid out in memory as the tile is (a
+        table read transposed stays in rows for the gather that reads it).  Magika's GELU
+        before its max over 508 positions padded to 512: 2 µs, where `np.where` took 118."""
         tile, dims = self.tile(keep), self.dims(n)
 
         def set_in(a: str) -> list[str]:
             return [f"{a}[{_index_text(box, dims)}] = {_literal(number)}" for box in boxes]
-        stmt = _Stmt([f"{name} = {tile}.copy()", *set_in(name)], (name,), frozenset(self.reads),
-                     owned=frozenset((name,)))
+        stmt = _Stmt([f"{name} = {tile}.copy(order='K')", *set_in(name)], (name,),
+                     frozenset(self.reads), owned=frozenset((name,)))
         stmt.in_place[tile] = [*set_in(tile), f"{name} = {tile}"]
         self.scopes[-1][n] = name
         return stmt
@@ -2416,7 +2417,8 @@ def generate_module(p: BlockProgram, target: Target | str | None = None, threads
     if tables:
         out[-1:] = [f"from bbrules.ops import {', '.join(tables)}", ""]
     runtime = sorted(fns.runtime | {"relaid"}  # `_input` pads through it
-                     | ({"run_parts"} if any(c.parts for c in kernels) else set()))
+                     | ({"run_parts"} if any(c.parts for c in kernels) else set())
+                     | ({"constant"} if fns.known else set()))
     if runtime:
         out[-1:] = [f"from bbrules.codegen.numpy_runtime import {', '.join(runtime)}", ""]
     if any(p.tensors[t].dtype in WHOLE_DTYPES for t in p.inputs):
@@ -2444,7 +2446,8 @@ def generate_module(p: BlockProgram, target: Target | str | None = None, threads
             if name in used:
                 used |= set(re.findall(r"\w+", code))
         out += ["", "# tiles computed from positions, once"]
-        out += [f"{name} = {code}" for code, name in fns.known.items() if name in used]
+        out += [f"{name} = constant({code})" for code, name in fns.known.items()
+                if name in used]
     for code in kernels:
         out += ["", ""]
         out += ["# " + line for line in show_kernel(code.kernel).splitlines()]

@@ -49,6 +49,14 @@ def relaid(array: np.ndarray, relayout: Callable[[np.ndarray], np.ndarray],
     return value
 
 
+def constant(tile: np.ndarray) -> np.ndarray:
+    """`tile`, read-only: a tile a module computes once, when it loads, for every call (what
+    `_stepping` finds of read-only positions it keeps)."""
+    if isinstance(tile, np.ndarray):
+        tile.flags.writeable = False
+    return tile
+
+
 def gather_one_hot(values: np.ndarray, axis: int,
                    picks: Sequence[tuple[np.ndarray, Sequence[np.ndarray]]],
                    window: bool = False) -> np.ndarray:
@@ -125,17 +133,10 @@ def _window(values: np.ndarray, axis: int, at: np.ndarray, guards: Sequence[np.n
     if at.shape[axis] != 1 or any(values.shape[d] > 1 for d in spans) or \
             not all(np.all(np.asarray(g) != 0) for g in guards):
         return None
-    index = at.astype(np.intp)
-    if not np.array_equal(index, at):
+    stepping = _stepping(at, tuple(spans))
+    if stepping is None:
         return None
-    base = int(index.flat[0])
-    steps = {d: int(index[tuple(int(e == d) for e in range(at.ndim))]) - base for d in spans}
-    even = base + sum((np.arange(at.shape[d]) * s).reshape([-1 if e == d else 1
-                                                            for e in range(at.ndim)])
-                      for d, s in steps.items())
-    if any(s < 0 for s in steps.values()) or not np.array_equal(
-            np.broadcast_to(even, index.shape), index):
-        return None
+    base, steps = stepping
     last = base + sum(s * (at.shape[d] - 1) for d, s in steps.items())
     below, above = max(0, -base), max(0, last + 1 - values.shape[axis])
     if below or above:  # (in the values' own order: the window's strides then merge as theirs)
@@ -150,6 +151,38 @@ def _window(values: np.ndarray, axis: int, at: np.ndarray, guards: Sequence[np.n
                else values.strides[d] if d != axis and values.shape[d] > 1 else 0
                for d in range(values.ndim)]
     return np.lib.stride_tricks.as_strided(start, shape, strides, writeable=False)
+
+
+# The steps of read-only positions (`_stepping`), kept while the positions live: a module's
+# positions computed once (magika's window, position + tap) took 60 µs a call to check.
+_STEPPING: dict[tuple, tuple[weakref.ref, tuple[int, dict[int, int]] | None]] = {}
+
+
+def _stepping(at: np.ndarray, spans: tuple[int, ...]) -> tuple[int, dict[int, int]] | None:
+    """(the first position, the step along each of `spans`) where `at` holds whole numbers
+    stepping evenly (forwards) along each of those dimensions; None where it does not."""
+    owner = at
+    while isinstance(owner.base, np.ndarray):
+        owner = owner.base
+    spot = (id(at), at.shape, at.strides, spans)
+    if not owner.flags.writeable and (kept := _STEPPING.get(spot)) is not None and \
+            kept[0]() is at:
+        return kept[1]
+    index = at.astype(np.intp)
+    if not np.array_equal(index, at):
+        stepping = None
+    else:
+        base = int(index.flat[0])
+        steps = {d: int(index[tuple(int(e == d) for e in range(at.ndim))]) - base
+                 for d in spans}
+        even = base + sum((np.arange(at.shape[d]) * s).reshape([-1 if e == d else 1
+                                                                for e in range(at.ndim)])
+                          for d, s in steps.items())
+        stepping = None if any(s < 0 for s in steps.values()) or not np.array_equal(
+            np.broadcast_to(even, index.shape), index) else (base, steps)
+    if not owner.flags.writeable:
+        _STEPPING[spot] = (weakref.ref(at, lambda _: _STEPPING.pop(spot, None)), stepping)
+    return stepping
 
 
 def lookup(values: np.ndarray, axis: int, at: np.ndarray, whole: bool = False) -> np.ndarray:
@@ -189,8 +222,12 @@ def _take(values: np.ndarray, axis: int, index: np.ndarray) -> np.ndarray:
     others = [d for d in range(values.ndim) if d != axis]
     rows = values.transpose(axis, *others)
     # (`np.take` of a table laid out in rows, an embedding, takes a third of indexing's time;
-    # given other strides it would first copy the whole table)
+    # given other strides it first copies the whole table, which pays where the rows taken
+    # hold more elements than the table: magika's 2,048 bytes from a 64 x 320 table laid out
+    # by columns took 151 µs by indexing, 30 copied first)
     flat = index.reshape(-1)
+    if not rows.flags.c_contiguous and rows.size < flat.size * prod(rows.shape[1:]):
+        rows = np.ascontiguousarray(rows)
     rows = rows.take(flat, axis=0) if rows.flags.c_contiguous else rows[flat]
     if not ids or not spans or ids[-1] < spans[0]:  # the rows' order is the result's
         return rows.reshape(shape)

@@ -588,7 +588,7 @@ def test_a_selection_known_while_generating_sets_slices(columns, statement, fill
     assert [line[line.index("["):] for line in body.splitlines() if "] = f32(" in line] == \
         fills, body
     assert ("elementwise_where" in body) == (not fills and "r < 512" not in statement), body
-    assert (".copy()" in body) == ("X[r, c], 0)" in statement and bool(fills)), body
+    assert (".copy(order='K')" in body) == ("X[r, c], 0)" in statement and bool(fills)), body
     inputs = random_inputs(ast, seed=4)
     given = inputs["X"].copy()
     got = numpy_gen.run(p, inputs)["Y"]
@@ -611,8 +611,8 @@ def test_a_selection_of_a_number_by_known_positions_stays_a_selection():
 
 
 def test_a_tile_of_positions_is_computed_once_when_the_module_loads(monkeypatch):
-    """A causal mask over known positions is a module global computed on loading, not on
-    every call; a store of it copies it, so a caller writing into an output does not change
+    """A causal mask over known positions is a module global computed on loading (read-only),
+    not on every call; a store of it copies it, so a caller writing into an output does not change
     the next call's.  Results are those of the code computing it per call, bit for bit."""
     ast = parse_program("dim q = 128 / 128\ndim k = 128 / 128\ndim d = 32\n"
                         "input Q[q, d], K[k, d] : f32\n"
@@ -620,12 +620,13 @@ def test_a_tile_of_positions_is_computed_once_when_the_module_loads(monkeypatch)
                         "M[q, k] = where(k <= q, 1, 0)\noutput S, M\n")
     p = lower(ast)
     code = numpy_gen.generate(p)
-    computed = re.findall(r"^(known_\d+) = elementwise_where\(", code, re.M)
+    computed = re.findall(r"^(known_\d+) = constant\(elementwise_where\(", code, re.M)
     assert len(computed) == 2, code
     for kernel in code.split("\ndef ")[1:]:
         assert "np.arange" not in kernel and "elementwise_where" not in kernel, kernel
     inputs = random_inputs(ast, seed=2)
     module = numpy_gen.load(p, threads=1)
+    assert not any(getattr(module, name).flags.writeable for name in computed)
     first = module.run(**inputs)
     first["M"][...] = 7.0
     again = module.run(**inputs)
@@ -886,6 +887,7 @@ def test_a_kept_copy_lives_as_long_as_its_array():
     ((40, 6), (1, 6), 0),
     ((1, 1, 2, 8, 40), (1, 5, 1, 1, 1), 4),  # ids outside the row: the rows' order as it is
     ("table", (1, 5, 1, 1, 1), 4),  # an embedding's table (rows contiguous), read transposed
+    ((1, 1, 1, 16, 40), (4, 50, 1, 1, 1), 4),  # a small table by columns, many ids: copied
 ])
 def test_a_gather_takes_what_take_along_axis_takes(values, index, axis):
     rng = np.random.default_rng(7)
@@ -943,6 +945,29 @@ def test_a_window_is_a_view_with_what_the_gather_picks(start, step):
     assert not got.flags.writeable
     inside = start >= 0 and start + 59 + 4 * step < 64
     assert np.shares_memory(got, x) == inside
+
+
+def test_the_steps_of_read_only_positions_are_found_once():
+    """Positions a module computes once (`constant`, read-only) are checked for even steps on
+    the first call, and what was found is kept while they live; positions that may change
+    are checked on each call."""
+    values = np.arange(40, dtype=np.float32).reshape(1, 40)
+
+    def kept(at: np.ndarray) -> bool:
+        return any(spot[0] == id(at) for spot in list(numpy_runtime._STEPPING))
+    fixed = numpy_runtime.constant(np.arange(8, dtype=np.float32).reshape(8, 1) + 3)
+    first = numpy_runtime._window(values, 1, fixed, ())
+    assert kept(fixed)
+    np.testing.assert_array_equal(numpy_runtime._window(values, 1, fixed, ()), first)
+    np.testing.assert_array_equal(first.reshape(8), np.arange(3, 11))
+    changing = np.arange(8, dtype=np.float32).reshape(8, 1)
+    assert numpy_runtime._window(values, 1, changing, ()) is not None and not kept(changing)
+    changing **= 2
+    assert numpy_runtime._window(values, 1, changing, ()) is None
+    spot = next(spot for spot in numpy_runtime._STEPPING if spot[0] == id(fixed))
+    del fixed, first
+    gc.collect()
+    assert spot not in numpy_runtime._STEPPING
 
 
 def test_a_window_is_not_taken_where_positions_jump_or_a_guard_fails():
