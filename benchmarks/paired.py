@@ -10,7 +10,9 @@ module before and after the change (`bbrules codegen PROGRAM --backend numpy -o 
 
 Both modules run in this process with the runtime installed here, so this measures changes
 to the generated code, not to the runtime (`bbrules.codegen.numpy_runtime`, `matmul.c`),
-which both modules then share.  Their outputs are compared first; each
+which both modules then share.  The inputs are read-only, as an imported model's weights are,
+so that a module lays out a weight for its product once (`relaid`), as it does in the
+benchmarks that import the model.  The modules' outputs are compared first; each
 block of pairs then prints the median time of each and the median ratio of the pairs
 (`timing.paired`).  Nothing is asserted: this measures.
 """
@@ -42,7 +44,9 @@ def main() -> int:
         base, variant = (module_from_source(path.read_text()) for path in
                          (args.base, args.variant))
         with np.load(args.inputs) as npz:
-            inputs = {name: npz[name] for name in npz.files}
+            inputs = {name: np.array(npz[name]) for name in npz.files}
+        for array in inputs.values():
+            array.flags.writeable = False
         want, got = base.outputs(**inputs), variant.outputs(**inputs)
     except (OSError, SyntaxError, ValueError) as e:  # (a missing input is a ValueError)
         print(f"paired.py: {e}", file=sys.stderr)
