@@ -32,9 +32,7 @@ def relaid(array: np.ndarray, relayout: Callable[[np.ndarray], np.ndarray],
     weights so).  A writeable array may change between calls, so it is copied each time, as
     is what `relayout` returns as a view.  `key` tells apart relayouts written by one line of
     code (the program's padding of each input)."""
-    owner = array
-    while isinstance(owner.base, np.ndarray):
-        owner = owner.base
+    owner = _owner(array)
     if owner.flags.writeable:
         return relayout(array)
     spot = (relayout.__code__, key, id(owner), array.__array_interface__["data"][0],
@@ -47,6 +45,14 @@ def relaid(array: np.ndarray, relayout: Callable[[np.ndarray], np.ndarray],
     value.flags.writeable = False
     _RELAID[spot] = (weakref.ref(owner, lambda _: _RELAID.pop(spot, None)), value)
     return value
+
+
+def _owner(array: np.ndarray) -> np.ndarray:
+    """The array that owns `array`'s memory (a view's base, through views of views): read-only
+    there, the memory is a constant."""
+    while isinstance(array.base, np.ndarray):
+        array = array.base
+    return array
 
 
 def constant(tile: np.ndarray) -> np.ndarray:
@@ -161,11 +167,9 @@ _STEPPING: dict[tuple, tuple[weakref.ref, tuple[int, dict[int, int]] | None]] = 
 def _stepping(at: np.ndarray, spans: tuple[int, ...]) -> tuple[int, dict[int, int]] | None:
     """(the first position, the step along each of `spans`) where `at` holds whole numbers
     stepping evenly (forwards) along each of those dimensions; None where it does not."""
-    owner = at
-    while isinstance(owner.base, np.ndarray):
-        owner = owner.base
+    fixed = not _owner(at).flags.writeable
     spot = (id(at), at.shape, at.strides, spans)
-    if not owner.flags.writeable and (kept := _STEPPING.get(spot)) is not None and \
+    if fixed and (kept := _STEPPING.get(spot)) is not None and \
             kept[0]() is at:
         return kept[1]
     index = at.astype(np.intp)
@@ -180,7 +184,7 @@ def _stepping(at: np.ndarray, spans: tuple[int, ...]) -> tuple[int, dict[int, in
                           for d, s in steps.items())
         stepping = None if any(s < 0 for s in steps.values()) or not np.array_equal(
             np.broadcast_to(even, index.shape), index) else (base, steps)
-    if not owner.flags.writeable:
+    if fixed:
         _STEPPING[spot] = (weakref.ref(at, lambda _: _STEPPING.pop(spot, None)), stepping)
     return stepping
 
