@@ -257,6 +257,12 @@ MAX_NESTING = 50
 # 1,024 2.8 against 1.7 µs, over 16,384 4.4 against 9.6 µs (the Xeon of the README).
 NATIVE_ELEMENTS = 1 << 12
 
+# One operator alone is a native group from this many elements, on every core where numpy's
+# call runs on one: GPT-2's causal mask over 12 x 128 x 128 scores by `np.where` took 353 µs in
+# a run of its block (768 wide, 128 tokens), its Q, K and V bias sums 100 µs each; the block
+# ran 5% faster with them native (`benchmarks/paired.py`).
+NATIVE_ALONE_ELEMENTS = 1 << 15
+
 # A native group has at most this many operators (a deeper expression is left to numpy): the C
 # compiler's time grows with a function's size, and a program's expressions are not its to
 # bound.
@@ -609,6 +615,20 @@ def _summed_contraction(n: BlockReduce, w: _KernelWriter) -> tuple[Dot, tuple[Ax
     return x, tuple(a for a in axes if a != x.axis and spans[a][0] > 1)
 
 
+def _adds_to_product(n: Node) -> bool:
+    """Is `n` a sum or difference of a contraction (through sums over its blocks) and another
+    tile: one the product may take as its addend (`_KernelWriter.added_to_product`), which
+    costs no pass at all, where a native group would cost one."""
+    if not isinstance(n, Binary) or n.op not in ("add", "sub"):
+        return False
+    for x in (n.x, n.y):
+        while isinstance(x, (Reduce, BlockReduce)) and not isinstance(x.x, Tuple):
+            x = x.x
+        if isinstance(x, Dot):
+            return True
+    return False
+
+
 @STEP.on(*ELEMENTWISE_KINDS)
 def _(n: Node, w: _KernelWriter) -> _Stmt | None:
     if (alias := w.aliased(n)) is not None:
@@ -930,15 +950,15 @@ class _KernelWriter:
         operator joins the group of the operators reading it where they all are in one group,
         have its dimensions (or it is a value a row of theirs: `per_row`) and it is not
         stored.  A group is at least two operators over at least `NATIVE_ELEMENTS` elements,
-        or one a reduction within the tile reads (the C reduces it, and returns the values
-        too where other steps read them: `also`), or one that reads a value a row of its own
-        (`by_rows`), or none: a reduction of a tile no operator
-        computes (a softmax's max over loaded scores, but not a sum of products, which is one
-        matmul), and at most `NATIVE_OPERATORS`.  Only
-        operators that compute (not `aliased`, not a `known_tile`, not in a gather's one-hot)
-        join; a selection by known
-        positions joins (the C selects by a tile of them) where it would otherwise set slices
-        (`fill`)."""
+        or one over at least `NATIVE_ALONE_ELEMENTS` (not a sum a product may take as its
+        addend: `_adds_to_product`), or one a reduction within the tile reads (the C reduces
+        it, and returns the values too where other steps read them: `also`), or one that
+        reads a value a row of its own (`by_rows`), or none: a reduction of a tile no
+        operator computes (a softmax's max over loaded scores, but not a sum of products,
+        which is one matmul), and at most `NATIVE_OPERATORS`.  Only operators that compute
+        (not `aliased`, not a `known_tile`, not in a gather's one-hot) join; a selection by
+        known positions joins (the C selects by a tile of them) where it would otherwise set
+        slices (`fill`)."""
         for n in body:  # a loop's body is written once per segment, each with its own knowns
             self.groups.pop(n, None)
             self.also.pop(n, None)
@@ -994,9 +1014,10 @@ class _KernelWriter:
                 members[n] = []
         for root, group in members.items():
             reduces = isinstance(root, BlockReduce) or root in also
-            if (reduces or len(group) > 1 or self.by_rows(root)) and \
-                    len(group) <= NATIVE_OPERATORS and \
-                    prod(self.dims(group[-1] if group else root.x)) >= NATIVE_ELEMENTS:
+            elements = prod(self.dims(group[-1] if group else root.x))
+            alone = elements >= NATIVE_ALONE_ELEMENTS and not _adds_to_product(root)
+            if (reduces or len(group) > 1 or self.by_rows(root) or alone) and \
+                    len(group) <= NATIVE_OPERATORS and elements >= NATIVE_ELEMENTS:
                 self.groups[root] = group
                 self.absorbed.update(m for m in group if m is not root)
                 if root in also:

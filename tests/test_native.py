@@ -366,11 +366,12 @@ def test_a_norms_scale_a_row_is_computed_in_the_group_that_applies_it():
 def test_a_lone_operator_reading_a_value_a_row_is_one_call():
     """Attention's output divided by its rows' sums: one operator, but its divisor is
     broadcast along the row, which numpy walks slowly; the C divides.  A lone operator over
-    two whole tiles, or by a scalar, stays numpy code."""
-    ast = parse_program("dim r = 256 / 256\ndim c = 128 / 128\ninput X[r, c] : f32\n"
+    two whole tiles, or by a scalar, stays numpy code below `NATIVE_ALONE_ELEMENTS`."""
+    ast = parse_program("dim r = 128 / 128\ndim c = 128 / 128\ninput X[r, c] : f32\n"
                         "input L[r] : f32\ninput Z[r, c] : f32\n"
                         "Y[r, c] = X[r, c] / L[r]\nW[r, c] = X[r, c] / Z[r, c]\n"
                         "V[r, c] = X[r, c] * 3\noutput Y\noutput W\noutput V\n")
+    assert 128 * 128 < numpy_gen.NATIVE_ALONE_ELEMENTS
     p = lower(ast)
     inputs = random_inputs(ast, seed=10)
     inputs["L"] = inputs["L"] + 2.0
@@ -381,6 +382,29 @@ def test_a_lone_operator_reading_a_value_a_row_is_one_call():
     kernels = {k: source[source.index(f"def kernel_{k}("):].split("\n\n\n")[0] for k in "YWV"}
     assert re.search(r"= native_\d+\(", kernels["Y"]) and "np.divide" not in kernels["Y"]
     assert "native_" not in kernels["W"] and "native_" not in kernels["V"], kernels
+
+
+def test_a_lone_operator_over_a_large_tile_is_one_call_unless_a_product_adds_it():
+    """From `NATIVE_ALONE_ELEMENTS` elements a lone operator is a native call on every core
+    (numpy's runs on one): GPT-2's causal mask by `where` over its scores, a bias added to a
+    chunk of the QKV projection.  A sum of a product and a tile stays the product's addend,
+    which costs no pass at all."""
+    ast = parse_program("dim r = 256 / 256\ndim c = 256 / 256\ndim k = 64\n"
+                        "input X[r, c] : f32\ninput Z[r, c] : f32\ninput A[r, k] : f32\n"
+                        "input B[k, c] : f32\n"
+                        "W[r, c] = where(Z[r, c] > 0, X[r, c], -1e4)\n"
+                        "P[r, c] = sum[k] A[r, k] * B[k, c] + X[r, c]\noutput W\noutput P\n")
+    assert 256 * 256 >= numpy_gen.NATIVE_ALONE_ELEMENTS
+    p = lower(ast)
+    inputs = random_inputs(ast, seed=11)
+    source, got, want = run_both(p, inputs)
+    for name in got:
+        assert_close(got[name], want[name], f"{name} vs interpreter")
+    dense_want = dense.evaluate(ast, inputs, dtype=np.float64)
+    assert_close(got["P"], dense_want["P"], "P vs dense")
+    kernels = {k: source[source.index(f"def kernel_{k}("):].split("\n\n\n")[0] for k in "WP"}
+    assert re.search(r"= native_\d+\(", kernels["W"]) and "where(" not in kernels["W"], kernels
+    assert "native_" not in kernels["P"] and "matmul(" in kernels["P"], kernels
 
 
 def test_a_masked_maximum_over_padded_positions_is_one_call():
