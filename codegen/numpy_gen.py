@@ -1843,7 +1843,12 @@ class _KernelWriter:
         if len(folded) == 1 and isinstance(folded[0], Var) and \
                 folded[0].name == f"b.{r.monoid.state[0]}" and self.written_view(r.x):
             self.taken_views.add(r)  # (decided here, where the chunk's selection is known)
-        return stmt, _fresh(r, folded)
+        # a component that is the contribution's own new array, which no store returns, is
+        # the accumulator's too: a store returns it, not a copy (GPT-2's Q, K and V, each a
+        # chunk of the projection plus its bias: a 384 KB copy each)
+        alone = not any(m in self.stored for m in postorder(r.x))
+        return stmt, tuple(new or alone and isinstance(e, Var) and env[e.name] in self.owned
+                           for e, new in zip(folded, _fresh(r, folded)))
 
     def contribution_env(self, r: Reduce) -> dict[str, str]:
         """The names of the contribution's components, as a monoid's expressions read them

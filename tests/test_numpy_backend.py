@@ -230,6 +230,25 @@ def test_a_sum_over_one_block_is_its_contribution():
     assert_close(numpy_gen.run(p, inputs)["S"], inputs["Q"] @ inputs["K"].T, "vs numpy")
 
 
+def test_a_chunk_computed_anew_is_stored_as_it_is():
+    """A split of a sum (GPT-2's Q as the first chunk of its QKV projection plus its bias,
+    once the bias is forwarded into the split): the chunk's sum is a new array, which the
+    store returns, not a copy of it; a chunk that is a view of an input is still copied."""
+    ast = parse_program("dim r = 128 / 64\ndim t = 3 / 1\ndim c = 256 / 64\n"
+                        "input X[r, t, c] : f32\ninput B[t, c] : f32\n"
+                        "Q[r, c] = sum[t] where(t == 1, X[r, t, c] + B[t, c], 0)\n"
+                        "V[r, c] = sum[t] where(t == 2, X[r, t, c], 0)\noutput Q\noutput V\n")
+    p = lower(ast)
+    inputs = random_inputs(ast, seed=3)
+    source = numpy_gen.generate(p)
+    assert "np.empty" not in kernel_body(source, "kernel_Q"), source
+    assert "np.empty" in kernel_body(source, "kernel_V"), source
+    got, want = numpy_gen.run(p, inputs), dense.evaluate(ast, inputs, dtype=np.float64)
+    for name in ("Q", "V"):
+        assert_close(got[name], want[name], f"{name} vs dense")
+    assert not np.shares_memory(got["V"], inputs["X"])
+
+
 def test_a_temporary_an_accumulator_aliases_is_not_overwritten():
     """A monoid whose combine passes the contribution through ("last block") makes the
     accumulator alias that array; a later step must not write into it in place."""
