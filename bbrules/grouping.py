@@ -54,6 +54,7 @@ from typing import Callable, Iterable, Iterator
 from .cost import KernelCost, ProgramCost, cost_kernel
 from .ir import BlockProgram, Kernel, Load, Reduce, Store, postorder
 from .plan import block_bound_axes, kernel_uses
+from .refold import refolded
 from .splitting import Splitter, may_pay
 from .targets import Target
 
@@ -142,32 +143,42 @@ def _tilings(p: BlockProgram, k: Kernel, kc: KernelCost, make: Make, target: Tar
     fit local memory).  Coarser loop blocks are offered only where the kernel is then
     faster and reads no more (fewer steps, each with its combines).  A loop axis the program
     itself blocks by one element (a split's chunk axis) keeps its blocks: a fold over it may
-    rely on them (`reduce(c, sum, bmax(c, x))` combines each chunk's maximum); so does one
-    whose block a fold's state holds (`block_bound_axes`: a Welford fold's count and mean
-    are a block's of 64, whatever block the loop walks).  Finer blocks
-    are offered only where they read nothing more: finer blocks that re-read operands (a
-    matmul's, the keys of attention) are a trade of traffic for parallelism that these
-    moves leave alone."""
+    rely on them (`reduce(c, sum, bmax(c, x))` combines each chunk's maximum).  A fold whose
+    state holds its block (`block_bound_axes`: a Welford fold's count and mean are a block's
+    of 64) is written again for the new block by the rule that wrote it (`refolded`), or
+    keeps its blocks; it is also offered the whole axis in one step, which doubling does not
+    reach where the axis is not a power of two blocks (768 features in blocks of 64), and
+    which the numpy backend, free to walk other loops in larger blocks than the kernel's
+    (`numpy_plan.coarsened`), cannot take for it.
+    Finer blocks are offered only where they read nothing more: finer blocks that re-read
+    operands (a matmul's, the keys of attention) are a trade of traffic for parallelism that
+    these moves leave alone."""
     own = p.in_kernel(k)
     folded = frozenset().union(*map(_reduced, k.stores))
-    grid = [a for a in k.grid if a not in folded]  # else each block folds all of it again
-    loops = []
+    grid = [(a, own.block(a) * 2 if coarser else own.block(a) // 2)
+            for a in k.grid if a not in folded]  # else each block folds all of it again
+    loops: list[tuple[str, int]] = []
+    bound: frozenset[str] = frozenset()
     if coarser:
         if kc.bytes_read <= _once(p, k):
             grid = []  # it reads each tensor once already
         bound = block_bound_axes(p, k)
-        loops = [a for a in _loop_axes(k) if p.block(a) > 1 and a not in bound]
-    for a in grid + loops:
-        block = own.block(a) * 2 if coarser else own.block(a) // 2
+        loops = [(a, block) for a in _loop_axes(k) if p.block(a) > 1
+                 for block in dict.fromkeys((own.block(a) * 2,) + (own.extent(a),) * (a in bound))]
+    for a, block in grid + loops:
         if (block < target.block_granularity or block > own.extent(a)
                 or own.extent(a) % block or own.dims[a].ragged):
             continue
-        blocks = {**dict(k.blocks), a: block}
-        own_blocks = tuple((x, blocks[x]) for x in p.dims
-                           if x in blocks and blocks[x] != p.block(x))
-        tiled = make(k.grid, k.stores, own_blocks)
+        if a in bound:
+            if (written := refolded(p, k, a, block)) is None:
+                continue
+            tiled = make(written.grid, written.stores, written.blocks)
+        else:
+            blocks = {**dict(k.blocks), a: block}
+            tiled = make(k.grid, k.stores, tuple((x, blocks[x]) for x in p.dims
+                                                 if x in blocks and blocks[x] != p.block(x)))
         tc = cost_kernel(p, tiled, target)
-        if a in loops:
+        if (a, block) in loops:
             if tc.traffic <= kc.traffic and tc.time < kc.time:
                 yield tiled
         elif tc.traffic < kc.traffic if coarser else tc.traffic <= kc.traffic:

@@ -110,13 +110,16 @@ class Binding:
         return bottom_up(p, make, _operands)
 
     def match(self, p: Pattern, n: Node,
-              carried: Callable[[Load], Node | None] | None = None) -> bool:
+              carried: Callable[[Load], Node | None] | None = None, sizes: bool = False) -> bool:
         """Does `p` match term `n`, extending this binding?  (Guards are checked separately.)
 
         `load(store(v))` matches a load for which `carried` gives the value its kernel stores
         (renamed to the load's axes), when `v` matches that value.  Other nodes match a node of
         their kind whose attributes equal theirs or bind their variables, child by child (left
         to right, from a stack of pairs still to match: patterns and terms of any depth).
+        With `sizes`, a computed constant (`const(1 / block(?e))`) matches a number equal to
+        its value under the binding so far, to float32's rounding: a right side as a rule
+        wrote it (`bbrules.refold`); else it matches nothing.
         """
         todo = [(p, n)]
         while todo:
@@ -132,7 +135,7 @@ class Binding:
                     if ok:
                         todo.append((v, value))
                 case CExpr() | AxisSize():
-                    ok = False
+                    ok = sizes and isinstance(n, Const) and self._sized(p, n.value)
                 case _:
                     ok = type(p) is type(n) and self._attrs_match(p, n)
                     kids, others = children(p), children(n)
@@ -142,6 +145,14 @@ class Binding:
             if not ok:
                 return False
         return True
+
+    def _sized(self, p: CExpr | AxisSize, value: float) -> bool:
+        """Is `value` what `p` evaluates to (its variables bound, to float32's rounding)?"""
+        try:
+            want = self.constant(p)
+        except KeyError:  # a variable not bound yet
+            return False
+        return bool(np.isclose(value, want, rtol=1e-6, atol=0.0))
 
     def _attrs_match(self, p: Pattern, n: Node) -> bool:
         """Do `p`'s attributes equal `n`'s, or bind their variables to them?"""

@@ -19,10 +19,12 @@ from bbrules.errors import SourceError
 from bbrules.frontend import load_program, parse_program
 from bbrules.fuse import fuse
 from bbrules.inputs import random_inputs
-from bbrules.ir import IRError, Reduce, postorder, show_program, validate
+from bbrules.ir import Const, IRError, Reduce, postorder, show_program, validate
 from bbrules.lower import lower
 from bbrules.options import Options
 from bbrules.packs import load_packs
+from bbrules.plan import block_bound_axes
+from bbrules.refold import refolded
 from bbrules.targets import get_target
 from cuda_emu import emulate
 
@@ -221,24 +223,74 @@ def test_a_fold_takes_coarser_loop_blocks_where_the_kernel_then_works_less(pack)
                                atol=1e-5)
 
 
-def test_a_welford_fold_keeps_the_blocks_its_state_counts(pack):
-    """A LayerNorm's statistics as a Welford fold: each block's state is `tuple(64.0,
-    bsum(e, x) * 0.015625, ...)`, a block of 64's count and mean.  On the cpu target coarser
-    loop blocks were faster, and walked in blocks of 256 the fold counted 64 elements for
-    each 256 (a GPT-2 block exported from torch: its output off by half its scale)."""
-    ast = parse_program("dim m = 128 / 64\ndim e = 256 / 64\ndim n = 256 / 64\n"
-                        "input X[m, e], W[e, n] : f32\n"
-                        "MU[m] = mean[e] X[m, e]\n"
-                        "VAR[m] = mean[e] square(X[m, e] - MU[m])\n"
-                        "XN[m, e] = (X[m, e] - MU[m]) * rsqrt(VAR[m] + 1e-5)\n"
-                        "Y[m, n] = sum[e] XN[m, e] * W[e, n]\noutput Y\n")
-    r = fuse(lower(ast), pack, get_target("cpu"), "traffic")
-    counted = [k for k in r.program.kernels if any(
+LAYERNORM_MATMUL = ("dim m = 128 / 64\ndim e = 256 / 64\ndim n = 256 / 64\n"
+                    "input X[m, e], W[e, n] : f32\n"
+                    "MU[m] = mean[e] X[m, e]\n"
+                    "VAR[m] = mean[e] square(X[m, e] - MU[m])\n"
+                    "XN[m, e] = (X[m, e] - MU[m]) * rsqrt(VAR[m] + 1e-5)\n"
+                    "Y[m, n] = sum[e] XN[m, e] * W[e, n]\noutput Y\n")
+
+
+def counted_folds(p) -> list:
+    """The kernels of `p` folding Welford or co-moment states, which count their blocks."""
+    return [k for k in p.kernels if any(
         isinstance(x, Reduce) and x.monoid.name in ("welford", "comoment")
         for s in k.stores for x in postorder(s.value))]
+
+
+def test_a_welford_fold_walks_coarser_blocks_written_for_them(pack):
+    """A LayerNorm's statistics as a Welford fold: each block's state is `tuple(64.0,
+    bsum(e, x) * 0.015625, ...)`, a block of 64's count and mean.  On the cpu target coarser
+    loop blocks are faster; walked in blocks of 256 with the state as written for 64, the fold
+    counted 64 elements for each 256 (a GPT-2 block exported from torch: its output off by
+    half its scale).  The fold is now written again for the blocks it walks: its count is
+    its kernel's block."""
+    ast = parse_program(LAYERNORM_MATMUL)
+    r = fuse(lower(ast), pack, get_target("cpu"), "traffic")
+    counted = counted_folds(r.program)
     assert counted, show_program(r.program)
     for k in counted:
-        assert r.program.in_kernel(k).block("e") == 64, show_program(r.program)
+        block = r.program.in_kernel(k).block("e")
+        counts = {x.x.items[0] for s in k.stores for x in postorder(s.value)
+                  if isinstance(x, Reduce) and x.monoid.name in ("welford", "comoment")}
+        assert block > 64 and counts == {Const(float(block))}, show_program(r.program)
     inputs = random_inputs(ast, seed=4)
     want = dense.evaluate(ast, inputs, dtype=np.float64)["Y"]
-    np.testing.assert_allclose(interp.run(r.program, inputs)["Y"], want, rtol=1e-4, atol=1e-4)
+    for run in (interp.run, numpy_gen.run):  # (its tiles fit the cpu's memory, not a GPU's)
+        np.testing.assert_allclose(run(r.program, inputs)["Y"], want, rtol=1e-4, atol=1e-4)
+
+
+def test_a_fold_no_rule_wrote_for_its_blocks_keeps_them():
+    """A fold whose contribution holds its block's size by no standard rule's instance (here
+    a hand-written one: the sum of each block's mean) cannot be written for other blocks."""
+    p = parse_block_program("dim m = 64 / 64\ndim e = 256 / 64\ninput X[m, e] : f32\n"
+                            "output S[m] : f32\n"
+                            "kernel [m]:\n"
+                            "  S[m] = reduce(e, sum, bsum(e, load(X[m, e])) * 0.015625)\n"
+                            ).program
+    (k,) = p.kernels
+    assert block_bound_axes(p, k) == {"e"}
+    assert refolded(p, k, "e", 128) is None
+    assert refolded(p, k, "e", 256) is None
+
+
+@pytest.mark.parametrize("block", [128, 256])
+def test_a_welford_fold_written_again_computes_the_same_statistics(pack, block):
+    """`refolded` of each fused kernel with a Welford or co-moment fold over e, at a coarser
+    block, against float64: the fold's count, mean and the co-moment's centring are the new
+    block's."""
+    ast = parse_program(LAYERNORM_MATMUL)
+    r = fuse(lower(ast), pack, get_target("h100"), "traffic", options=Options(reblock=False))
+    counted = counted_folds(r.program)
+    assert counted and all(r.program.in_kernel(k).block("e") == 64 for k in counted)
+    kernels = tuple(refolded(r.program, k, "e", block) if k in counted else k
+                    for k in r.program.kernels)
+    assert None not in kernels
+    q = replace(r.program, kernels=kernels)
+    validate(q)
+    for k in counted_folds(q):
+        assert q.in_kernel(k).block("e") == block
+    inputs = random_inputs(ast, seed=5)
+    want = dense.evaluate(ast, inputs, dtype=np.float64)["Y"]
+    for run in every_backend():
+        np.testing.assert_allclose(run(q, inputs)["Y"], want, rtol=1e-4, atol=1e-4)
