@@ -4,9 +4,14 @@ with one input and torch's own output for it (`NAME_io.npz`).  Not run by the su
 no dependency):
 
     python tests/models/export.py      # in an environment with torch and onnx
+
+`benchmarks/torch_blocks.py` exports the same blocks at a model's size (`--tokens 128
+--width 768 ...`, each file named `NAME-TOKENS-WIDTH`) into a folder of its own (`--out`).
 """
 
+import argparse
 import math
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -97,18 +102,32 @@ class Bert(nn.Module):
 
 
 def main() -> None:
+    global T, D, H, KV, FF
+    ap = argparse.ArgumentParser(description="export the GPT-2, LLaMA and BERT blocks")
+    ap.add_argument("--tokens", type=int, default=T)
+    ap.add_argument("--width", type=int, default=D)
+    ap.add_argument("--heads", type=int, default=H)
+    ap.add_argument("--kv-heads", type=int, default=KV)
+    ap.add_argument("--hidden", type=int, default=FF)
+    ap.add_argument("--out", type=Path, help="the folder to write into (default: here, the "
+                                             "suite's names)")
+    args = ap.parse_args()
+    T, D, H, KV, FF = args.tokens, args.width, args.heads, args.kv_heads, args.hidden
+    out, suffix = (args.out, f"-{T}-{D}") if args.out else (Path("."), "")
+    out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     x = torch.randn(1, T, D)
     keep = (torch.rand(1, T) > 0.2).float()
-    for name, model, args in (("gpt2", GPT2(), (x,)), ("llama", Llama(), (x,)),
-                              ("bert", Bert(), (x, keep))):
-        names = ["x", "m"][:len(args)]
+    for name, model, inputs in (("gpt2", GPT2(), (x,)), ("llama", Llama(), (x,)),
+                                ("bert", Bert(), (x, keep))):
+        names = ["x", "m"][:len(inputs)]
         model = model.eval()
-        torch.onnx.export(model, args, f"{name}.onnx", input_names=names, output_names=["y"],
-                          opset_version=17, dynamo=False)
+        torch.onnx.export(model, inputs, str(out / f"{name}{suffix}.onnx"), input_names=names,
+                          output_names=["y"], opset_version=17, dynamo=False)
         with torch.no_grad():
-            y = model(*args)
-        np.savez(f"{name}_io.npz", **{n: a.numpy() for n, a in zip(names, args)}, y=y.numpy())
+            y = model(*inputs)
+        np.savez(out / f"{name}{suffix}_io.npz", **{n: a.numpy() for n, a in zip(names, inputs)},
+                 y=y.numpy())
 
 
 if __name__ == "__main__":
