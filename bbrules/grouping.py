@@ -149,10 +149,9 @@ def _tilings(p: BlockProgram, k: Kernel, kc: KernelCost, make: Make, target: Tar
     keeps its blocks; it is also offered the whole axis in one step, which doubling does not
     reach where the axis is not a power of two blocks (768 features in blocks of 64), and
     which the numpy backend, free to walk other loops in larger blocks than the kernel's
-    (`numpy_plan.coarsened`), cannot take for it.
-    Finer blocks are offered only where they read nothing more: finer blocks that re-read
-    operands (a matmul's, the keys of attention) are a trade of traffic for parallelism that
-    these moves leave alone."""
+    (`numpy_plan.coarsened`), cannot take for it.  Finer blocks are offered only where they
+    read nothing more: finer blocks that re-read operands (a matmul's, the keys of
+    attention) are a trade of traffic for parallelism that these moves leave alone."""
     own = p.in_kernel(k)
     folded = frozenset().union(*map(_reduced, k.stores))
     grid = [(a, own.block(a) * 2 if coarser else own.block(a) // 2)

@@ -325,20 +325,21 @@ def kernel_uses(kernel: Kernel) -> tuple[frozenset[str], frozenset[str]]:
 
 def block_bound_axes(p: BlockProgram, kernel: Kernel) -> frozenset[str]:
     """The axes whose blocks a kernel's folds depend on, which it must walk in the blocks it
-    was written for: a fold whose state for one block holds that block's size, as a rule
-    writes it (`const(block(?e))`, `const(1 / block(?e))`): a Welford fold's count and mean,
+    was written for unless the fold is written again for others (`refold.refolded`): a fold
+    whose state for one block holds that block's size, as a rule writes it
+    (`const(block(?e))`, `const(1 / block(?e))`): a Welford fold's count and mean,
     `tuple(64.0, bsum(e, x) * 0.015625, ...)`, are a block of 64's."""
     kp = p.in_kernel(kernel)
-    bound: set[str] = set()
-    for store in kernel.stores:
-        for n in postorder(store.value):
-            if isinstance(n, Reduce) and n.axis not in bound:
-                size = kp.block(n.axis)
-                if any(isinstance(c, Const) and (math.isclose(c.value, size, rel_tol=1e-6) or
-                                                 math.isclose(c.value, 1 / size, rel_tol=1e-6))
-                       for c in postorder(n.x)):  # (1 / 48 may have been rounded to f32)
-                    bound.add(n.axis)
-    return frozenset(bound)
+    return frozenset(n.axis for store in kernel.stores for n in postorder(store.value)
+                     if isinstance(n, Reduce) and holds_block(n, kp.block(n.axis)))
+
+
+def holds_block(fold: Reduce, size: int) -> bool:
+    """Does `fold`'s contribution hold the number `size` or its reciprocal (a block's, to
+    float32's rounding: 1 / 48 may have been rounded)?"""
+    return any(isinstance(c, Const) and (math.isclose(c.value, size, rel_tol=1e-6) or
+                                         math.isclose(c.value, 1 / size, rel_tol=1e-6))
+               for c in postorder(fold.x))
 
 
 def clear_cache() -> None:

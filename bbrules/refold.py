@@ -19,14 +19,13 @@ standard rule wrote keeps its blocks.
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 from functools import lru_cache
 
-from .ir import (BlockProgram, Const, Dim, Get, Kernel, Node, Reduce, postorder, rebuild,
-                 transform)
+from .ir import BlockProgram, Dim, Get, Kernel, Node, Reduce, postorder, rebuild, transform
 from .packs import standard_pack_dir
 from .patterns import Binding, _operands
+from .plan import holds_block
 from .rule import AxisSize, CExpr, ConstCmp, Pattern, Rule
 from .rulefile import load_pack
 
@@ -41,7 +40,7 @@ def refolded(p: BlockProgram, k: Kernel, axis: str, block: int) -> Kernel | None
     nodes = [n for s in k.stores for n in postorder(s.value)]
     written: dict[Node, Node] = {}
     for r in nodes:
-        if isinstance(r, Reduce) and r.axis == axis and _holds_block(r, kp.block(axis)):
+        if isinstance(r, Reduce) and r.axis == axis and holds_block(r, kp.block(axis)):
             read = {n.index for n in nodes if isinstance(n, Get) and n.x is r}
             if (again := _written_again(r, read, old, new)) is None:
                 return None
@@ -52,17 +51,10 @@ def refolded(p: BlockProgram, k: Kernel, axis: str, block: int) -> Kernel | None
     blocks = {**dict(k.blocks), axis: block}
     kernel = Kernel(k.grid, stores, tuple((a, blocks[a]) for a in p.dims
                                           if a in blocks and blocks[a] != p.block(a)))
-    if any(isinstance(r, Reduce) and r.axis == axis and _holds_block(r, kp.block(axis))
+    if any(isinstance(r, Reduce) and r.axis == axis and holds_block(r, kp.block(axis))
            for s in kernel.stores for r in postorder(s.value)):
         return None
     return kernel
-
-
-def _holds_block(r: Reduce, block: int) -> bool:
-    """Does fold `r`'s contribution hold `block` or its reciprocal as a number?"""
-    return any(isinstance(c, Const) and (math.isclose(c.value, block, rel_tol=1e-6) or
-                                         math.isclose(c.value, 1 / block, rel_tol=1e-6))
-               for c in postorder(r.x))
 
 
 def _written_again(r: Reduce, read: set[int], old: dict[str, Dim], new: dict[str, Dim]
@@ -72,12 +64,15 @@ def _written_again(r: Reduce, read: set[int], old: dict[str, Dim], new: dict[str
     its `get`s; none read so: the fold's own value)."""
     again: set[Node] = set()
     for component in read or {None}:
-        found = {b.build(fold) for rule in _sized_rules()
-                 if (fold := _fold_of(rule.rhs, component)) is not None
-                 for b in [_binding(rule, fold, r, old, new)] if b is not None}
+        found = False
+        for rule in _sized_rules():
+            fold = _fold_of(rule.rhs, component)
+            binding = None if fold is None else _binding(rule, fold, r, old, new)
+            if binding is not None:
+                again.add(binding.build(fold))
+                found = True
         if not found:
             return None
-        again |= found
     return again.pop() if len(again) == 1 else None
 
 

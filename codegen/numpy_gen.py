@@ -260,7 +260,7 @@ NATIVE_ELEMENTS = 1 << 12
 # One operator alone is a native group from this many elements, on every core where numpy's
 # call runs on one: GPT-2's causal mask over 12 x 128 x 128 scores by `np.where` took 353 µs in
 # a run of its block (768 wide, 128 tokens), its Q, K and V bias sums 100 µs each; the block
-# ran 5% faster with them native (`benchmarks/paired.py`).
+# ran about 4% faster with them native (`benchmarks/paired.py`).
 NATIVE_ALONE_ELEMENTS = 1 << 15
 
 # A native group has at most this many operators (a deeper expression is left to numpy): the C
