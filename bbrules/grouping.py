@@ -162,9 +162,9 @@ def _tilings(p: BlockProgram, k: Kernel, kc: KernelCost, make: Make, target: Tar
         if kc.bytes_read <= _once(p, k):
             grid = []  # it reads each tensor once already
         bound = block_bound_axes(p, k)
-        loops = [(a, block) for a in _loop_axes(k) if p.block(a) > 1
-                 for block in dict.fromkeys((own.block(a) * 2,) + (own.extent(a),) * (a in bound))
-                 if block > own.block(a)]
+        for a in _loop_axes(k):
+            wider = {own.block(a) * 2, own.extent(a) if a in bound else 0}
+            loops += [(a, b) for b in sorted(wider) if b > own.block(a) and p.block(a) > 1]
     for a, block in grid + loops:
         if (block < target.block_granularity or block > own.extent(a)
                 or own.extent(a) % block or own.dims[a].ragged):

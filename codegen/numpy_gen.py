@@ -615,18 +615,12 @@ def _summed_contraction(n: BlockReduce, w: _KernelWriter) -> tuple[Dot, tuple[Ax
     return x, tuple(a for a in axes if a != x.axis and spans[a][0] > 1)
 
 
-def _adds_to_product(n: Node) -> bool:
+def _adds_to_product(n: Node, p: BlockProgram) -> bool:
     """Is `n` a sum or difference of a contraction (through sums over its blocks) and another
     tile: one the product may take as its addend (`_KernelWriter.added_to_product`), which
     costs no pass at all, where a native group would cost one."""
-    if not isinstance(n, Binary) or n.op not in ("add", "sub"):
-        return False
-    for x in (n.x, n.y):
-        while isinstance(x, (Reduce, BlockReduce)) and not isinstance(x.x, Tuple):
-            x = x.x
-        if isinstance(x, Dot):
-            return True
-    return False
+    return isinstance(n, Binary) and n.op in ("add", "sub") and \
+        any(numpy_plan.contraction_below(x, p) for x in (n.x, n.y))
 
 
 @STEP.on(*ELEMENTWISE_KINDS)
@@ -1015,7 +1009,7 @@ class _KernelWriter:
         for root, group in members.items():
             reduces = isinstance(root, BlockReduce) or root in also
             elements = prod(self.dims(group[-1] if group else root.x))
-            alone = elements >= NATIVE_ALONE_ELEMENTS and not _adds_to_product(root)
+            alone = elements >= NATIVE_ALONE_ELEMENTS and not _adds_to_product(root, self.p)
             if (reduces or len(group) > 1 or self.by_rows(root) or alone) and \
                     len(group) <= NATIVE_OPERATORS and elements >= NATIVE_ELEMENTS:
                 self.groups[root] = group

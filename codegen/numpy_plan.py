@@ -42,7 +42,7 @@ def summed_chain(x: Node, p: BlockProgram) -> tuple[list[Axis], Node]:
         x = x.x
 
 
-def _contraction_below(x: Node, p: BlockProgram) -> bool:
+def contraction_below(x: Node, p: BlockProgram) -> bool:
     """Is `x` a contraction under a chain of sums (what `_summed_contraction` makes one
     matmul)?"""
     bottom = summed_chain(x, p)[1]
@@ -60,7 +60,7 @@ def summed_inward(p: BlockProgram, k: Kernel) -> Kernel:
     def inward(n: Node, kids: tuple[Node, ...]) -> Node:
         n = rebuild(n, kids)
         if isinstance(n, BlockReduce) and n.op == "sum" and isinstance(n.x, Reduce) and \
-                n.x.monoid.name == "sum" and _contraction_below(n.x.x, kp):
+                n.x.monoid.name == "sum" and contraction_below(n.x.x, kp):
             return Reduce(n.x.axis, n.x.monoid, BlockReduce("sum", n.axis, n.x.x))
         return n
 
@@ -216,7 +216,7 @@ def _kernel_work(kp: BlockProgram, k: Kernel) -> list[_NodeWork]:
         axes = t.deps | t.shape
         elements = prod(kp.padded(a) for a in axes)
         product = isinstance(n, Dot) and one_hot(n) is None
-        if isinstance(n, BlockReduce) and _contraction_below(n, kp):
+        if isinstance(n, BlockReduce) and contraction_below(n, kp):
             elements = 0  # summed within the matmul
         elif isinstance(n, (Reduce, Dot)) and not product:  # a fold, a gather: per block
             elements = elements // kp.padded(n.axis) * kp.blocks(n.axis)

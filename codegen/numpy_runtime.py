@@ -169,8 +169,7 @@ def _stepping(at: np.ndarray, spans: tuple[int, ...]) -> tuple[int, dict[int, in
     stepping evenly (forwards) along each of those dimensions; None where it does not."""
     fixed = not _owner(at).flags.writeable
     spot = (id(at), at.shape, at.strides, spans)
-    if fixed and (kept := _STEPPING.get(spot)) is not None and \
-            kept[0]() is at:
+    if fixed and (kept := _STEPPING.get(spot)) is not None and kept[0]() is at:
         return kept[1]
     index = at.astype(np.intp)
     if not np.array_equal(index, at):
