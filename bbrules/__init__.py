@@ -292,7 +292,8 @@ def fuse(program: ProgramLike, rules: str | os.PathLike[str] | Sequence[str | os
         if size is not None:
             result = fuse_candidates(model.program, select_candidates(model.program, size),
                                      merge_all(packs), chip, objective, budget, options,
-                                     PackSource(tuple(map(str, extra)), installed))
+                                     PackSource(tuple(map(str, extra)), installed),
+                                     meter=meter)
         else:
             result = fuse_program(model.program, merge_all(packs), chip, objective,
                                   max_kernels, budget, None, options, meter)

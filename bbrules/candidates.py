@@ -42,7 +42,7 @@ from .forward import forwarded
 from .fuse import fuse
 from .ir import (BlockProgram, IRError, Kernel, Load, Node, Sort, Store, TensorDecl, axes_named,
                  map_attrs, postorder, show_program, transform, validate)
-from .options import Options
+from .options import Meter, Options
 from .packs import load_packs
 from .rule import RulePack
 from .targets import Target
@@ -318,7 +318,9 @@ class CandidateReport:
     kernels_after: int
     reused_from: int | None  # the candidate whose fusion it shares, if not its own
     seconds: float  # its fusion's wall time (0 when reused)
+    budget: float  # the seconds its fusion was given (`_share`)
     stop: str  # what ended its saturation
+    extraction: str  # what ended its extraction: "complete", or the budget that cut it short
 
     def to_json(self) -> dict:
         return {"index": self.index, "kernels": list(self.kernels),
@@ -326,12 +328,14 @@ class CandidateReport:
                 "kernels_after": self.kernels_after, "stored": list(self.stored),
                 "inputs": list(self.inputs), "outputs": list(self.outputs),
                 "reused": self.reused_from is not None, "reused_from": self.reused_from,
-                "seconds": self.seconds, "stop": self.stop}
+                "seconds": self.seconds, "budget_seconds": self.budget, "stop": self.stop,
+                "extraction_stop": self.extraction}
 
     def line(self) -> str:
         start, stop = self.kernels
+        cut = "" if self.extraction == "complete" else f", extraction cut by the {self.extraction}"
         how = (f"same as candidate {self.reused_from}, fused once" if self.reused_from is not None
-               else f"{self.seconds:.2f} s, {self.stop}")
+               else f"{self.seconds:.2f} of {self.budget:.2f} s, {self.stop}{cut}")
         return (f"candidate {self.index}: kernels {start}-{stop - 1} "
                 f"({self.stored[0]} .. {self.stored[-1]}): {stop - start} -> "
                 f"{self.kernels_after} kernels ({how}); outputs {', '.join(self.outputs)}")
@@ -370,9 +374,13 @@ class PackSource:
 
 @dataclass(frozen=True)
 class _Fused:
+    """One fusion's result as it crosses a process boundary (the program as text)."""
+
     program: str  # block-program text
     seconds: float
+    budget: float
     stop: str
+    extraction: str
 
 
 _PACK: RulePack | None = None
@@ -384,33 +392,61 @@ def _load_pack(source: PackSource) -> None:
     _PACK = load_packs(list(source.directories), source.include_installed)
 
 
-def _fuse_text(text: str, target: Target, objective: str, budget: Budget,
+def _fuse_text(text: str, target: Target, objective: str, budget: Budget, share: _Share,
                options: Options) -> _Fused | NoCandidate:
     """A worker's task: fuse a block program given as text, return the result as text (or
     why no fused program was found, which the caller tells in the program's names)."""
-    start = time.perf_counter()
     assert _PACK is not None, "the pool initializer loads the pack"
+    return _fuse_one(parse_block_program(text).program, _PACK, target, objective, budget, share,
+                     options)
+
+
+@dataclass(frozen=True)
+class _Share:
+    """How a fusion's time is found when it starts: what is left until `deadline` (wall-clock
+    seconds since the epoch, which every process reads alike), shared among the rounds of
+    fusions still to start, this one included (`left` of them, `workers` at a time).  A quick
+    candidate leaves its unused time to those after it, so a slow one (an MLP whose extraction
+    prices a thousand groupings) is not cut short while the whole still ends in time: cut to an
+    equal part, GPT-2's MLP came out 51 or 98 MiB as the machine ran fast or slow."""
+
+    deadline: float
+    left: int
+    workers: int
+
+    def seconds(self) -> float:
+        return max(0.0, self.deadline - time.time()) / math.ceil(self.left / self.workers)
+
+
+def _fuse_one(p: BlockProgram, pack: RulePack, target: Target, objective: str, budget: Budget,
+              share: _Share, options: Options) -> _Fused | NoCandidate:
+    """Fuse one candidate within its share of the time (`_Share`)."""
+    start = time.perf_counter()
+    budget = replace(budget, seconds=share.seconds())
     try:
-        r = fuse(parse_block_program(text).program, _PACK, target, objective, budget=budget,
-                 options=options)
+        r = fuse(p, pack, target, objective, budget=budget, options=options)
     except NoCandidate as err:
         return err
-    return _Fused(show_program(r.program), time.perf_counter() - start, r.stop)
+    return _Fused(show_program(r.program), time.perf_counter() - start, budget.seconds, r.stop,
+                  r.extraction.stop)
 
 
 def fuse_candidates(p: BlockProgram, candidates: list[Candidate], pack: RulePack,
                     target: Target, objective: str = "time", budget: Budget = Budget(),
                     options: Options = Options(), source: PackSource | None = None,
                     workers: int | None = None,
-                    progress: Callable[[str], None] | None = None) -> StitchedResult:
+                    progress: Callable[[str], None] | None = None,
+                    meter: Meter | None = None) -> StitchedResult:
     """Fuse each distinct candidate and stitch the results, all within `budget`: each fusion
-    gets the share of its time that keeps the whole inside it (the candidates a worker fuses
-    one after another share that worker's time).
+    gets, when it starts, the share of the time left that keeps the whole inside it
+    (`_Share`: the candidates a worker fuses one after another share that worker's time).
 
     With `source` (where `pack` was loaded from), distinct candidates are fused in a pool of
     `workers` processes (default: one per core, at most one per distinct candidate); without
-    it, or with one distinct candidate, in this process with `pack`."""
+    it, or with one distinct candidate, in this process with `pack`.  `meter`: the clock of
+    `budget` when it started before this call (a command's, which counts loading the packs)."""
     start = time.perf_counter()
+    meter = meter or Meter(budget)
     forms = [canonical(c.program) for c in candidates]
     first: dict[str, int] = {}
     for c, (form, _) in zip(candidates, forms):
@@ -418,39 +454,33 @@ def fuse_candidates(p: BlockProgram, candidates: list[Candidate], pack: RulePack
     distinct = sorted(set(first.values()))
     workers = 1 if source is None else max(1, min(workers or os.cpu_count() or 1,
                                                   len(distinct)))
-    rounds = math.ceil(len(distinct) / workers)
-    budget = replace(budget, seconds=budget.seconds / rounds)
+    deadline = time.time() + meter.deadline - time.perf_counter()  # (in every process's clock)
     if progress:
         progress(f"{len(candidates)} candidates, {len(distinct)} distinct, fused by "
                  f"{workers} process{'es' * (workers > 1)}")
-    fused: dict[int, BlockProgram] = {}
-    stats: dict[int, tuple[float, str]] = {}
+    shares = {i: _Share(deadline, len(distinct) - n, workers) for n, i in enumerate(distinct)}
     if workers == 1:
-        for i in distinct:
-            began = time.perf_counter()
-            try:
-                r = fuse(forms[i][0], pack, target, objective, budget=budget, options=options)
-            except NoCandidate as err:
-                raise _in_candidate(err, candidates[i], forms[i][1]) from None
-            fused[i], stats[i] = r.program, (time.perf_counter() - began, r.stop)
+        done = {i: _fuse_one(forms[i][0], pack, target, objective, budget, shares[i], options)
+                for i in distinct}
     else:
-        calls = [(_fuse_text, (show_program(forms[i][0]), target, objective, budget, options))
-                 for i in distinct]
-        for i, d in zip(distinct, run_all(calls, workers, _load_pack, (source,))):
-            if isinstance(d, NoCandidate):
-                raise _in_candidate(d, candidates[i], forms[i][1])
-            fused[i] = parse_block_program(d.program).program
-            stats[i] = (d.seconds, d.stop)
+        calls = [(_fuse_text, (show_program(forms[i][0]), target, objective, budget, shares[i],
+                               options)) for i in distinct]
+        done = dict(zip(distinct, run_all(calls, workers, _load_pack, (source,))))
+    fused: dict[int, BlockProgram] = {}
+    for i, d in done.items():
+        if isinstance(d, NoCandidate):
+            raise _in_candidate(d, candidates[i], forms[i][1])
+        fused[i] = parse_block_program(d.program).program
     taken = set(p.tensors)
     programs, reports = [], []
     for c, (form, back) in zip(candidates, forms):
         own = first[show_program(form)]
-        seconds, stop = stats[own]
+        d = done[own]
         programs.append(_back(fused[own], back, taken))
         reports.append(CandidateReport(
             c.index, (c.start, c.stop), c.stored, c.program.inputs, c.program.outputs,
             len(fused[own].kernels), None if own == c.index else own,
-            seconds if own == c.index else 0.0, stop))
+            d.seconds if own == c.index else 0.0, d.budget, d.stop, d.extraction))
     whole = stitch(p, programs)
     stitched = forwarded(whole, target, objective)
     gone = tuple(t for k in whole.kernels for t in k.tensors if t not in stitched.tensors)

@@ -578,7 +578,7 @@ def _fuse(args: argparse.Namespace, program: BlockProgram) -> FuseResult | Stitc
             return fuse_candidates(program, select_candidates(program, size), _load_packs(args),
                                    get_target(args.target), args.objective, budget, options,
                                    PackSource(tuple(args.rules), not args.no_installed),
-                                   progress=_progress(args))
+                                   progress=_progress(args), meter=meter)
         return fuse(program, _load_packs(args), get_target(args.target), args.objective,
                     args.max_kernels, budget, _progress(args), options, meter)
     except NoCandidate as e:

@@ -14,6 +14,7 @@ from bbrules import interp
 from bbrules.candidates import (PackSource, _cut_costs, _loads, canonical, fuse_candidates,
                                select_candidates)
 from bbrules.cli import main
+from bbrules.engine import Budget
 from bbrules.extract import NoCandidate
 from bbrules.frontend import load_program, parse_program
 from bbrules.inputs import random_inputs
@@ -105,6 +106,25 @@ def test_distinct_candidates_are_fused_in_a_pool(pack):
     want, got = interp.run(p, inputs)["X2"], interp.run(result.program, inputs)["X2"]
     assert np.allclose(got, want, rtol=1e-4, atol=1e-5)
     assert result.after.traffic <= result.before.traffic
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_time_a_quick_candidate_leaves_goes_to_those_after_it(pack, workers):
+    # Four distinct candidates share 40 s: the first is given a quarter (an eighth of it per
+    # worker's two rounds when two fuse at once) and finishes in well under a second, so the
+    # last is given more than an equal part.
+    p = lower(parse_program(norm_chain(["exp", "tanh", "sigmoid", "relu"]), "norms.bbp"))
+    candidates = select_candidates(p, 3)
+    source = PackSource() if workers > 1 else None
+    result = fuse_candidates(p, candidates, pack, TARGET, budget=Budget(seconds=40.0),
+                             source=source, workers=workers)
+    budgets = [c.budget for c in result.candidates]
+    assert [c.reused_from for c in result.candidates] == [None] * 4
+    assert budgets[0] <= 40.0 / math.ceil(4 / workers)
+    assert budgets[-1] > 40.0 / math.ceil(4 / workers)
+    assert all(c.seconds < c.budget and c.extraction == "complete" for c in result.candidates)
+    report = result.to_json()["candidates"][-1]
+    assert (report["budget_seconds"], report["extraction_stop"]) == (budgets[-1], "complete")
 
 
 def test_apply_reports_candidates(tmp_path, capsys):
