@@ -18,6 +18,13 @@ one thread) goes to numpy: OpenBLAS's own threads, once woken, spin on the cores
 threads need.  Rounding differs from BLAS's: fused multiply-adds, accumulated along k in
 blocks.  The library is compiled once per machine, as native groups are (`codegen.native`);
 `compiled_matmul()` raises `NativeUnavailable` where it cannot be.
+
+A constant right operand (a view of a read-only array, as `Imported` gives a model's weights:
+`numpy_runtime.relaid`) is packed into the micro-kernel's panels once (`panels`) and the
+panels kept while it lives, as onnxruntime packs its initializers when a session starts: each
+product otherwise packs it again, reading the weight from memory a panel at a time (10-20% of
+a 128 x 768 by 768 x 3072 product; GPT-2's block at width 768 ran 14% faster).  The panels
+take the weight's memory again; a caller that wants neither passes writeable weights.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from typing import Callable
 import numpy as np
 
 from bbrules.codegen.native import NativeUnavailable, build, builtin_functions, exported
+from bbrules.codegen.numpy_runtime import constant_relaid
 
 # -ffp-contract=fast (gcc's default, named): the micro-kernel's `acc += x * row` are fused
 # multiply-adds
@@ -41,28 +49,57 @@ _SOURCE = Path(__file__).with_name("matmul.c")
 
 @lru_cache(maxsize=None)
 def library() -> ctypes.CDLL:
-    """`matmul.c` compiled for this machine, with `bb_matmul` and `bb_matmuls` as builtins
-    (`product`, `products`)."""
+    """`matmul.c` compiled for this machine, with `bb_matmul`, `bb_matmuls`, `bb_pack` and
+    `bb_panel_width` as builtins (`product`, `products`, `panels`)."""
     try:
         text = _SOURCE.read_text()
     except OSError as e:
         raise NativeUnavailable(f"reading {_SOURCE} failed: {e}") from e
-    return build(text + exported([("bb_matmul", 5), ("bb_matmuls", None)]), [], FLAGS)
+    return build(text + exported([("bb_matmul", 6), ("bb_matmuls", None), ("bb_pack", 2),
+                                  ("bb_panel_width", 0)]), [], FLAGS)
 
 
 @lru_cache(maxsize=None)
 def product() -> Callable[..., int]:
-    """`bb_matmul(out, a, b, c, scale, threads)`: 0 once out = c + scale a @ b (c None: no
-    addend; scale a float), 1 where the arrays do not fit."""
+    """`bb_matmul(out, a, b, c, scale, panels, threads)`: 0 once out = c + scale a @ b (c
+    None: no addend; scale a float; panels b packed beforehand, `panels`, or None), 1 where
+    the arrays do not fit."""
     return builtin_functions(library())["bb_matmul"]
 
 
 @lru_cache(maxsize=None)
 def products() -> Callable[..., int]:
-    """`bb_matmuls(out0, a0, b0, c0, scale0, out1, ..., threads)`: 0 once every out = c +
-    scale a @ b (one job on the threads), 1 where some group does not fit or there are more
-    than `MAX_PRODUCTS`."""
+    """`bb_matmuls(out0, a0, b0, c0, scale0, panels0, out1, ..., threads)`: 0 once every out
+    = c + scale a @ b (one job on the threads), 1 where some group does not fit or there are
+    more than `MAX_PRODUCTS`."""
     return builtin_functions(library())["bb_matmuls"]
+
+
+def panels(b: np.ndarray) -> np.ndarray:
+    """The 2-D float32 array `b` packed into the panels `matmul.c`'s products read (`bb_pack`:
+    its columns NR at a time, each panel K rows of NR floats, aligned to a cache line), which
+    a product given them reads in place of packing `b` itself."""
+    builtins = builtin_functions(library())
+    width = builtins["bb_panel_width"](0)
+    k, n = b.shape
+    size = -(-n // width) * k * width
+    memory = np.empty(size + 16, _F32)
+    start = -memory.__array_interface__["data"][0] % 64 // 4
+    out = memory[start:start + size].reshape(-(-n // width), k, width)
+    if builtins["bb_pack"](out, b, 1):
+        raise ValueError(f"cannot pack a {b.dtype} array of shape {b.shape} into panels")
+    return out
+
+
+def _constant_panels(x: np.ndarray, y: np.ndarray) -> np.ndarray | None:
+    """`y`'s panels where `y` is a 2-D view of a constant (`constant_relaid`), packed once and
+    kept while the constant lives; None for any other operand, which the product packs
+    itself, and for products of fewer rows than the micro-kernel's, which read `y` in place.
+    A model's weights are read every call: packing them took 10-20% of a 128 x 768 by 768 x
+    3072 product (onnxruntime, too, packs its initializers once)."""
+    if y.ndim != 2 or x.shape[-2] < PANEL_ROWS:
+        return None
+    return constant_relaid(y, panels, "panels")
 
 
 def compiled_matmul() -> Callable[[np.ndarray, np.ndarray, int], np.ndarray]:
@@ -78,6 +115,9 @@ def compiled_matmul() -> Callable[[np.ndarray, np.ndarray, int], np.ndarray]:
 # 64 x 128, 9.0 against 16.9), and the native product runs on one thread.
 MIN_ROWS = 16
 MIN_MACS = 1 << 19
+
+# Rows of the micro-kernel (matmul.c's MR): a product of fewer reads b in place, unpacked.
+PANEL_ROWS = 6
 
 # But not where numpy's OpenBLAS would run the product on its own threads (its defaults: from
 # 2^18 multiply-adds a matrix, a product by a vector from 9,216 matrix elements): those spin
@@ -105,7 +145,8 @@ def matmul(x: np.ndarray, y: np.ndarray, threads: int = 1, add: np.ndarray | Non
     if native is None:
         return _numpy_product(x, y, add, scale)
     out, x, y, macs = native
-    if product()(out, x, y, add, float(scale), threads if macs >= MIN_MACS else 1):
+    if product()(out, x, y, add, float(scale), _constant_panels(x, y),
+                 threads if macs >= MIN_MACS else 1):
         return _numpy_product(x, y, add, scale)  # (numpy's error, if any)
     return out
 
@@ -123,13 +164,14 @@ def matmuls(*operands: tuple[np.ndarray, ...], threads: int = 1) -> list[np.ndar
         if (got := _native(x, y)) is None:
             results[i] = _numpy_product(x, y, add, scale)
         else:
-            native.append((i, (*got[:3], add, float(scale)), got[3]))
+            native.append((i, (*got[:3], add, float(scale), _constant_panels(*got[1:3])),
+                           got[3]))
     for start in range(0, len(native), MAX_PRODUCTS):
         job = native[start:start + MAX_PRODUCTS]
         macs = sum(m for _, _, m in job)
         if products()(*(a for _, arrays, _ in job for a in arrays),
                       threads if macs >= MIN_MACS else 1):
-            for i, (_, x, y, add, scale), _ in job:  # numpy's error, if any
+            for i, (_, x, y, add, scale, _), _ in job:  # numpy's error, if any
                 results[i] = _numpy_product(x, y, add, scale)
         else:
             for i, arrays, _ in job:

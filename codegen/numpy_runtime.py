@@ -47,6 +47,13 @@ def relaid(array: np.ndarray, relayout: Callable[[np.ndarray], np.ndarray],
     return value
 
 
+def constant_relaid(array: np.ndarray, relayout: Callable[[np.ndarray], np.ndarray],
+                    *key: object) -> np.ndarray | None:
+    """`relaid`'s kept copy where `array` is a constant (the array owning its memory is
+    read-only); None where it is not, for a caller that has a way without the copy."""
+    return None if _owner(array).flags.writeable else relaid(array, relayout, *key)
+
+
 def _owner(array: np.ndarray) -> np.ndarray:
     """The array that owns `array`'s memory (a view's base, through views of views): read-only
     there, the memory is a constant."""

@@ -72,7 +72,7 @@ def test_thin_products_read_the_matrix_in_place(m, n, k, transposed):
     if transposed:
         y = np.ascontiguousarray(y.T).T
     out = np.empty((m, n), np.float32)
-    assert native_matmul.product()(out, x, y, None, 1.0, 2) == 0
+    assert native_matmul.product()(out, x, y, None, 1.0, None, 2) == 0
     close_to_float64(out, x, y)
 
 
@@ -130,13 +130,74 @@ def test_an_addend_is_added_as_the_contraction_starts(addend, m, n, k, scale):
     want = full.astype(np.float64) + scale * product
     bound = np.abs(full) + np.matmul(np.abs(x).astype(np.float64), np.abs(y).astype(np.float64))
     alone, first, second = (np.empty((batch, m, n), np.float32) for _ in range(3))
-    assert native_matmul.product()(alone, x, y, add, scale, 2) == 0
-    assert native_matmul.products()(first, x, y, add, scale, second, x, y, None, 1.0, 2) == 0
+    assert native_matmul.product()(alone, x, y, add, scale, None, 2) == 0
+    assert native_matmul.products()(first, x, y, add, scale, None,
+                                     second, x, y, None, 1.0, None, 2) == 0
     close_to_float64(second, x, y)
     for got in (alone, first, native_matmul.matmul(x, y, 2, add, scale),
                 native_matmul.matmuls((x, y, add, scale), threads=2)[0]):
         assert got.shape == want.shape and got.dtype == np.float32
         np.testing.assert_array_less(np.abs(got - want), (k + 2) * 2.0 ** -23 * bound + 1e-30)
+
+
+def constant(a: np.ndarray) -> np.ndarray:
+    """`a` as a model's weight comes: read-only, a constant (`numpy_runtime.relaid`)."""
+    a = a.copy()
+    a.flags.writeable = False
+    return a
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["rows", "columns"])
+@pytest.mark.parametrize("m, n, k", [(6, 1, 1), (61, 130, 64), (30, 67, 1100), (128, 64, 300)])
+def test_a_product_reads_panels_packed_beforehand_as_it_packs_them(m, n, k, transposed):
+    """`panels(b)` holds b's columns NR at a time, zero past its last (n of 1, 67, 130), the
+    whole contraction in each (1100: past a block of 1024), aligned: a product given them
+    computes what it computes packing b itself, bit for bit, with an addend and a scale, alone
+    or in a job of several."""
+    x, y, add = rand(m, k, seed=1), rand(k, n, seed=2), rand(1, n, seed=3)
+    if transposed:
+        y = np.ascontiguousarray(y.T).T
+    panels = native_matmul.panels(y)
+    assert panels.ctypes.data % 64 == 0 and panels.shape[1] == k
+    packing, given, first, second = (np.empty((m, n), np.float32) for _ in range(4))
+    assert native_matmul.product()(packing, x, y, add, -0.5, None, 2) == 0
+    assert native_matmul.product()(given, x, y, add, -0.5, panels, 2) == 0
+    assert native_matmul.products()(first, x, y, add, -0.5, panels,
+                                     second, x, y, None, 1.0, panels, 2) == 0
+    np.testing.assert_array_equal(given, packing)
+    np.testing.assert_array_equal(first, packing)
+    close_to_float64(second, x, y)
+
+
+def test_panels_that_do_not_fit_the_product_are_refused():
+    """Panels of another matrix's shape, or not on a cache line, leave the call to numpy (1),
+    never read past their end."""
+    x, y = rand(20, 30, seed=1), rand(30, 70, seed=2)
+    out = np.empty((20, 70), np.float32)
+    fitting = native_matmul.panels(y)
+    memory = np.empty(fitting.size + 1, np.float32)
+    unaligned = memory[1:] if memory.ctypes.data % 64 == 0 else memory[:-1]
+    for wrong in (native_matmul.panels(rand(31, 70)), native_matmul.panels(rand(30, 200)),
+                  unaligned.reshape(fitting.shape), fitting[:, :, ::2]):
+        assert native_matmul.product()(out, x, y, None, 1.0, wrong, 2) == 1
+
+
+def test_a_constant_operand_is_packed_once():
+    """A read-only right operand (a model's weight) is packed on first use and its panels
+    kept, for a view of it too (as a module reads `W.T.reshape(..).T`), and the product is the
+    one that packs each call; a writeable one, which may change between calls, is packed
+    each time, and a product of a few rows reads it in place."""
+    x, w = rand(40, 96, seed=1), rand(96, 200, seed=2)
+    weight = constant(w)
+    kept = native_matmul._constant_panels(x, weight)
+    assert kept is not None and not kept.flags.writeable
+    assert native_matmul._constant_panels(x, weight.T.T) is kept
+    assert native_matmul._constant_panels(x, w) is None
+    assert native_matmul._constant_panels(x[:3], weight) is None
+    np.testing.assert_array_equal(native_matmul.matmul(x, weight, 2),
+                                  native_matmul.matmul(x, w, 2))
+    got, = native_matmul.matmuls((x, weight), threads=2)
+    close_to_float64(got, x, w)
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3, 8])
@@ -203,11 +264,12 @@ def test_a_kernels_products_of_one_operand_are_one_call():
         assert_close(got[name], want[name], f"{name}: native products vs interpreter")
 
 
-def test_a_store_between_products_follows_their_call():
+def test_a_store_between_products_follows_their_call(monkeypatch):
     """Q, K and V projections of different widths in one kernel, Q's contraction over an
     axis of its own (as LLaMA's import names them), so Q's loop comes first and its store (a
     whole tile) between Q's product and K's: the store moves after the one `matmuls` call of
-    all three.  Against the interpreter."""
+    all three.  Against the interpreter; with the weights constants (read-only), each packed
+    into panels on the first call alone, the same numbers."""
     p = parse_block_program(
         "# bbrules block program\ndim t = 256 / 128\ndim d = 256 / 256\ndim e = 256 / 256\n"
         "dim n = 256 / 256\ndim m = 128 / 128\ninput X[t, d] : f32\ninput WQ[d, n] : f32\n"
@@ -222,9 +284,19 @@ def test_a_store_between_products_follows_their_call():
     assert kernel.index("matmuls(") < kernel.index("\n    Q = "), kernel
     inputs = random_inputs(p, seed=14)
     want = interp.run(p, inputs)
-    got = numpy_gen.module_from_source(source).run(**inputs)
+    module = numpy_gen.module_from_source(source)
+    got = module.run(**inputs)
     for name in "QKV":
         assert_close(got[name], want[name], f"{name}: native products vs interpreter")
+    packed = []
+    real = native_matmul.panels
+    monkeypatch.setattr(native_matmul, "panels", lambda b: packed.append(b.shape) or real(b))
+    weights = {name: constant(a) if name != "X" else a for name, a in inputs.items()}
+    for run in range(2):
+        again = module.run(**weights)
+        assert sorted(packed) == [(256, 128), (256, 128), (256, 256)], run
+        for name in "QKV":
+            np.testing.assert_array_equal(again[name], got[name])
 
 
 def test_concurrent_callers_share_the_threads():
@@ -308,9 +380,9 @@ def test_small_products_are_numpys_unless_its_blas_would_thread_them(monkeypatch
     called = []
     real = native_matmul.product()
 
-    def spy(out, x, y, add, scale, threads):
+    def spy(out, x, y, add, scale, panels, threads):
         called.append((x.shape, y.shape, threads))
-        return real(out, x, y, add, scale, threads)
+        return real(out, x, y, add, scale, panels, threads)
     monkeypatch.setattr(native_matmul, "product", lambda: spy)
     for x, y in [(rand(8, 32), rand(32, 256)), (rand(64, 64), rand(64, 64)),
                  (rand(1, 64), rand(64, 128))]:
