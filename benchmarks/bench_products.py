@@ -4,8 +4,10 @@ and onnxruntime's MLAS, warm and after the threads went idle.
 The shapes are the products of the models the README measures: a LLaMA-style layer at 128
 tokens (width 256, hidden 512; a projection, the MLP's up and down products, weights [in, out]
 as ONNX's MatMul has them; one head's attention scores, Q K^T with K read transposed) and
-magika's convolution as one product.  Each
-variant runs on every core (`--threads`, default all): `matmul(x, y, threads)`, `np.matmul`
+magika's convolution as one product, and the MLP's up product of a GPT-2 or BERT layer at
+128 tokens (width 768, hidden 3072).  Each variant runs on every core (`--threads`, default
+all): `matmul(x, y, threads)` with the weight writeable (packed into panels each call) and
+read-only (a constant, as an imported model's weights are: packed once), `np.matmul`
 (OpenBLAS's own threads) and an onnxruntime session of one `MatMul` whose weight is an
 initializer (pre-packed at session creation, as in a model) where onnxruntime is installed.
 
@@ -56,6 +58,7 @@ SHAPES = [
     ("llama-128 down", 128, 512, 256, False),
     ("llama-128 scores, one head", 128, 64, 128, True),
     ("magika convolution", 512, 1280, 512, False),
+    ("768-wide MLP up", 128, 768, 3072, False),
 ]
 
 
@@ -127,8 +130,12 @@ def main(argv: list[str] | None = None) -> int:
         a = rng.standard_normal((m, k), dtype=np.float32)
         w = rng.standard_normal((n, k) if transposed else (k, n), dtype=np.float32)
         b = w.T if transposed else w
+        constant = w.copy()
+        constant.flags.writeable = False
+        c = constant.T if transposed else constant
         want = a.astype(np.float64) @ b.astype(np.float64)
         variants = {"matmul.c": lambda a=a, b=b: matmul(a, b, args.threads),
+                    "matmul.c, constant weight": lambda a=a, c=c: matmul(a, c, args.threads),
                     "numpy (BLAS)": lambda a=a, b=b: np.matmul(a, b)}
         if (session := onnxruntime_product(b, args.threads)) is not None:
             variants["onnxruntime (MLAS)"] = lambda a=a, s=session: s(a)
