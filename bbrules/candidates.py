@@ -318,7 +318,7 @@ class CandidateReport:
     kernels_after: int
     reused_from: int | None  # the candidate whose fusion it shares, if not its own
     seconds: float  # its fusion's wall time (0 when reused)
-    budget: float  # the seconds its fusion was given (`_share`)
+    budget: float  # the seconds its fusion was given (`_Share`; 0 when reused)
     stop: str  # what ended its saturation
     extraction: str  # what ended its extraction: "complete", or the budget that cut it short
 
@@ -480,7 +480,7 @@ def fuse_candidates(p: BlockProgram, candidates: list[Candidate], pack: RulePack
         reports.append(CandidateReport(
             c.index, (c.start, c.stop), c.stored, c.program.inputs, c.program.outputs,
             len(fused[own].kernels), None if own == c.index else own,
-            d.seconds if own == c.index else 0.0, d.budget, d.stop, d.extraction))
+            *((d.seconds, d.budget) if own == c.index else (0.0, 0.0)), d.stop, d.extraction))
     whole = stitch(p, programs)
     stitched = forwarded(whole, target, objective)
     gone = tuple(t for k in whole.kernels for t in k.tensors if t not in stitched.tensors)

@@ -75,18 +75,23 @@ def products() -> Callable[..., int]:
     return builtin_functions(library())["bb_matmuls"]
 
 
+@lru_cache(maxsize=None)
+def panel_width() -> int:
+    """The columns of a panel (matmul.c's NR: 64 with AVX-512, 16 with AVX2)."""
+    return builtin_functions(library())["bb_panel_width"](0)
+
+
 def panels(b: np.ndarray) -> np.ndarray:
     """The 2-D float32 array `b` packed into the panels `matmul.c`'s products read (`bb_pack`:
     its columns NR at a time, each panel K rows of NR floats, aligned to a cache line), which
     a product given them reads in place of packing `b` itself."""
-    builtins = builtin_functions(library())
-    width = builtins["bb_panel_width"](0)
+    width = panel_width()
     k, n = b.shape
     size = -(-n // width) * k * width
     memory = np.empty(size + 16, _F32)
     start = -memory.__array_interface__["data"][0] % 64 // 4
     out = memory[start:start + size].reshape(-(-n // width), k, width)
-    if builtins["bb_pack"](out, b, 1):
+    if builtin_functions(library())["bb_pack"](out, b, 1):
         raise ValueError(f"cannot pack a {b.dtype} array of shape {b.shape} into panels")
     return out
 
