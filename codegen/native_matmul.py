@@ -24,12 +24,14 @@ A constant right operand (a view of a read-only array, as `Imported` gives a mod
 panels kept while it lives, as onnxruntime packs its initializers when a session starts: each
 product otherwise packs it again, reading the weight from memory a panel at a time (10-20% of
 a 128 x 768 by 768 x 3072 product; GPT-2's block at width 768 ran 14% faster).  The panels
-take the weight's memory again; a caller that wants neither passes writeable weights.
+take the weight's memory again: `$BBRULES_PACK_CONSTANTS=0` (or writeable weights) keeps
+to packing each call.
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
 from functools import lru_cache
 from pathlib import Path
 from typing import Callable
@@ -102,7 +104,7 @@ def _constant_panels(x: np.ndarray, y: np.ndarray) -> np.ndarray | None:
     itself, and for products of fewer rows than the micro-kernel's, which read `y` in place.
     A model's weights are read every call: packing them took 10-20% of a 128 x 768 by 768 x
     3072 product (onnxruntime, too, packs its initializers once)."""
-    if y.ndim != 2 or x.shape[-2] < PANEL_ROWS:
+    if y.ndim != 2 or x.shape[-2] < PANEL_ROWS or not PACK_CONSTANTS:
         return None
     return constant_relaid(y, panels, "panels")
 
@@ -123,6 +125,10 @@ MIN_MACS = 1 << 19
 
 # Rows of the micro-kernel (matmul.c's MR): a product of fewer reads b in place, unpacked.
 PANEL_ROWS = 6
+
+# Constants are packed once unless `$BBRULES_PACK_CONSTANTS` is 0 (memory for speed: the
+# panels take a model's weights' memory again).
+PACK_CONSTANTS = os.environ.get("BBRULES_PACK_CONSTANTS", "1").strip() != "0"
 
 # But not where numpy's OpenBLAS would run the product on its own threads (its defaults: from
 # 2^18 multiply-adds a matrix, a product by a vector from 9,216 matrix elements): those spin

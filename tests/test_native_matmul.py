@@ -182,11 +182,12 @@ def test_panels_that_do_not_fit_the_product_are_refused():
         assert native_matmul.product()(out, x, y, None, 1.0, wrong, 2) == 1
 
 
-def test_a_constant_operand_is_packed_once():
+def test_a_constant_operand_is_packed_once(monkeypatch):
     """A read-only right operand (a model's weight) is packed on first use and its panels
     kept, for a view of it too (as a module reads `W.T.reshape(..).T`), and the product is the
     one that packs each call; a writeable one, which may change between calls, is packed
-    each time, and a product of a few rows reads it in place."""
+    each time, and a product of a few rows reads it in place; none is packed where
+    `$BBRULES_PACK_CONSTANTS` is 0."""
     x, w = rand(40, 96, seed=1), rand(96, 200, seed=2)
     weight = constant(w)
     kept = native_matmul._constant_panels(x, weight)
@@ -194,6 +195,9 @@ def test_a_constant_operand_is_packed_once():
     assert native_matmul._constant_panels(x, weight.T.T) is kept
     assert native_matmul._constant_panels(x, w) is None
     assert native_matmul._constant_panels(x[:3], weight) is None
+    with monkeypatch.context() as patched:  # ($BBRULES_PACK_CONSTANTS=0)
+        patched.setattr(native_matmul, "PACK_CONSTANTS", False)
+        assert native_matmul._constant_panels(x, constant(w)) is None
     np.testing.assert_array_equal(native_matmul.matmul(x, weight, 2),
                                   native_matmul.matmul(x, w, 2))
     got, = native_matmul.matmuls((x, weight), threads=2)
