@@ -101,10 +101,13 @@ def panels(b: np.ndarray) -> np.ndarray:
 def _constant_panels(x: np.ndarray, y: np.ndarray) -> np.ndarray | None:
     """`y`'s panels where `y` is a 2-D view of a constant (`constant_relaid`), packed once and
     kept while the constant lives; None for any other operand, which the product packs
-    itself, and for products of fewer rows than the micro-kernel's, which read `y` in place.
+    itself, for products of fewer rows than the micro-kernel's, which read `y` in place, and
+    for fewer columns than a panel's: a loop's narrow slices of a weight (RMSNorm + FFN's
+    blocks of 4 hidden units) would each be padded to a panel and kept, many times the weight.
     A model's weights are read every call: packing them took 10-20% of a 128 x 768 by 768 x
     3072 product (onnxruntime, too, packs its initializers once)."""
-    if y.ndim != 2 or x.shape[-2] < PANEL_ROWS or not PACK_CONSTANTS:
+    if y.ndim != 2 or x.shape[-2] < PANEL_ROWS or y.shape[1] < panel_width() or \
+            not PACK_CONSTANTS:
         return None
     return constant_relaid(y, panels, "panels")
 

@@ -186,8 +186,8 @@ def test_a_constant_operand_is_packed_once(monkeypatch):
     """A read-only right operand (a model's weight) is packed on first use and its panels
     kept, for a view of it too (as a module reads `W.T.reshape(..).T`), and the product is the
     one that packs each call; a writeable one, which may change between calls, is packed
-    each time, and a product of a few rows reads it in place; none is packed where
-    `$BBRULES_PACK_CONSTANTS` is 0."""
+    each time, a product of a few rows reads it in place, and a slice narrower than a panel is
+    packed by its product; none is packed where `$BBRULES_PACK_CONSTANTS` is 0."""
     x, w = rand(40, 96, seed=1), rand(96, 200, seed=2)
     weight = constant(w)
     kept = native_matmul._constant_panels(x, weight)
@@ -195,6 +195,8 @@ def test_a_constant_operand_is_packed_once(monkeypatch):
     assert native_matmul._constant_panels(x, weight.T.T) is kept
     assert native_matmul._constant_panels(x, w) is None
     assert native_matmul._constant_panels(x[:3], weight) is None
+    narrow = weight[:, :native_matmul.panel_width() - 1]  # (a loop's slice: padded, kept)
+    assert native_matmul._constant_panels(x, narrow) is None
     with monkeypatch.context() as patched:  # ($BBRULES_PACK_CONSTANTS=0)
         patched.setattr(native_matmul, "PACK_CONSTANTS", False)
         assert native_matmul._constant_panels(x, constant(w)) is None
