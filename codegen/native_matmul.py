@@ -24,8 +24,8 @@ A constant right operand (a view of a read-only array, as `Imported` gives a mod
 panels kept while it lives, as onnxruntime packs its initializers when a session starts: each
 product otherwise packs it again, reading the weight from memory a panel at a time (10-20% of
 a 128 x 768 by 768 x 3072 product; GPT-2's block at width 768 ran 14% faster).  The panels
-take the weight's memory again: `$BBRULES_PACK_CONSTANTS=0` (or writeable weights) keeps
-to packing each call.
+take the weight's memory again: with `$BBRULES_PACK_CONSTANTS=0` (or writeable weights) each
+product packs it as it goes.
 """
 
 from __future__ import annotations

@@ -185,9 +185,9 @@ def test_panels_that_do_not_fit_the_product_are_refused():
 def test_a_constant_operand_is_packed_once(monkeypatch):
     """A read-only right operand (a model's weight) is packed on first use and its panels
     kept, for a view of it too (as a module reads `W.T.reshape(..).T`), and the product is the
-    one that packs each call; a writeable one, which may change between calls, is packed
-    each time, a product of a few rows reads it in place, and a slice narrower than a panel is
-    packed by its product; none is packed where `$BBRULES_PACK_CONSTANTS` is 0."""
+    one a call that packs it computes; a writeable one, which may change between calls, is
+    packed by each product, as is a slice narrower than a panel, and a product of a few rows
+    reads it in place; none is kept where `$BBRULES_PACK_CONSTANTS` is 0."""
     x, w = rand(40, 96, seed=1), rand(96, 200, seed=2)
     weight = constant(w)
     kept = native_matmul._constant_panels(x, weight)
