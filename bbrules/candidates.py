@@ -320,7 +320,7 @@ class CandidateReport:
     seconds: float  # its fusion's wall time (0 when reused)
     budget: float  # the seconds its fusion was given (`_Share`; 0 when reused)
     stop: str  # what ended its saturation
-    extraction: str  # what ended its extraction: "complete", or the budget that cut it short
+    budgets: dict[str, str]  # which budget stopped which phase (`FuseResult.budgets`)
 
     def to_json(self) -> dict:
         return {"index": self.index, "kernels": list(self.kernels),
@@ -329,11 +329,16 @@ class CandidateReport:
                 "inputs": list(self.inputs), "outputs": list(self.outputs),
                 "reused": self.reused_from is not None, "reused_from": self.reused_from,
                 "seconds": self.seconds, "budget_seconds": self.budget, "stop": self.stop,
-                "extraction_stop": self.extraction}
+                "budgets": dict(self.budgets)}
+
+    def cut(self) -> list[str]:
+        """The phases its time or memory budget cut short (a stage's share of them too)."""
+        return [phase for phase, stop in self.budgets.items()
+                if stop in ("time limit", "memory limit")]
 
     def line(self) -> str:
         start, stop = self.kernels
-        cut = "" if self.extraction == "complete" else f", extraction cut by the {self.extraction}"
+        cut = f", cut short: {', '.join(self.cut())}" if self.cut() else ""
         how = (f"same as candidate {self.reused_from}, fused once" if self.reused_from is not None
                else f"{self.seconds:.2f} of {self.budget:.2f} s, {self.stop}{cut}")
         return (f"candidate {self.index}: kernels {start}-{stop - 1} "
@@ -380,7 +385,7 @@ class _Fused:
     seconds: float
     budget: float
     stop: str
-    extraction: str
+    budgets: dict[str, str]
 
 
 _PACK: RulePack | None = None
@@ -428,7 +433,7 @@ def _fuse_one(p: BlockProgram, pack: RulePack, target: Target, objective: str, b
     except NoCandidate as err:
         return err
     return _Fused(show_program(r.program), time.perf_counter() - start, budget.seconds, r.stop,
-                  r.extraction.stop)
+                  r.budgets())
 
 
 def fuse_candidates(p: BlockProgram, candidates: list[Candidate], pack: RulePack,
@@ -480,7 +485,7 @@ def fuse_candidates(p: BlockProgram, candidates: list[Candidate], pack: RulePack
         reports.append(CandidateReport(
             c.index, (c.start, c.stop), c.stored, c.program.inputs, c.program.outputs,
             len(fused[own].kernels), None if own == c.index else own,
-            *((d.seconds, d.budget) if own == c.index else (0.0, 0.0)), d.stop, d.extraction))
+            *((d.seconds, d.budget) if own == c.index else (0.0, 0.0)), d.stop, d.budgets))
     whole = stitch(p, programs)
     stitched = forwarded(whole, target, objective)
     gone = tuple(t for k in whole.kernels for t in k.tensors if t not in stitched.tensors)

@@ -122,9 +122,19 @@ def test_time_a_quick_candidate_leaves_goes_to_those_after_it(pack, workers):
     assert [c.reused_from for c in result.candidates] == [None] * 4
     assert budgets[0] <= 40.0 / math.ceil(4 / workers)
     assert budgets[-1] > 40.0 / math.ceil(4 / workers)
-    assert all(c.seconds < c.budget and c.extraction == "complete" for c in result.candidates)
+    assert all(c.seconds < c.budget and not c.cut() for c in result.candidates)
     report = result.to_json()["candidates"][-1]
-    assert (report["budget_seconds"], report["extraction_stop"]) == (budgets[-1], "complete")
+    assert report["budget_seconds"] == budgets[-1] and report["budgets"]["extraction"] == "complete"
+
+
+def test_a_candidate_cut_short_says_where(pack):
+    """A fusion given no time stops each phase at its time limit, and its report names them
+    (the saturation's first stop alone would say the algebra stage's iteration cap)."""
+    p = lower(parse_program(norm_chain(["exp", "tanh"]), "norms.bbp"))
+    result = fuse_candidates(p, select_candidates(p, 3), pack, TARGET, budget=Budget(seconds=0))
+    for c in result.candidates:
+        assert "extraction" in c.cut() and c.budgets["extraction"] == "time limit"
+        assert "cut short: " in c.line() and "extraction" in c.line()
 
 
 def test_apply_reports_candidates(tmp_path, capsys):
