@@ -413,7 +413,8 @@ class _Share:
     fusions still to start, this one included (`left` of them, `workers` at a time).  A quick
     candidate leaves its unused time to those after it, so a slow one (an MLP whose extraction
     prices a thousand groupings) is not cut short while the whole still ends in time: cut to an
-    equal part, GPT-2's MLP came out 51 or 98 MiB as the machine ran fast or slow."""
+    equal part, GPT-2's MLP could be, and its block came out 51 or 98 MiB as the machine ran
+    fast or slow."""
 
     deadline: float
     left: int
