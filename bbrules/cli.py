@@ -640,12 +640,14 @@ def cmd_apply(args: argparse.Namespace) -> int:
 
 
 def _print_single(result: FuseResult, args: argparse.Namespace) -> None:
+    # The chain first: the report says whether reading the firings for it was cut short.
+    chain = result.explain() if args.explain else None
     print(fusion_report(result))
     if args.stats:
         print("\n" + rule_table(result))
-    if args.explain:
+    if chain is not None:
         print("\nrule applications from the input to the output, in replay order:")
-        for line in result.explain():
+        for line in chain:
             print(f"  {line}")
 
 
@@ -701,7 +703,7 @@ def fusion_report(r: FuseResult) -> str:
         lines.append(f"  {s.stage:12} {s.iterations:3} iterations {s.enodes:7} e-nodes "
                      f"{s.eclasses:6} e-classes {s.seconds:6.2f} s  {s.stop}")
     x = r.extraction
-    if r.graph.stop != "complete":
+    if r.graph.stop in ("time limit", "memory limit"):
         lines.append(f"read-back: the {r.graph.stop} cut the recorded firings short "
                      f"(explanations and rule applications may be incomplete)")
     stopped = "" if x.stop == "complete" else f", stopped by the {x.stop}"

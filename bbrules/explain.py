@@ -119,7 +119,9 @@ class Explainer:
         self.edges: dict[tuple[int, Key], list[_Edge]] = {}
         self.collapses: dict[tuple[int, Key], list[_Edge]] = {}
         self.memo: dict[tuple[Node, _Goal], tuple[Node, tuple[Step, ...]]] = {}
-        for i, f in enumerate(sorted(graph.firings, key=lambda f: (f.iteration, f.ruleset))):
+        self.check_budget()
+        firings = sorted(graph.firings(meter), key=lambda f: (f.iteration, f.ruleset))
+        for i, f in enumerate(firings):
             if i % 1024 == 0:
                 self.check_budget()
             edge = self.edge(f, compiled.provenance[f.ruleset])

@@ -66,11 +66,12 @@ class FuseResult:
         return "saturated"
 
     def budgets(self) -> dict[str, str]:
-        """Which budget stopped which phase: per stage its stop, then the reading of the
-        firings and extraction ("complete" when they ran to the end)."""
+        """Which budget stopped which phase: per stage its stop, then extraction ("complete"
+        when it ran to the end), and the reading of the firings ("not read" until an
+        explanation asks for them)."""
         out = {f"saturation {s.stage}": s.stop for s in self.stats}
-        out["read-back of firings"] = self.graph.stop
         out["extraction"] = self.extraction.stop
+        out["read-back of firings"] = self.graph.stop
         return out
 
     def _chain_json(self) -> list[dict] | str:
@@ -109,6 +110,7 @@ class FuseResult:
         if (margin := self.margin()) is not None:
             runner_up = {**self.runner_up.to_json(), "time_margin": margin[0],
                          "traffic_ratio": margin[1]}
+        explain = self._chain_json()  # first: it reads the firings `budgets` reports on
         return {
             "objective": self.objective,
             "before": self.before.to_json(),
@@ -119,7 +121,7 @@ class FuseResult:
             "budgets": self.budgets(),
             "extraction": self.extraction.to_json(),
             "rules": [r.to_json() for r in self.rules],
-            "explain": self._chain_json(),
+            "explain": explain,
         }
 
 
@@ -148,7 +150,7 @@ def fuse(p: BlockProgram, pack: RulePack, target: Target, objective: str = "time
     stats = sat.run(budget, progress, meter=meter)
     if progress:
         progress("extracting")
-    graph = sat.freeze(provenance=True, meter=meter)
+    graph = sat.freeze(provenance=True)
     program, after, xstats = extract(graph, p, target, objective, max_kernels, options, meter,
                                      progress)
     return FuseResult(program, before, after, stats, xstats, sat.rule_stats(graph), p, graph,

@@ -52,7 +52,7 @@ def test_firings_are_recorded_with_their_class_bindings_and_iteration():
         "rule one: reduce(?a, sum, ?x) * ?s => reduce(?a, sum, ?x) * ?s * 1.0", {"t": hoist})
     g = sat.freeze(provenance=True)
     x = g.lookup(BlockReduce("sum", "k", A))
-    by_rule = {(sat.compiled.egg_rules[f.ruleset], f.values["?x"]): f for f in g.firings}
+    by_rule = {(sat.compiled.egg_rules[f.ruleset], f.values["?x"]): f for f in g.firings()}
     first, second = by_rule["hoist", x], by_rule["one", x]
     assert first.root == g.named["t"] and first.iteration == 1
     assert first.values == {"?x": x, "?s": g.lookup(B), "?a": "k"}

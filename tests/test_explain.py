@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from bbrules.cli import main
+from bbrules.engine.compile import rule_of
 from bbrules.explain import ExplainError, replay
 from bbrules.frontend import load_program
 from bbrules.fuse import fuse
@@ -127,3 +128,20 @@ def test_the_explanation_search_stops_when_the_fusions_budget_is_spent(pack):
     r.meter = Meter(Budget(seconds=0.0))
     (line,) = r.explain()
     assert line == "no replayable chain was found: the fusion's time limit ran out first"
+
+
+def test_the_firings_are_decoded_only_when_an_explanation_asks_for_them(pack):
+    """Fusing counts each rule's applications from the recorded rows without decoding them
+    (decoding GPT-2's MLP block's took as long as its extraction); the first explanation
+    decodes them all, and the counts agree."""
+    r = fuse(lower(load_program(EXAMPLES / "attention.bbp", {"q": (128, 64), "k": (128, 64)})),
+             pack, get_target("h100"))
+    assert r.budgets()["read-back of firings"] == "not read"
+    applied = {s.rule: s.applications for s in r.rules if s.applications}
+    assert r.chain
+    assert r.budgets()["read-back of firings"] == "complete"
+    decoded: dict[str, int] = {}
+    for f in r.graph.firings():
+        rule = rule_of(r.compiled.egg_rules[f.ruleset])
+        decoded[rule] = decoded.get(rule, 0) + 1
+    assert decoded == applied

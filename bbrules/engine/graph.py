@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Callable, Mapping
 
 from egglog.bindings import EGraph
 
@@ -26,14 +27,61 @@ class Firing:
     iteration: int
 
 
+class Recorded:
+    """The firings the rules recorded (the rows of `when`), decoded when first asked for.
+
+    Only explanations need them whole, and an explosive pack records many times more firings
+    than there are e-nodes: decoding GPT-2's MLP block's 98,000 took a second, as long as its
+    extraction, in every fusion.  So the rows are kept as egglog gave them and decoded on
+    demand, until the time or memory budget of the `meter` given runs out (`stop` says which
+    did: "complete" when all were read, "not read" before).  Counting them per rule needs only
+    each row's first column, and is cheap."""
+
+    def __init__(self, egraph: EGraph, rows: list, compiled: CompiledPack,
+                 cid: Callable[[object], int]):
+        self.egraph = egraph
+        self.rows = rows
+        self.compiled = compiled
+        self.cid = cid
+        self.stop = "not read"
+        self._firings: tuple[Firing, ...] = ()
+
+    def applications(self) -> dict[str, int]:
+        """How many firings each egglog ruleset recorded."""
+        by_index = list(self.compiled.provenance.values())
+        counts = Counter(self.egraph.value_to_i64(row.inputs[0]) for row in self.rows)
+        return {by_index[i].ruleset: n for i, n in counts.items()}
+
+    def firings(self, meter: Meter | None = None) -> tuple[Firing, ...]:
+        """The firings, decoded once (a read cut short by `meter` is not tried again)."""
+        if self.stop != "not read":
+            return self._firings
+        by_index = list(self.compiled.provenance.values())
+        egraph, monoids = self.egraph, self.compiled.monoids
+        read = {"Term": self.cid, "String": egraph.value_to_string, "f64": egraph.value_to_f64}
+        firings = []
+        self.stop = "complete"
+        for n, row in enumerate(self.rows):
+            if meter is not None and n % 1024 == 0 and (spent := meter.over()) is not None:
+                self.stop = spent
+                break
+            prov = by_index[egraph.value_to_i64(row.inputs[0])]
+            values = prov.values(row.inputs, read, self.compiled.widths)
+            values.update((v, monoids[values[v]]) for v in prov.monoid_vars)
+            firings.append(Firing(prov.ruleset, self.cid(row.inputs[1]), values,
+                                  egraph.value_to_i64(row.output)))
+        self._firings = tuple(firings)
+        return self._firings
+
+
 @dataclass
 class ClassGraph:
-    """A frozen e-graph: e-classes (ids from 0, in a deterministic order) and their e-nodes."""
+    """A frozen e-graph: e-classes (ids from 0, in a deterministic order) and their e-nodes,
+    and the firings its rules recorded if it was read back with them."""
 
     classes: dict[int, tuple[ENode, ...]]
     named: dict[str, int]  # e-class of every term added by name (roots, check terms)
-    firings: tuple[Firing, ...] = ()  # read back only when asked for
-    stop: str = "complete"  # or the budget that cut the reading of the firings short
+    recorded: Recorded | None = field(default=None, repr=False, compare=False)
     index: dict[tuple, int] = field(init=False, repr=False)
     # Terms looked up so far, by identity (node, class): a structurally equal term built
     # separately is looked up on its own rather than compared with the one seen (a comparison
@@ -49,6 +97,17 @@ class ClassGraph:
             for n in nodes:
                 kids = () if n.kind == "Load" else n.children
                 self.index[(n.kind, n.attrs, kids)] = c
+
+    def firings(self, meter: Meter | None = None) -> tuple[Firing, ...]:
+        """The recorded firings (none if read back without them), read within `meter`'s
+        budget the first time they are asked for."""
+        return () if self.recorded is None else self.recorded.firings(meter)
+
+    @property
+    def stop(self) -> str:
+        """How reading the firings went: "complete", "not read" (not asked for yet), or the
+        budget that cut it short."""
+        return "complete" if self.recorded is None else self.recorded.stop
 
     @property
     def n_nodes(self) -> int:
@@ -97,14 +156,11 @@ def graph_size(egraph: EGraph) -> tuple[int, int]:
 
 
 def read_back(egraph: EGraph, roots: Mapping[str, str], compiled: CompiledPack,
-              provenance: bool = False, meter: Meter | None = None) -> ClassGraph:
+              provenance: bool = False) -> ClassGraph:
     """The e-graph's e-classes and roots (monoid names read as `compiled`'s monoids), and with
-    `provenance` the firings its rules recorded.
+    `provenance` the firings its rules recorded (`Recorded`: decoded when asked for).
 
-    The classes are read whole (extraction needs them all; the node budget bounds them).  The
-    firings, only explanations and rule statistics need, and an explosive pack records many
-    times more of them than there are e-nodes: they are read until `meter`'s time or memory
-    budget runs out, and `stop` says which did."""
+    The classes are read whole (extraction needs them all; the node budget bounds them)."""
     functions = egraph.freeze().functions  # each access to the attribute converts them all
     ids: dict[object, int] = {}
 
@@ -125,19 +181,6 @@ def read_back(egraph: EGraph, roots: Mapping[str, str], compiled: CompiledPack,
     for key, g in roots.items():
         fn = functions[g]
         named[key] = cid(fn.rows[0].output)
-    firings = []
-    stop = "complete"
-    if provenance:
-        by_index = list(compiled.provenance.values())
-        read = {"Term": cid, "String": egraph.value_to_string, "f64": egraph.value_to_f64}
-        for n, row in enumerate(functions["when"].rows):
-            if meter is not None and n % 1024 == 0 and (spent := meter.over()) is not None:
-                stop = spent
-                break
-            prov = by_index[egraph.value_to_i64(row.inputs[0])]
-            values = prov.values(row.inputs, read, compiled.widths)
-            values.update((v, compiled.monoids[values[v]]) for v in prov.monoid_vars)
-            firings.append(Firing(prov.ruleset, cid(row.inputs[1]), values,
-                                  egraph.value_to_i64(row.output)))
+    recorded = Recorded(egraph, functions["when"].rows, compiled, cid) if provenance else None
     return ClassGraph({c: tuple(dict.fromkeys(ns)) for c, ns in classes.items()}, named,
-                      tuple(firings), stop)
+                      recorded)

@@ -307,18 +307,19 @@ class Saturator:
         enodes, eclasses = graph_size(self.egraph)
         return StageStats(stage.name, iterations, enodes, eclasses, seconds, stop, matches)
 
-    def freeze(self, provenance: bool = False, meter: Meter | None = None) -> ClassGraph:
+    def freeze(self, provenance: bool = False) -> ClassGraph:
         """The current e-graph as e-classes of e-nodes, with the class of every root, and with
-        `provenance` the recorded firings of every rule (those read before `meter`'s budget
-        ran out, if given: see `graph.read_back`)."""
-        return read_back(self.egraph, self.roots, self.compiled, provenance, meter)
+        `provenance` the firings every rule recorded (decoded when asked for: see
+        `graph.Recorded`)."""
+        return read_back(self.egraph, self.roots, self.compiled, provenance)
 
     def rule_stats(self, graph: ClassGraph) -> list[RuleStats]:
         """Per-rule statistics, applications counted in `graph` (frozen with provenance)."""
         applied: dict[str, int] = {}
-        for f in graph.firings:
-            rule = rule_of(self.compiled.egg_rules[f.ruleset])
-            applied[rule] = applied.get(rule, 0) + 1
+        if graph.recorded is not None:
+            for ruleset, n in graph.recorded.applications().items():
+                rule = rule_of(self.compiled.egg_rules[ruleset])
+                applied[rule] = applied.get(rule, 0) + n
         return [RuleStats(s.rule, s.matches, applied.get(s.rule, 0), s.seconds)
                 for s in self.rules.values()]
 
