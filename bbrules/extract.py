@@ -162,6 +162,10 @@ class Extractor:
         # compare the two terms on every hit.
         self.interned: dict[Node, Node] = {n: n for s in source.stores
                                            for n in postorder(s.value)}
+        # And by what it is built from: the e-node and its children (interned, so by
+        # identity), which spares building and hashing a node to find it interned.  Both
+        # live as long as this search, so their ids stay theirs.
+        self.made: dict[tuple[int, ...], Node] = {}
         self.interned_stores: dict[Store, Store] = {s: s for s in source.stores}
         self.interned_kernels: dict[Kernel, Kernel] = {k: k for k in source.kernels}
         self.launches: dict[tuple, tuple[tuple[Store, ...], Kernel]] = {}
@@ -207,7 +211,16 @@ class Extractor:
         defining: set[str] = set()
 
         def make(node: ENode) -> Node:
-            built = node.build(tuple(memo[k] for k in node.children))
+            kids = tuple(memo[k] for k in node.children)
+            key = (id(node), *map(id, kids))
+            built = self.made.get(key)
+            if built is None:
+                built = node.build(kids)
+                built = self.made[key] = self.interned.setdefault(built, built)
+            return built
+
+        def load(node: ENode) -> Node:
+            built = Load(node.attrs[0], node.attrs[1])
             return self.interned.setdefault(built, built)
 
         frames: list[tuple] = [("define", out) for out in reversed(self.source.outputs)]
@@ -227,8 +240,7 @@ class Extractor:
                         frames += [("term", k) for k in reversed(node.children)]
                 case ("node", c, node):
                     on_path.discard(c)
-                    memo[c] = (Load(node.attrs[0], node.attrs[1]) if self.is_stored_load(node)
-                               else make(node))
+                    memo[c] = load(node) if self.is_stored_load(node) else make(node)
                 case ("define", t) if t in kernels:
                     pass
                 case ("define", t):
