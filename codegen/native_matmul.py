@@ -52,13 +52,13 @@ _SOURCE = Path(__file__).with_name("matmul.c")
 @lru_cache(maxsize=None)
 def library() -> ctypes.CDLL:
     """`matmul.c` compiled for this machine, with `bb_matmul`, `bb_matmuls`, `bb_pack` and
-    `bb_panel_width` as builtins (`product`, `products`, `panels`)."""
+    `bb_panel_width` as builtins (`product`, `products`, `panels`), and `bb_address`."""
     try:
         text = _SOURCE.read_text()
     except OSError as e:
         raise NativeUnavailable(f"reading {_SOURCE} failed: {e}") from e
     return build(text + exported([("bb_matmul", 6), ("bb_matmuls", None), ("bb_pack", 2),
-                                  ("bb_panel_width", 0)]), [], FLAGS)
+                                  ("bb_address", 1), ("bb_panel_width", 0)]), [], FLAGS)
 
 
 @lru_cache(maxsize=None)
@@ -75,6 +75,14 @@ def products() -> Callable[..., int]:
     = c + scale a @ b (one job on the threads), 1 where some group does not fit or there are
     more than `MAX_PRODUCTS`."""
     return builtin_functions(library())["bb_matmuls"]
+
+
+@lru_cache(maxsize=None)
+def address() -> Callable[[np.ndarray], int]:
+    """The address of an array's first element (`bb_address`; 0 where the array gives
+    none)."""
+    of = builtin_functions(library())["bb_address"]
+    return lambda array: of(array, 1)
 
 
 @lru_cache(maxsize=None)
@@ -109,7 +117,7 @@ def _constant_panels(x: np.ndarray, y: np.ndarray) -> np.ndarray | None:
     if y.ndim != 2 or x.shape[-2] < PANEL_ROWS or y.shape[1] < panel_width() or \
             not PACK_CONSTANTS:
         return None
-    return constant_relaid(y, panels, "panels")
+    return constant_relaid(y, panels, "panels", address=address())
 
 
 def compiled_matmul() -> Callable[[np.ndarray, np.ndarray, int], np.ndarray]:

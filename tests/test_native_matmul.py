@@ -197,6 +197,14 @@ def test_a_constant_operand_is_packed_once(monkeypatch):
     assert native_matmul._constant_panels(x[:3], weight) is None
     narrow = weight[:, :native_matmul.panel_width() - 1]  # (a loop's slice: padded, kept)
     assert native_matmul._constant_panels(x, narrow) is None
+    # Slices of one shape and strides are told apart by where they start (`bb_address`).
+    top, bottom = weight[:48], weight[48:]
+    assert native_matmul.address()(bottom) == bottom.__array_interface__["data"][0]
+    assert native_matmul.address()(3) == 0
+    assert native_matmul._constant_panels(x[:, :48], top) is not \
+        native_matmul._constant_panels(x[:, :48], bottom)
+    np.testing.assert_array_equal(native_matmul.matmul(x[:, 48:], bottom, 2),
+                                  native_matmul.matmul(x[:, 48:], w[48:], 2))
     with monkeypatch.context() as patched:  # ($BBRULES_PACK_CONSTANTS=0)
         patched.setattr(native_matmul, "PACK_CONSTANTS", False)
         assert native_matmul._constant_panels(x, constant(w)) is None
