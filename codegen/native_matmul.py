@@ -79,10 +79,10 @@ def products() -> Callable[..., int]:
 
 @lru_cache(maxsize=None)
 def address() -> Callable[[np.ndarray], int]:
-    """The address of an array's first element (`bb_address`; 0 where the array gives
-    none)."""
+    """The address of an array's first element (`bb_address`; numpy's word for it where the
+    array gives no buffer)."""
     of = builtin_functions(library())["bb_address"]
-    return lambda array: of(array, 1)
+    return lambda array: of(array, 1) or array.__array_interface__["data"][0]
 
 
 @lru_cache(maxsize=None)
