@@ -87,6 +87,20 @@ class _Goal:
 
 
 @dataclass(frozen=True)
+class _Op:
+    """One distinct subpattern of a rule side, as `Explainer.compiled` lists them (children
+    first): a variable (`kind` its name), a constant, a `load(store(...))` (`attrs` the
+    ordinal of its tensor and axes variables) or any other node (`attrs` each attribute, with
+    whether it is a variable's name).  `kids` index the ops before it."""
+
+    form: str
+    kind: str
+    attrs: tuple
+    kids: tuple[int, ...]
+    pattern: Pattern
+
+
+@dataclass(frozen=True)
 class _Edge:
     """A firing as a rewrite of its class's e-node `source` into `target`.  A rule whose right
     side is one of its left side's variables (`?x * 1.0 => ?x`) has no target e-node of its
@@ -119,6 +133,8 @@ class Explainer:
         self.edges: dict[tuple[int, Key], list[_Edge]] = {}
         self.collapses: dict[tuple[int, Key], list[_Edge]] = {}
         self.memo: dict[tuple[Node, _Goal], tuple[Node, tuple[Step, ...]]] = {}
+        # Each rule side's ops, by the pattern's id (kept with it, so the id stays its own).
+        self.patterns: dict[int, tuple[tuple[_Op, ...], Pattern]] = {}
         self.check_budget()
         firings = sorted(graph.firings(meter), key=lambda f: (f.iteration, f.ruleset))
         for i, f in enumerate(firings):
@@ -156,8 +172,7 @@ class Explainer:
                           axes={v: x for v, x in f.values.items() if isinstance(x, str)},
                           monoids={v: x for v, x in f.values.items() if isinstance(x, Monoid)},
                           consts={v: x for v, x in f.values.items() if isinstance(x, float)})
-        stored = iter(prov.stored)
-        lhs = self.goal(prov.lhs, f, binding, stored)
+        lhs = self.goal(prov.lhs, f, binding, prov.stored)
         if lhs is None or lhs.cls != f.root or lhs.key is None:
             return None
         match prov.lhs, prov.rhs:
@@ -167,45 +182,79 @@ class Explainer:
             case _, PVar(w):
                 return _Edge(f, prov, lhs, None) if f.values.get(w) == f.root else None
             case _:
-                rhs = self.goal(prov.rhs, f, binding, iter(()))
+                rhs = self.goal(prov.rhs, f, binding, ())
                 target = None if rhs is None or rhs.cls != f.root else rhs.key
         if target is None or target == lhs.key:
             return None
         return _Edge(f, prov, lhs, target)
 
-    def goal(self, root: Pattern, f: Firing, binding: Binding, stored) -> _Goal | None:
+    def goal(self, root: Pattern, f: Firing, binding: Binding,
+             stored: tuple[tuple[str, str], ...]) -> _Goal | None:
         """Pattern `root` under a firing's values, as a goal over the e-graph's classes (built
-        bottom-up; `stored` gives each `load(store(...))` its tensor and axes, in order)."""
-        loads: dict[int, tuple[str, str]] = {}
-
-        def parts(p: Pattern) -> tuple[Pattern, ...]:
-            match p:
-                case Stored(v):
-                    loads[id(p)] = next(stored)
-                    return (v,)
-                case PVar() | PConst() | CExpr() | AxisSize():
-                    return ()
-            return children(p)
-
-        def make(p: Pattern, kids: list[_Goal | None]) -> _Goal | None:
-            if None in kids:
-                return None
-            match p:
-                case PVar(v):
-                    return _Goal(f.values[v])
-                case PConst() | CExpr() | AxisSize():
-                    return self.node_goal("Const", (binding.constant(p),), ())
-                case Stored():
-                    tensor, axes = loads[id(p)]
+        bottom-up; `stored` gives each `load(store(...))` its tensor and axes variables, in
+        pre-order), None where some part of it is not in the graph."""
+        goals: list[_Goal] = []
+        for op in self.compiled(root):
+            kids = tuple(map(goals.__getitem__, op.kids))
+            match op.form:
+                case "var":
+                    goal: _Goal | None = _Goal(f.values[op.kind])
+                case "const":
+                    goal = self.node_goal("Const", (binding.constant(op.pattern),), ())
+                case "stored":
+                    tensor, axes = stored[op.attrs[0]]
                     axes_text = f.values[axes]
-                    axes_of = tuple(axes_text.split(",")) if axes_text else ()
-                    return self.node_goal("Load", (f.values[tensor], axes_of), tuple(kids))
-            kind, attrs = enode_key(p)
-            attrs = tuple(a if pattern_var(a) is None else f.values[pattern_var(a)]
-                          for a in attrs)
-            return self.node_goal(kind, attrs, tuple(kids))
+                    goal = self.node_goal("Load", (f.values[tensor], tuple(
+                        axes_text.split(",")) if axes_text else ()), kids)
+                case _:
+                    goal = self.node_goal(op.kind, tuple(
+                        f.values[a[1]] if a[0] else a[1] for a in op.attrs), kids)
+            if goal is None:
+                return None
+            goals.append(goal)
+        return goals[-1]
 
-        return fold(root, make, parts)
+    def compiled(self, root: Pattern) -> tuple[_Op, ...]:
+        """Pattern `root` as its distinct subpatterns, children first (`_Op`): worked out once
+        per pattern, where a firing of it is turned into a goal (GPT-2's MLP block records
+        98,000 firings)."""
+        ops = self.patterns.get(id(root))
+        if ops is None:
+            index: dict[int, int] = {}
+            loads = 0
+
+            def parts(p: Pattern) -> tuple[Pattern, ...]:
+                nonlocal loads
+                match p:
+                    case Stored(v):
+                        index[id(p)] = loads  # (asked parents first, left to right)
+                        loads += 1
+                        return (v,)
+                    case PVar() | PConst() | CExpr() | AxisSize():
+                        return ()
+                return children(p)
+
+            built: list[_Op] = []
+
+            def make(p: Pattern, kids: list[int]) -> int:
+                match p:
+                    case PVar(v):
+                        op = _Op("var", v, (), (), p)
+                    case PConst() | CExpr() | AxisSize():
+                        op = _Op("const", "Const", (), (), p)
+                    case Stored():
+                        op = _Op("stored", "Load", (index[id(p)],), tuple(kids), p)
+                    case _:
+                        kind, attrs = enode_key(p)
+                        op = _Op("node", kind, tuple(
+                            (True, pattern_var(a)) if pattern_var(a) is not None else (False, a)
+                            for a in attrs), tuple(kids), p)
+                built.append(op)
+                return len(built) - 1
+
+            fold(root, make, parts)
+            ops = self.patterns[id(root)] = (tuple(built), root)
+        return ops[0]
 
     def node_goal(self, kind: str, attrs: tuple, kids: tuple[_Goal, ...]) -> _Goal | None:
         key = (kind, attrs, () if kind == "Load" else tuple(k.cls for k in kids))

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Callable, Iterable, Iterator, Mapping, NoReturn
+from typing import Iterable, Iterator, Mapping, NoReturn
 
 from ..errors import SourceError, Span
 from ..instantiate import variables
@@ -84,16 +84,16 @@ class Provenance:
             out += names + [_PADDING[sort]] * (widths[sort] - len(names))
         return " ".join(out)
 
-    def values(self, inputs: list, read: Mapping[str, Callable[[object], object]],
-               widths: Mapping[str, int]) -> dict[str, object]:
-        """The variables' values in a row of `when` (after its index and root)."""
-        out: dict[str, object] = {}
+    def slots(self, widths: Mapping[str, int]) -> tuple[tuple[str, str, int], ...]:
+        """(variable, sort, column) of each recorded variable in a row of `when` (after its
+        index and root)."""
+        out: list[tuple[str, str, int]] = []
         at = 2
         for sort in SORTS:
             names = [name for name, s in self.columns if s == sort]
-            out.update((name, read[sort](v)) for name, v in zip(names, inputs[at:]))
+            out += [(name, sort, at + i) for i, name in enumerate(names)]
             at += widths[sort]
-        return out
+        return tuple(out)
 
 
 def _provenance_text(provenance: Iterable[Provenance], queries: Iterable[str],

@@ -59,14 +59,17 @@ class Recorded:
         by_index = list(self.compiled.provenance.values())
         egraph, monoids = self.egraph, self.compiled.monoids
         read = {"Term": self.cid, "String": egraph.value_to_string, "f64": egraph.value_to_f64}
+        slots = [tuple((name, read[sort], at) for name, sort, at in p.slots(self.compiled.widths))
+                 for p in by_index]
         firings = []
         self.stop = "complete"
         for n, row in enumerate(self.rows):
             if meter is not None and n % 1024 == 0 and (spent := meter.over()) is not None:
                 self.stop = spent
                 break
-            prov = by_index[egraph.value_to_i64(row.inputs[0])]
-            values = prov.values(row.inputs, read, self.compiled.widths)
+            index = egraph.value_to_i64(row.inputs[0])
+            prov, inputs = by_index[index], row.inputs
+            values = {name: reader(inputs[at]) for name, reader, at in slots[index]}
             values.update((v, monoids[values[v]]) for v in prov.monoid_vars)
             firings.append(Firing(prov.ruleset, self.cid(row.inputs[1]), values,
                                   egraph.value_to_i64(row.output)))
