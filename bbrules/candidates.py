@@ -42,7 +42,7 @@ from .forward import forwarded
 from .fuse import fuse
 from .ir import (BlockProgram, IRError, Kernel, Load, Node, Sort, Store, TensorDecl, axes_named,
                  map_attrs, postorder, show_program, transform, validate)
-from .options import Meter, Options
+from .options import SPENT, Meter, Options
 from .packs import load_packs
 from .rule import RulePack
 from .targets import Target
@@ -334,7 +334,7 @@ class CandidateReport:
     def cut(self) -> list[str]:
         """The phases its time or memory budget cut short (a stage's share of them too)."""
         return [phase for phase, stop in self.budgets.items()
-                if stop in ("time limit", "memory limit")]
+                if stop in SPENT]
 
     def line(self) -> str:
         start, stop = self.kernels

@@ -38,7 +38,7 @@ from .inputs import random_inputs
 from .ir import WHOLE_DTYPES, BlockProgram, check_whole, show_program
 from .lower import lower
 from .memory import default_budget, run_bytes
-from .options import Meter, Options
+from .options import SPENT, Meter, Options
 from .packs import discover_packs, load_each, merge_all, pack_directories
 from .program import Interface, Program
 from .rule import RulePack
@@ -703,7 +703,7 @@ def fusion_report(r: FuseResult) -> str:
         lines.append(f"  {s.stage:12} {s.iterations:3} iterations {s.enodes:7} e-nodes "
                      f"{s.eclasses:6} e-classes {s.seconds:6.2f} s  {s.stop}")
     x = r.extraction
-    if r.graph.stop in ("time limit", "memory limit"):
+    if r.graph.stop in SPENT:
         lines.append(f"read-back: the {r.graph.stop} cut the recorded firings short "
                      f"(explanations and rule applications may be incomplete)")
     stopped = "" if x.stop == "complete" else f", stopped by the {x.stop}"

@@ -42,6 +42,9 @@ def resident_mib() -> float:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+SPENT = ("time limit", "memory limit")  # what `Meter.over` says when a budget is spent
+
+
 @dataclass
 class Meter:
     """The clock and memory gauge of one fusion under `budget`, started when made.

@@ -42,8 +42,8 @@ def constant_relaid(array: np.ndarray, relayout: Callable[[np.ndarray], np.ndarr
     """`relaid`'s kept copy where `array` is a constant (the array owning its memory is
     read-only); None where it is not, for a caller that has a way without the copy.
     `address`: how to read the address of `array`'s first element, which tells its slices
-    apart (numpy's `__array_interface__` by default; the native product's is 15 times as
-    quick)."""
+    apart (numpy's `__array_interface__` by default, about 2.2 µs; the native product's
+    reads it in 0.17)."""
     owner = _owner(array)
     if owner.flags.writeable:
         return None
