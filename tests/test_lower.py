@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from bbrules.frontend import load_program, parse_program
-from bbrules.ir import (MAX, MIN, SUM, Binary, BlockReduce, Const, Dot, Load, Reduce, Store, Unary, postorder,
-                        shape, validate)
+from bbrules.ir import (MAX, MIN, SUM, Binary, BlockReduce, Const, Dot, Load, Node, Reduce, Store,
+                        Unary, postorder, shape, validate)
 from bbrules.lower import lower
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -104,6 +104,31 @@ def test_max_and_min_reduce_the_whole_body():
     assert k.value == Reduce("d", MAX, BlockReduce("max", "d", Binary("mul", Q, Const(2.0))))
     [k] = lowered("T[d] = min[k] V[k, d]\noutput T\n")
     assert k.value == Reduce("k", MIN, BlockReduce("min", "k", V))
+
+
+def test_a_sum_over_two_axes_contracts_the_larger_block():
+    # Written minor-last, as an interleaved RoPE's head axis: pairs (p, blocks of 1) of
+    # 32-element halves.  Contracting the pairs would give a [q, k, i] tile; contracting i,
+    # the tile is [q, k] and the pairs are summed block by block around it.
+    def contraction(sums: str, i: str, p: str) -> Node:
+        [k] = lower(parse_program(f"""\
+dim q = 64 / 64
+dim k = 64 / 64
+dim i = {i}
+dim p = {p}
+input A[q, i, p], B[k, i, p] : f32
+S[q, k] = sum[{sums}] A[q, i, p] * B[k, i, p]
+output S
+""")).stores
+        return k.value
+
+    a, b = Load("A", ("q", "i", "p")), Load("B", ("k", "i", "p"))
+    i_inside = Reduce("p", SUM, BlockReduce("sum", "p", Reduce("i", SUM, Dot("i", a, b))))
+    assert contraction("i, p", "32", "2 / 1") == i_inside
+    assert contraction("p, i", "32", "2 / 1") == i_inside
+    # of equal blocks, the axis written last
+    assert contraction("i, p", "4 / 2", "6 / 2") == Reduce(
+        "i", SUM, BlockReduce("sum", "i", Reduce("p", SUM, Dot("p", a, b))))
 
 
 def test_nested_reductions_stay_in_one_kernel():
