@@ -52,13 +52,13 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import product, repeat
 from typing import Callable, Iterable, Iterator, Mapping, TypeAlias
 
 from .cost import KernelCost, ProgramCost, cost_kernel
 from .engine import ClassGraph, ENode
-from .grouping import group_kernels
+from .grouping import fitting, group_kernels
 from .splitting import Splitter
 from .ir import (BlockProgram, IRError, Kernel, Load, Node, Store, TensorDecl,
                  TileType, postorder, sched_deps, show_program, type_of, validate)
@@ -340,6 +340,25 @@ class Extractor:
             grouped = group_kernels(self.written[stores], self.launched_cost, self.objective,
                                     self.kernel, self.splitter, self.target, coarser=True)
             self.cache[stores] = (grouped, self.cost(grouped), self.cache[stores][2])
+
+    def legalize(self, order: Callable[[ProgramCost], tuple], n: int) -> None:
+        """Where no candidate priced fits local memory: the `n` best in `order` again, each
+        kernel that does not fit in blocks halved until it does (`grouping.fitting`).  The
+        search offers finer blocks only where they read no more, and the program's own
+        blocks may be too coarse for the target: the interleaved RoPE of an imported Mistral
+        block, contracted a pair at a time, needed 536 KiB at the blocks its import chose,
+        where the cpu target has 512."""
+        entries = sorted(((order(e[1]), stores) for stores, e in self.cache.items()
+                          if e is not None), key=lambda ks: ks[0])
+        for _, stores in entries[:n]:
+            launched, cost, key = self.cache[stores]
+            kernels = list(launched.kernels)
+            for i, kc in enumerate(cost.kernels):
+                if not kc.legal and (fit := fitting(launched, kernels[i], self.kernel,
+                                                    self.target)) is not None:
+                    kernels[i] = fit
+            legal = replace(launched, kernels=tuple(kernels))
+            self.cache[stores] = (legal, self.cost(legal), key)
 
     def launched_cost(self, program: BlockProgram) -> ProgramCost | None:
         """A launched program's cost, None if it has more kernels than allowed."""
@@ -732,6 +751,10 @@ def extract(graph: ClassGraph, source: BlockProgram, target: Target, objective: 
     best = ex.first(order)
     if best is None:
         raise NoCandidate(f"no program with at most {max_kernels} kernels was found")
+    if not best[1].legal:
+        ex.legalize(order, options.retiled)
+        anchor, order = ex.ranked()
+        best = ex.first(order)
     program, cost, chosen = best
     if not cost.legal:
         bound = f" with at most {max_kernels} kernels" if max_kernels is not None else ""

@@ -35,7 +35,11 @@ none is cheaper:
 - *Finer blocks*: one grid axis in blocks half as large, where the kernel reads no more for
   it (a softmax over 4096 rows in blocks of 16 fills the chip; in blocks of 64 it does not).
 
-Both block moves are recorded in the kernel (`Kernel.blocks`): tensors live whole in global
+And where no candidate fits local memory at all, extraction tiles each kernel that does not
+fit finer, whatever it then re-reads, until it does (`fitting`): a program may declare blocks
+too coarse for the target.
+
+Block moves are recorded in the kernel (`Kernel.blocks`): tensors live whole in global
 memory, so each kernel may tile them its own way.  Coarser blocks may leave processors idle
 that the parallel moves would rather have filled another way, so the launches with and
 without them each descend through the parallel moves, and the cheaper end is kept.
@@ -174,15 +178,49 @@ def _tilings(p: BlockProgram, k: Kernel, kc: KernelCost, make: Make, target: Tar
                 continue
             tiled = make(written.grid, written.stores, written.blocks)
         else:
-            blocks = {**dict(k.blocks), a: block}
-            tiled = make(k.grid, k.stores, tuple((x, blocks[x]) for x in p.dims
-                                                 if x in blocks and blocks[x] != p.block(x)))
+            tiled = _with_block(p, k, a, block, make)
         tc = cost_kernel(p, tiled, target)
         if (a, block) in loops:
             if tc.traffic <= kc.traffic and tc.time < kc.time:
                 yield tiled
         elif tc.traffic < kc.traffic if coarser else tc.traffic <= kc.traffic:
             yield tiled
+
+
+def _with_block(p: BlockProgram, k: Kernel, axis: str, block: int, make: Make) -> Kernel:
+    """`k` with `axis` in blocks of `block` (its own blocks recorded only where they differ
+    from the program's)."""
+    blocks = {**dict(k.blocks), axis: block}
+    return make(k.grid, k.stores, tuple((x, blocks[x]) for x in p.dims
+                                        if x in blocks and blocks[x] != p.block(x)))
+
+
+def fitting(p: BlockProgram, k: Kernel, make: Make, target: Target) -> Kernel | None:
+    """`k` with its blocks halved until its tiles fit the target's local memory, or None where
+    they cannot be halved far enough (not below the target's granularity, blocks that still
+    divide the axis).  Each step halves the axis that shrinks the tiles most (of equals, the
+    first grid axis, then loop axis): a grid axis re-reads the operands it does not span, a
+    loop axis takes more steps, but a kernel that does not fit cannot run at all.  Only where
+    no candidate fits as the search left it (`Extractor.legalize`): a kernel the program
+    itself blocks too coarsely for the target.  As in `_tilings`, a grid axis the kernel also
+    folds, and a loop axis whose blocks a fold relies on, keep their blocks."""
+    folded, bound = frozenset().union(*map(_reduced, k.stores)), block_bound_axes(p, k)
+    axes = [a for a in k.grid if a not in folded] + [
+        a for a in _loop_axes(k) if a not in bound and p.block(a) > 1]
+    cost = cost_kernel(p, k, target)
+    while not cost.legal:
+        own = p.in_kernel(k)
+        tiled = []
+        for a in axes:
+            block = own.block(a) // 2
+            if block < target.block_granularity or own.extent(a) % block or own.dims[a].ragged:
+                continue
+            t = _with_block(p, k, a, block, make)
+            tiled.append((cost_kernel(p, t, target), t))
+        if not tiled:
+            return None
+        cost, k = min(tiled, key=lambda ct: ct[0].footprint)
+    return k
 
 
 def _loop_axes(k: Kernel) -> list[str]:

@@ -197,10 +197,11 @@ def test_a_program_that_does_not_repeat_is_cut_by_bytes_alone():
 
 
 def test_a_candidate_that_fits_nowhere_is_named_with_the_program_s_tensors(pack):
-    # Rows of 2^20 floats in one block fit no local memory: the refusal names the candidate,
-    # its kernels and the program's own tensors, not the canonical names it was fused under.
+    # Rows of 2^20 - 1 floats in one block fit no local memory, nor can the block be halved:
+    # the refusal names the candidate, its kernels and the program's own tensors, not the
+    # canonical names it was fused under.
     p = lower(load_program(ROOT / "examples" / "softmax.bbp",
-                           {"r": (64, 16), "c": (1 << 20, 1 << 20)}))
+                           {"r": (64, 16), "c": ((1 << 20) - 1, (1 << 20) - 1)}))
     with pytest.raises(NoCandidate, match=r"candidate 0 \(kernels 0-1\): .*kernel (M|E)\b"):
         fuse_candidates(p, select_candidates(p, 2), pack, TARGET)
 

@@ -111,11 +111,12 @@ def test_check_passes_on_the_standard_pack(capsys):
 
 @pytest.mark.parametrize("extra", [[], ["--json"], ["--target", "cpu"]])
 def test_apply_refuses_when_no_legal_program_exists(extra, tmp_path, capsys):
-    """A row of 2^20 floats in one block fits no target's local memory, fused or not: apply
-    says so, naming the kernel, its footprint and the capacity, and writes nothing."""
+    """A row of 2^20 - 1 floats in one block fits no target's local memory, fused or not, nor
+    can the block be halved: apply says so, naming the kernel, its footprint and the capacity,
+    and writes nothing."""
     out = tmp_path / "x.bbk"
     argv = ["apply", str(ROOT / "examples" / "softmax.bbp"), "--dim", "r=64/16",
-            "--dim", "c=1048576/1048576", "-o", str(out), *extra]
+            "--dim", "c=1048575/1048575", "-o", str(out), *extra]
     assert main(argv) == 2
     captured = capsys.readouterr()
     assert captured.out == "" and not out.exists()

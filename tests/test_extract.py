@@ -7,12 +7,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from bbrules.cost import cost_program
 from bbrules.engine import Budget, ClassGraph, ENode, Saturator, compile_pack
 from bbrules.extract import Extractor, NoCandidate, extract
 from bbrules.frontend import load_program, parse_program
+from bbrules.interp import run
 from bbrules.ir import (SUM, MAX, BlockProgram, BlockReduce, Binary, Const, Dot, Load, Reduce, Store,
                         TensorDecl, Tuple, Unary, Where, Dim, postorder, show_program)
 from bbrules.lower import lower
@@ -167,6 +169,29 @@ def test_never_costlier_than_the_input():
     fused, cost, _ = extract(g, p, H100, options=WHOLE)
     assert fused.stores == p.stores
     assert cost.key() == cost_program(p, H100).key()
+
+
+def test_a_program_blocked_too_coarsely_for_the_target_is_tiled_until_it_fits(pack):
+    # A 512 x 512 output block is 1 MiB, where the cpu target holds 512 KiB: no rule changes
+    # blocks, so before, no legal program was found.
+    p = lower(parse_program("""\
+dim m = 512 / 512
+dim n = 512 / 512
+dim k = 32
+input A[m, k], B[k, n] : f32
+C[m, n] = sum[k] A[m, k] * B[k, n]
+output C
+"""))
+    cpu = get_target("cpu")
+    assert not cost_program(p, cpu).legal
+    fused, cost, _ = extract(saturated(p, pack), p, cpu)
+    [k] = fused.kernels
+    assert cost.legal and cost.footprint <= cpu.local_capacity
+    assert {a: fused.in_kernel(k).block(a) for a in ("m", "n")} != {"m": 512, "n": 512}
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal((512, 32)), rng.standard_normal((32, 512))
+    got = run(fused, {"A": a.astype(np.float32), "B": b.astype(np.float32)})["C"]
+    assert np.abs(got - a @ b).max() < 1e-4 * np.abs(a @ b).max()
 
 
 def test_max_kernels_bounds_the_result(pack):
