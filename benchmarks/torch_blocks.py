@@ -1,16 +1,18 @@
 """Transformer blocks as torch exports them, at a model's size, fused and run against onnxruntime.
 
-`tests/models/export.py` writes GPT-2, LLaMA and BERT blocks as model code is usually written
-(a QKV projection split three ways, a buffer mask, `repeat_interleave`, an additive padding
-mask), through torch's TorchScript exporter.  The suite runs them at width 32; this script
-exports them at a model's size (default 128 tokens, width 768, 12 heads, 4 key/value heads for
-LLaMA, hidden 3072: a GPT-2 small or BERT-base layer) with `--torch-python`, a Python that
-has torch and onnx (torch is no dependency of bbrules: a side environment), or reads blocks
-exported before (`--models DIR`).  Each block is imported, fused for the cpu target (by
-candidates), its native numpy module tuned (`numpy_timing.tune`: in parts or whole), checked
-against torch's own output, and timed against onnxruntime's CPU session on the same input
-(`timing.compare`: rounds, each contender after a pause).  Programs neither the rules nor the
-generator were shaped after: what they find on these is what a user's export would get.
+`tests/models/export.py` writes GPT-2, LLaMA, BERT and Mistral blocks as model code is usually
+written (a QKV projection split three ways, a buffer mask, `repeat_interleave`, an additive
+padding mask, RoPE on interleaved pairs, a sliding window), through torch's TorchScript
+exporter.  The suite runs them at width 32; this script exports them at a model's size
+(default 128 tokens, width 768, 12 heads, 4 key/value heads for LLaMA and Mistral, hidden
+3072: a GPT-2 small or BERT-base layer) with `--torch-python`, a Python that has torch and
+onnx (torch is no dependency of bbrules: a side environment), or reads blocks exported
+before (`--models DIR`; those not found there are left out).  Each block is imported, fused
+for the cpu target (by candidates), its native numpy module tuned (`numpy_timing.tune`: in
+parts or whole), checked against torch's own output, and timed against onnxruntime's CPU
+session on the same input (`timing.compare`: rounds, each contender after a pause).
+Programs neither the rules nor the generator were shaped after: what they find on these is
+what a user's export would get.
 
     python benchmarks/torch_blocks.py --torch-python /path/to/python [--tokens 128]
         [--width 768] [--heads 12] [--kv-heads 4] [--hidden 3072] [--rounds 5] [--json PATH]
@@ -43,7 +45,7 @@ from bbrules.targets import get_target
 from timing import compare
 
 EXPORT = Path(__file__).resolve().parent.parent / "tests" / "models" / "export.py"
-BLOCKS = ("gpt2", "llama", "bert")
+BLOCKS = ("gpt2", "llama", "bert", "mistral")
 
 
 def main() -> int:
@@ -56,7 +58,8 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--width", type=int, default=768)
     ap.add_argument("--heads", type=int, default=12)
-    ap.add_argument("--kv-heads", type=int, default=4, help="LLaMA's key/value heads")
+    ap.add_argument("--kv-heads", type=int, default=4,
+                    help="LLaMA's and Mistral's key/value heads")
     ap.add_argument("--hidden", type=int, default=3072)
     ap.add_argument("--rounds", type=int, default=5,
                     help="rounds of timed calls per runtime (`timing.compare`)")
@@ -78,10 +81,14 @@ def main() -> int:
                 print(f"exporting failed: {done.stderr.strip()[-2000:]}", file=sys.stderr)
                 return 2
             print(f"exported in {time.perf_counter() - started:.1f} s", file=sys.stderr)
-        rows = [measure(folder / f"{name}-{args.tokens}-{args.width}", args.rounds)
-                for name in BLOCKS]
-    print(f"{args.tokens} tokens, width {args.width}, {args.heads} heads "
-          f"({args.kv_heads} key/value heads in LLaMA), hidden {args.hidden}; cpu target")
+        stems = [folder / f"{name}-{args.tokens}-{args.width}" for name in BLOCKS]
+        for stem in stems:
+            if not stem.with_suffix(".onnx").exists():
+                print(f"{stem}.onnx: not found, left out", file=sys.stderr)
+        rows = [measure(stem, args.rounds) for stem in stems
+                if stem.with_suffix(".onnx").exists()]
+    print(f"{args.tokens} tokens, width {args.width}, {args.heads} heads ({args.kv_heads} "
+          f"key/value heads in LLaMA and Mistral), hidden {args.hidden}; cpu target")
     print("| block | kernels | traffic | fusion | error vs torch | fused native | "
           "onnxruntime | ratio |")
     print("|---|---|---|---|---|---|---|---|")

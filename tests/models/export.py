@@ -1,4 +1,4 @@
-"""How the models of tests/test_torch_exports.py were made: three transformer blocks written
+"""How the models of tests/test_torch_exports.py were made: eight transformer blocks written
 as model code usually is, exported by torch's TorchScript exporter (torch 2.13, opset 17)
 with one input and torch's own output for it (`NAME_io.npz`).  Not run by the suite (torch is
 no dependency):
@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 T, D, H, KV, FF = 16, 32, 4, 2, 64
+WINDOW = T // 2  # Mistral's sliding window: a query sees itself and WINDOW - 1 keys before
 
 
 class GPT2(nn.Module):
@@ -82,6 +83,45 @@ class Llama(nn.Module):
         return x + self.d(F.silu(self.g(h)) * self.u(h))
 
 
+class Mistral(nn.Module):
+    """Interleaved (GPT-J) RoPE on even and odd features, grouped-query heads repeated by
+    `expand` and `reshape`, a sliding-window causal mask, RMSNorm and a SwiGLU MLP."""
+
+    def __init__(self):
+        super().__init__()
+        hd = D // H
+        self.w1, self.w2 = nn.Parameter(torch.rand(D) + 0.5), nn.Parameter(torch.rand(D) + 0.5)
+        self.q, self.o = nn.Linear(D, D, bias=False), nn.Linear(D, D, bias=False)
+        self.k, self.v = nn.Linear(D, KV * hd, bias=False), nn.Linear(D, KV * hd, bias=False)
+        self.g, self.u = nn.Linear(D, FF, bias=False), nn.Linear(D, FF, bias=False)
+        self.d = nn.Linear(FF, D, bias=False)
+        freqs = torch.outer(torch.arange(T).float(),
+                            1.0 / (10000 ** (torch.arange(0, hd, 2).float() / hd)))
+        self.register_buffer("cos", freqs.cos())
+        self.register_buffer("sin", freqs.sin())
+        i = torch.arange(T)
+        seen = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < WINDOW)
+        self.register_buffer("mask", torch.zeros(T, T).masked_fill(~seen, float("-inf")))
+
+    def rope(self, x):
+        a, b = x[..., 0::2], x[..., 1::2]
+        return torch.stack((a * self.cos - b * self.sin, a * self.sin + b * self.cos),
+                           -1).flatten(-2)
+
+    def forward(self, x):
+        b, hd = x.shape[0], D // H
+        h = Llama.norm(x, self.w1)
+        q = self.rope(self.q(h).view(b, T, H, hd).transpose(1, 2))
+        k = self.rope(self.k(h).view(b, T, KV, hd).transpose(1, 2))
+        v = self.v(h).view(b, T, KV, hd).transpose(1, 2)
+        k, v = (t[:, :, None].expand(b, KV, H // KV, T, hd).reshape(b, H, T, hd)
+                for t in (k, v))
+        a = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(hd) + self.mask, dim=-1)
+        x = x + self.o((a @ v).transpose(1, 2).reshape(b, T, D))
+        h = Llama.norm(x, self.w2)
+        return x + self.d(F.silu(self.g(h)) * self.u(h))
+
+
 class Bert(nn.Module):
     """Post-LayerNorm, a padding mask given as an input (1 keeps a key) made additive, an
     erf-GELU MLP."""
@@ -101,9 +141,105 @@ class Bert(nn.Module):
         return self.ln2(x + self.f2(F.gelu(self.f1(x))))
 
 
+class ViT(nn.Module):
+    """Pre-LayerNorm, torch's `scaled_dot_product_attention` with no mask, an erf-GELU MLP,
+    LayerScale on both residual branches."""
+
+    def __init__(self):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(D, eps=1e-6), nn.LayerNorm(D, eps=1e-6)
+        self.qkv, self.proj = nn.Linear(D, 3 * D), nn.Linear(D, D)
+        self.fc1, self.fc2 = nn.Linear(D, FF), nn.Linear(FF, D)
+        self.g1, self.g2 = nn.Parameter(torch.rand(D) * 0.5), nn.Parameter(torch.rand(D) * 0.5)
+
+    def forward(self, x):
+        b = x.shape[0]
+        q, k, v = self.qkv(self.ln1(x)).reshape(b, T, 3, H, D // H).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, T, D)
+        x = x + self.g1 * self.proj(y)
+        return x + self.g2 * self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+class NeoX(nn.Module):
+    """GPT-NeoX's parallel residual (attention and MLP both read the block's input), rotary
+    embedding on a quarter of each head, `scaled_dot_product_attention(is_causal=True)`."""
+
+    def __init__(self):
+        super().__init__()
+        self.rotary = D // H // 4
+        self.ln1, self.ln2 = nn.LayerNorm(D), nn.LayerNorm(D)
+        self.qkv, self.proj = nn.Linear(D, 3 * D), nn.Linear(D, D)
+        self.fc1, self.fc2 = nn.Linear(D, FF), nn.Linear(FF, D)
+        freqs = torch.outer(torch.arange(T).float(), 1.0 / (
+            10000 ** (torch.arange(0, self.rotary, 2).float() / self.rotary)))
+        emb = torch.cat((freqs, freqs), -1)
+        self.register_buffer("cos", emb.cos())
+        self.register_buffer("sin", emb.sin())
+
+    def rope(self, x):
+        r, rest = x[..., :self.rotary], x[..., self.rotary:]
+        a, b = r.chunk(2, dim=-1)
+        return torch.cat((r * self.cos + torch.cat((-b, a), -1) * self.sin, rest), -1)
+
+    def forward(self, x):
+        b = x.shape[0]
+        q, k, v = self.qkv(self.ln1(x)).view(b, T, H, 3 * (D // H)).transpose(1, 2).chunk(3, -1)
+        y = F.scaled_dot_product_attention(self.rope(q), self.rope(k), v, is_causal=True)
+        a = self.proj(y.transpose(1, 2).reshape(b, T, D))
+        return x + a + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+class T5(nn.Module):
+    """T5's RMSNorm, a relative position bias (a buffer here) added to unscaled scores, a
+    gated tanh-GELU MLP."""
+
+    def __init__(self):
+        super().__init__()
+        self.w1, self.w2 = nn.Parameter(torch.rand(D) + 0.5), nn.Parameter(torch.rand(D) + 0.5)
+        self.q, self.k, self.v, self.o = (nn.Linear(D, D, bias=False) for _ in range(4))
+        self.wi0, self.wi1 = nn.Linear(D, FF, bias=False), nn.Linear(D, FF, bias=False)
+        self.wo = nn.Linear(FF, D, bias=False)
+        self.register_buffer("bias", torch.randn(1, H, T, T))
+
+    def forward(self, x):
+        b, hd = x.shape[0], D // H
+        h = Llama.norm(x, self.w1)
+        q, k, v = (f(h).view(b, T, H, hd).transpose(1, 2) for f in (self.q, self.k, self.v))
+        a = torch.softmax(q @ k.transpose(-1, -2) + self.bias, dim=-1)
+        x = x + self.o((a @ v).transpose(1, 2).reshape(b, T, D))
+        h = Llama.norm(x, self.w2)
+        return x + self.wo(F.gelu(self.wi0(h), approximate="tanh") * self.wi1(h))
+
+
+class Gemma(nn.Module):
+    """RMSNorm scaled by 1 + w, multi-query attention (one key/value head, split from one
+    projection), scores soft-capped by tanh, a causal mask by `masked_fill`, GeGLU."""
+
+    def __init__(self):
+        super().__init__()
+        hd = D // H
+        self.w1, self.w2 = nn.Parameter(torch.rand(D) - 0.5), nn.Parameter(torch.rand(D) - 0.5)
+        self.q, self.o = nn.Linear(D, D, bias=False), nn.Linear(D, D, bias=False)
+        self.kv = nn.Linear(D, 2 * hd, bias=False)
+        self.g, self.u = nn.Linear(D, FF, bias=False), nn.Linear(D, FF, bias=False)
+        self.d = nn.Linear(FF, D, bias=False)
+        self.register_buffer("causal", torch.tril(torch.ones(T, T, dtype=torch.bool)))
+
+    def forward(self, x):
+        b, hd = x.shape[0], D // H
+        h = Llama.norm(x, 1 + self.w1)
+        q = self.q(h).view(b, T, H, hd).transpose(1, 2)
+        k, v = self.kv(h).view(b, T, 1, 2 * hd).transpose(1, 2).split(hd, -1)
+        scores = torch.tanh((q @ k.transpose(-1, -2)) * hd ** -0.5 / 50.0) * 50.0
+        a = torch.softmax(scores.masked_fill(~self.causal, float("-inf")), dim=-1)
+        x = x + self.o((a @ v).transpose(1, 2).reshape(b, T, D))
+        h = Llama.norm(x, 1 + self.w2)
+        return x + self.d(F.gelu(self.g(h), approximate="tanh") * self.u(h))
+
+
 def main() -> None:
-    global T, D, H, KV, FF
-    ap = argparse.ArgumentParser(description="export the GPT-2, LLaMA and BERT blocks")
+    global T, D, H, KV, FF, WINDOW
+    ap = argparse.ArgumentParser(description="export the transformer blocks")
     ap.add_argument("--tokens", type=int, default=T)
     ap.add_argument("--width", type=int, default=D)
     ap.add_argument("--heads", type=int, default=H)
@@ -113,13 +249,16 @@ def main() -> None:
                                              "suite's names)")
     args = ap.parse_args()
     T, D, H, KV, FF = args.tokens, args.width, args.heads, args.kv_heads, args.hidden
+    WINDOW = T // 2
     out, suffix = (args.out, f"-{T}-{D}") if args.out else (Path("."), "")
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     x = torch.randn(1, T, D)
     keep = (torch.rand(1, T) > 0.2).float()
-    for name, model, inputs in (("gpt2", GPT2(), (x,)), ("llama", Llama(), (x,)),
-                                ("bert", Bert(), (x, keep))):
+    models = (("gpt2", GPT2(), (x,)), ("llama", Llama(), (x,)), ("bert", Bert(), (x, keep)),
+              ("mistral", Mistral(), (x,)), ("vit", ViT(), (x,)), ("neox", NeoX(), (x,)),
+              ("t5", T5(), (x,)), ("gemma", Gemma(), (x,)))
+    for name, model, inputs in models:
         names = ["x", "m"][:len(inputs)]
         model = model.eval()
         torch.onnx.export(model, inputs, str(out / f"{name}{suffix}.onnx"), input_names=names,
