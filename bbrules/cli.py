@@ -681,10 +681,11 @@ def _totals(b: ProgramCost, a: ProgramCost) -> list[str]:
     ]
     lines = [f"{'':16} {'before':>14} {'after':>14}"]
     lines += [f"{name:16} {x:>14} {y:>14}" for name, x, y in rows]
+    faster = (f"modeled time {b.time / a.time:.2f}x less" if b.legal
+              else "the input does not fit local memory")
     lines.append(f"compulsory traffic {fmt_bytes(a.compulsory)} on {a.target.name}: before "
                  f"{b.traffic / a.compulsory:.2f}x, after {a.traffic / a.compulsory:.2f}x; "
-                 f"traffic {b.traffic / max(a.traffic, 1):.2f}x less, modeled time "
-                 f"{b.time / a.time:.2f}x less")
+                 f"traffic {b.traffic / max(a.traffic, 1):.2f}x less, {faster}")
     return lines
 
 

@@ -1,6 +1,7 @@
 """The CLI's fusion and code-generation commands: apply, codegen, run --backend, check, packs."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -125,6 +126,19 @@ def test_apply_refuses_when_no_legal_program_exists(extra, tmp_path, capsys):
     target = get_target(extra[1] if extra[:1] == ["--target"] else "h100")
     assert f"{target.name} has {fmt_bytes(target.local_capacity)}" in captured.err
     assert "inf" not in captured.err and "nan" not in captured.err
+
+
+def test_apply_tiles_a_program_blocked_too_coarsely_until_it_fits(tmp_path, capsys):
+    """Rows of 65,536 floats in one block do not fit the cpu target's 512 KiB, but halved
+    blocks do: apply says the input does not fit, writes a program in finer blocks, and that
+    program runs right."""
+    out = tmp_path / "x.bbk"
+    assert main(["apply", str(ROOT / "examples" / "softmax.bbp"), "--dim", "r=64/16",
+                 "--dim", "c=65536/65536", "--target", "cpu", "-o", str(out)]) == 0
+    assert "the input does not fit local memory" in capsys.readouterr().out
+    assert re.search(r"with c / (\d+)", out.read_text()).group(1) != "65536"
+    assert main(["run", str(out)]) == 0
+    assert ": ok" in capsys.readouterr().out
 
 
 def test_apply_reports_progress_when_asked_and_never_with_json(monkeypatch, capsys):
