@@ -337,14 +337,23 @@ def unrollable(p: BlockProgram, loop: Loop) -> bool:
     d = p.dims[loop.axis]
     if d.block != 1 or d.blocks > UNROLLED_BLOCKS:
         return False
-    nodes = list(body_nodes(loop))
-    gathered = one_hot_operands(nodes)
-    if not any(isinstance(n, Where) and n not in gathered and Pos(loop.axis) in postorder(n.c)
-               for n in nodes):
+    if loop.axis not in selected_by_position(list(body_nodes(loop))):
         return False
     skip = loop_predicate(loop)
     return skip is None or all(n.axis == loop.axis for n in postorder(skip)
                                if isinstance(n, Pos))
+
+
+def selected_by_position(nodes: Sequence[Node]) -> set[Axis]:
+    """The axes whose positions select among `nodes` (a `where` on a condition of positions and
+    numbers alone: RoPE's halves, a concatenation's chunks), the one-hot operands of
+    contractions left out (`one_hot_operands`).  Not a condition on data that happens to read
+    a position: a softmax's guard `bmax(scores) == -inf`, whose scores repeat a key head for
+    each query head it serves (`k + 0 * pos(g)`), does not select by g."""
+    gathered = one_hot_operands(nodes)
+    return {m.axis for n in nodes if isinstance(n, Where) and n not in gathered
+            and not any(isinstance(m, Load) for m in postorder(n.c))
+            for m in postorder(n.c) if isinstance(m, Pos)}
 
 
 def one_hot_operands(nodes: Sequence[Node]) -> set[Node]:
@@ -380,10 +389,7 @@ def ungridded(p: BlockProgram, k: Kernel) -> Kernel:
     once per block with the position known, its selections folded away, where over the
     vectorised grid each selection is a `where` over whole tiles."""
     kp = p.in_kernel(k)
-    nodes = [n for s in k.stores for n in postorder(s.value)]
-    gathered = one_hot_operands(nodes)
-    selected = {m.axis for n in nodes if isinstance(n, Where) and n not in gathered
-                for m in postorder(n.c) if isinstance(m, Pos)}
+    selected = selected_by_position([n for s in k.stores for n in postorder(s.value)])
     walked = [a for a in k.grid if a in selected and kp.dims[a].block == 1
               and kp.blocks(a) <= UNROLLED_BLOCKS and all(a in s.axes for s in k.stores)]
     if not walked:
