@@ -45,7 +45,7 @@ from bbrules.targets import get_target
 from timing import compare
 
 EXPORT = Path(__file__).resolve().parent.parent / "tests" / "models" / "export.py"
-BLOCKS = ("gpt2", "llama", "bert", "mistral")
+BLOCKS = ("gpt2", "llama", "bert", "mistral", "vit", "neox", "t5", "gemma")
 
 
 def main() -> int:
