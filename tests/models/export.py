@@ -70,56 +70,47 @@ class Llama(nn.Module):
         a, b = x.chunk(2, dim=-1)
         return x * self.cos + torch.cat((-b, a), dim=-1) * self.sin
 
+    @staticmethod
+    def repeat(t):
+        """Each key/value head once for each query head it serves."""
+        return t.repeat_interleave(H // KV, dim=1)
+
     def forward(self, x):
         b, hd = x.shape[0], D // H
         h = self.norm(x, self.w1)
         q = self.rope(self.q(h).view(b, T, H, hd).transpose(1, 2))
         k = self.rope(self.k(h).view(b, T, KV, hd).transpose(1, 2))
         v = self.v(h).view(b, T, KV, hd).transpose(1, 2)
-        k, v = k.repeat_interleave(H // KV, dim=1), v.repeat_interleave(H // KV, dim=1)
+        k, v = self.repeat(k), self.repeat(v)
         a = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(hd) + self.mask, dim=-1)
         x = x + self.o((a @ v).transpose(1, 2).reshape(b, T, D))
         h = self.norm(x, self.w2)
         return x + self.d(F.silu(self.g(h)) * self.u(h))
 
 
-class Mistral(nn.Module):
-    """Interleaved (GPT-J) RoPE on even and odd features, grouped-query heads repeated by
-    `expand` and `reshape`, a sliding-window causal mask, RMSNorm and a SwiGLU MLP."""
+class Mistral(Llama):
+    """LLaMA's weights with interleaved (GPT-J) RoPE on even and odd features, grouped-query
+    heads repeated by `expand` and `reshape`, and a sliding-window causal mask."""
 
     def __init__(self):
         super().__init__()
         hd = D // H
-        self.w1, self.w2 = nn.Parameter(torch.rand(D) + 0.5), nn.Parameter(torch.rand(D) + 0.5)
-        self.q, self.o = nn.Linear(D, D, bias=False), nn.Linear(D, D, bias=False)
-        self.k, self.v = nn.Linear(D, KV * hd, bias=False), nn.Linear(D, KV * hd, bias=False)
-        self.g, self.u = nn.Linear(D, FF, bias=False), nn.Linear(D, FF, bias=False)
-        self.d = nn.Linear(FF, D, bias=False)
         freqs = torch.outer(torch.arange(T).float(),
                             1.0 / (10000 ** (torch.arange(0, hd, 2).float() / hd)))
-        self.register_buffer("cos", freqs.cos())
-        self.register_buffer("sin", freqs.sin())
+        self.cos, self.sin = freqs.cos(), freqs.sin()  # (buffers, assigned anew)
         i = torch.arange(T)
         seen = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < WINDOW)
-        self.register_buffer("mask", torch.zeros(T, T).masked_fill(~seen, float("-inf")))
+        self.mask = torch.zeros(T, T).masked_fill(~seen, float("-inf"))
 
     def rope(self, x):
         a, b = x[..., 0::2], x[..., 1::2]
         return torch.stack((a * self.cos - b * self.sin, a * self.sin + b * self.cos),
                            -1).flatten(-2)
 
-    def forward(self, x):
-        b, hd = x.shape[0], D // H
-        h = Llama.norm(x, self.w1)
-        q = self.rope(self.q(h).view(b, T, H, hd).transpose(1, 2))
-        k = self.rope(self.k(h).view(b, T, KV, hd).transpose(1, 2))
-        v = self.v(h).view(b, T, KV, hd).transpose(1, 2)
-        k, v = (t[:, :, None].expand(b, KV, H // KV, T, hd).reshape(b, H, T, hd)
-                for t in (k, v))
-        a = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(hd) + self.mask, dim=-1)
-        x = x + self.o((a @ v).transpose(1, 2).reshape(b, T, D))
-        h = Llama.norm(x, self.w2)
-        return x + self.d(F.silu(self.g(h)) * self.u(h))
+    @staticmethod
+    def repeat(t):
+        b, hd = t.shape[0], D // H
+        return t[:, :, None].expand(b, KV, H // KV, T, hd).reshape(b, H, T, hd)
 
 
 class Bert(nn.Module):
