@@ -352,7 +352,7 @@ def selected_by_position(nodes: Sequence[Node]) -> set[Axis]:
     each query head it serves (`k + 0 * pos(g)`), does not select by g."""
     gathered = one_hot_operands(nodes)
     return {m.axis for n in nodes if isinstance(n, Where) and n not in gathered
-            and not any(isinstance(m, Load) for m in postorder(n.c))
+            and not any(isinstance(c, Load) for c in postorder(n.c))
             for m in postorder(n.c) if isinstance(m, Pos)}
 
 
