@@ -890,6 +890,7 @@ _ELEMENTWISE: dict[str, Callable[..., str]] = {
     "Or": lambda a, b: f"{a} or {b}",
     "Xor": lambda a, b: f"{a} != {b}",
     "Not": lambda a: f"not {a}",
+    "IsNaN": lambda a: f"{a} != {a}",  # true of NaN alone (torch's SDPA with a mask writes it)
     "Neg": lambda a: f"-{a}",
     "Abs": lambda a: f"abs({a})",
     "Exp": lambda a: f"exp({a})",

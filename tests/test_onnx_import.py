@@ -32,7 +32,7 @@ SUBSET = ["Add", "Mul", "Div", "Pow", "Sqrt", "Reciprocal", "Tanh", "Erf", "Gelu
           "LayerNormalization", "RMSNormalization", "Attention", "Transpose", "Reshape",
           "Squeeze", "Unsqueeze", "Expand", "Where", "Equal", "Less", "Identity", "Slice",
           "Concat", "Split", "RotaryEmbedding", "Conv", "Gather", "MaxPool", "AveragePool",
-          "Tile", "InstanceNormalization", "BatchNormalization", "Trilu", "Einsum"]
+          "Tile", "InstanceNormalization", "BatchNormalization", "Trilu", "Einsum", "IsNaN"]
 
 # ... and these must be among the passes (each a kind of attention or norm a model uses).
 MUST_PASS = ["test_attention_4d", "test_attention_4d_causal", "test_attention_4d_gqa",
