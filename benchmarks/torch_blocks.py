@@ -1,16 +1,17 @@
 """Transformer blocks as torch exports them, at a model's size, fused and run against onnxruntime.
 
-`tests/models/export.py` writes GPT-2, LLaMA, BERT and Mistral blocks as model code is usually
-written (a QKV projection split three ways, a buffer mask, `repeat_interleave`, an additive
-padding mask, RoPE on interleaved pairs, a sliding window), through torch's TorchScript
-exporter.  The suite runs them at width 32; this script exports them at a model's size
-(default 128 tokens, width 768, 12 heads, 4 key/value heads for LLaMA and Mistral, hidden
-3072: a GPT-2 small or BERT-base layer) with `--torch-python`, a Python that has torch and
-onnx (torch is no dependency of bbrules: a side environment), or reads blocks exported
-before (`--models DIR`; those not found there are left out).  Each block is imported, fused
-for the cpu target (by candidates), its native numpy module tuned (`numpy_timing.tune`: in
-parts or whole), checked against torch's own output, and timed against onnxruntime's CPU
-session on the same input (`timing.compare`: rounds, each contender after a pause).
+`tests/models/export.py` writes nine blocks (GPT-2, LLaMA, BERT, Mistral, ViT, GPT-NeoX, T5,
+Gemma, Qwen) as model code is usually written (a QKV projection split three ways, a buffer
+mask, `repeat_interleave`, an additive padding mask, RoPE on interleaved pairs, a sliding
+window, SDPA), through torch's TorchScript exporter.  The suite runs them at width 32; this
+script exports them at a model's size (default 128 tokens, width 768, 12 heads, 4 key/value
+heads in the grouped-query blocks, hidden 3072: a GPT-2 small or BERT-base layer) with
+`--torch-python`, a Python that has torch and onnx (torch is no dependency of bbrules: a side
+environment), or reads blocks exported before (`--models DIR`; those not found there are
+left out).  Each block is imported, fused for the cpu target (by candidates), its native numpy
+module tuned (`numpy_timing.tune`: in parts or whole), checked against torch's own output, and
+timed against onnxruntime's CPU session on the same input (`timing.compare`: rounds, each
+contender after a pause).
 Programs neither the rules nor the generator were shaped after: what they find on these is
 what a user's export would get.
 
@@ -45,7 +46,7 @@ from bbrules.targets import get_target
 from timing import compare
 
 EXPORT = Path(__file__).resolve().parent.parent / "tests" / "models" / "export.py"
-BLOCKS = ("gpt2", "llama", "bert", "mistral", "vit", "neox", "t5", "gemma")
+BLOCKS = ("gpt2", "llama", "bert", "mistral", "vit", "neox", "t5", "gemma", "qwen")
 
 
 def main() -> int:
@@ -59,7 +60,7 @@ def main() -> int:
     ap.add_argument("--width", type=int, default=768)
     ap.add_argument("--heads", type=int, default=12)
     ap.add_argument("--kv-heads", type=int, default=4,
-                    help="LLaMA's and Mistral's key/value heads")
+                    help="key/value heads of the grouped-query blocks")
     ap.add_argument("--hidden", type=int, default=3072)
     ap.add_argument("--rounds", type=int, default=5,
                     help="rounds of timed calls per runtime (`timing.compare`)")
@@ -88,7 +89,7 @@ def main() -> int:
         rows = [measure(stem, args.rounds) for stem in stems
                 if stem.with_suffix(".onnx").exists()]
     print(f"{args.tokens} tokens, width {args.width}, {args.heads} heads ({args.kv_heads} "
-          f"key/value heads in LLaMA and Mistral), hidden {args.hidden}; cpu target")
+          f"key/value heads in the grouped-query blocks), hidden {args.hidden}; cpu target")
     print("| block | kernels | traffic | fusion | error vs torch | fused native | "
           "onnxruntime | ratio |")
     print("|---|---|---|---|---|---|---|---|")

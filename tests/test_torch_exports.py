@@ -1,9 +1,9 @@
 """Transformer blocks as torch exports them (`tests/models/export.py`: GPT-2, LLaMA, BERT,
-Mistral, ViT, GPT-NeoX, T5 and Gemma blocks at width 32, opset 17), imported, fused and called
-as onnxruntime calls a model, against torch's own outputs.  Exporters write graphs no one
-writes by hand (a QKV split, a buffer mask through Where, `repeat_interleave` as Tile, a mask
-input made additive, RoPE on interleaved feature pairs, a sliding-window mask, attention by
-`scaled_dot_product_attention`), and the fusions differ by target and objective: each model
+Mistral, ViT, GPT-NeoX, T5, Gemma and Qwen blocks at width 32, opset 17), imported, fused and
+called as onnxruntime calls a model, against torch's own outputs.  Exporters write graphs no
+one writes by hand (a QKV split, a buffer mask through Where, `repeat_interleave` as Tile, a
+mask input made additive, RoPE on interleaved feature pairs, a sliding-window mask, attention
+by `scaled_dot_product_attention`), and the fusions differ by target and objective: each model
 runs where it once went wrong, or on a target and objective the others leave out."""
 
 from __future__ import annotations
@@ -36,6 +36,8 @@ MODELS = Path(__file__).parent / "models"
     ("neox", "cpu", "time", {}),
     ("t5", "cpu", "traffic", {}),
     ("gemma", "h100", "time", {}),
+    # SDPA given a boolean mask: the exporter zeroes NaN rows through IsNaN
+    ("qwen", "cpu", "time", {}),
 ])
 def test_an_exported_block_fused_computes_what_torch_does(name, target, objective, dims):
     saved = np.load(MODELS / f"{name}_io.npz")

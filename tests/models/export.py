@@ -1,4 +1,4 @@
-"""How the models of tests/test_torch_exports.py were made: eight transformer blocks written
+"""How the models of tests/test_torch_exports.py were made: nine transformer blocks written
 as model code usually is, exported by torch's TorchScript exporter (torch 2.13, opset 17)
 with one input and torch's own output for it (`NAME_io.npz`).  Not run by the suite (torch is
 no dependency):
@@ -228,6 +228,38 @@ class Gemma(nn.Module):
         return x + self.d(F.gelu(self.g(h), approximate="tanh") * self.u(h))
 
 
+class Qwen(Llama):
+    """LLaMA's weights with biases on Q, K and V, RMSNorm computed in float32 between casts (as
+    Hugging Face writes it), and `scaled_dot_product_attention` given a boolean causal mask,
+    which the exporter follows by zeroing NaN rows (`Where(IsNaN(p), 0, p)`)."""
+
+    def __init__(self):
+        super().__init__()
+        hd = D // H
+        self.q.bias = nn.Parameter(torch.randn(D) * 0.1)
+        self.k.bias = nn.Parameter(torch.randn(KV * hd) * 0.1)
+        self.v.bias = nn.Parameter(torch.randn(KV * hd) * 0.1)
+        self.register_buffer("causal", torch.tril(torch.ones(T, T, dtype=torch.bool)))
+
+    @staticmethod
+    def norm(x, w):
+        kind = x.dtype
+        x = x.to(torch.float32)
+        return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)).to(kind)
+
+    def forward(self, x):
+        b, hd = x.shape[0], D // H
+        h = self.norm(x, self.w1)
+        q = self.rope(self.q(h).view(b, T, H, hd).transpose(1, 2))
+        k = self.rope(self.k(h).view(b, T, KV, hd).transpose(1, 2))
+        v = self.v(h).view(b, T, KV, hd).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, self.repeat(k), self.repeat(v),
+                                           attn_mask=self.causal)
+        x = x + self.o(y.transpose(1, 2).reshape(b, T, D))
+        h = self.norm(x, self.w2)
+        return x + self.d(F.silu(self.g(h)) * self.u(h))
+
+
 def main() -> None:
     global T, D, H, KV, FF, WINDOW
     ap = argparse.ArgumentParser(description="export the transformer blocks")
@@ -248,7 +280,7 @@ def main() -> None:
     keep = (torch.rand(1, T) > 0.2).float()
     models = (("gpt2", GPT2(), (x,)), ("llama", Llama(), (x,)), ("bert", Bert(), (x, keep)),
               ("mistral", Mistral(), (x,)), ("vit", ViT(), (x,)), ("neox", NeoX(), (x,)),
-              ("t5", T5(), (x,)), ("gemma", Gemma(), (x,)))
+              ("t5", T5(), (x,)), ("gemma", Gemma(), (x,)), ("qwen", Qwen(), (x,)))
     for name, model, inputs in models:
         names = ["x", "m"][:len(inputs)]
         model = model.eval()
