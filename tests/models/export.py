@@ -75,15 +75,19 @@ class Llama(nn.Module):
         """Each key/value head once for each query head it serves."""
         return t.repeat_interleave(H // KV, dim=1)
 
+    def attend(self, q, k, v):
+        """Softmax attention of the query heads over the key/value heads repeated for them."""
+        k, v = self.repeat(k), self.repeat(v)
+        a = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(D // H) + self.mask, dim=-1)
+        return a @ v
+
     def forward(self, x):
         b, hd = x.shape[0], D // H
         h = self.norm(x, self.w1)
         q = self.rope(self.q(h).view(b, T, H, hd).transpose(1, 2))
         k = self.rope(self.k(h).view(b, T, KV, hd).transpose(1, 2))
         v = self.v(h).view(b, T, KV, hd).transpose(1, 2)
-        k, v = self.repeat(k), self.repeat(v)
-        a = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(hd) + self.mask, dim=-1)
-        x = x + self.o((a @ v).transpose(1, 2).reshape(b, T, D))
+        x = x + self.o(self.attend(q, k, v).transpose(1, 2).reshape(b, T, D))
         h = self.norm(x, self.w2)
         return x + self.d(F.silu(self.g(h)) * self.u(h))
 
@@ -247,17 +251,9 @@ class Qwen(Llama):
         x = x.to(torch.float32)
         return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)).to(kind)
 
-    def forward(self, x):
-        b, hd = x.shape[0], D // H
-        h = self.norm(x, self.w1)
-        q = self.rope(self.q(h).view(b, T, H, hd).transpose(1, 2))
-        k = self.rope(self.k(h).view(b, T, KV, hd).transpose(1, 2))
-        v = self.v(h).view(b, T, KV, hd).transpose(1, 2)
-        y = F.scaled_dot_product_attention(q, self.repeat(k), self.repeat(v),
-                                           attn_mask=self.causal)
-        x = x + self.o(y.transpose(1, 2).reshape(b, T, D))
-        h = self.norm(x, self.w2)
-        return x + self.d(F.silu(self.g(h)) * self.u(h))
+    def attend(self, q, k, v):
+        return F.scaled_dot_product_attention(q, self.repeat(k), self.repeat(v),
+                                              attn_mask=self.causal)
 
 
 def main() -> None:
