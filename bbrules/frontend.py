@@ -456,6 +456,13 @@ class _Checker:
                 raise self.error(group[0].span, f"a view of the ragged axis '{dim}' (its last "
                                  f"block is partial)")
             flat += group
+        # a ragged axis is laid out padded, so a view's elements would not be its base's
+        ragged = next((a for a in (*declared, *(f.name for f in flat)) if self.dims[a].ragged),
+                      None)
+        if ragged is not None:
+            raise self.error(r.name.span, f"a view of '{r.name.name}', whose axis '{ragged}' "
+                             f"is ragged (its last block is partial): give '{ragged}' a block "
+                             f"that divides its extent")
         axes = tuple(a.name for a in flat)
         self.axes(tuple(flat))
         name = f"{r.name.name}__{'_'.join(axes)}"

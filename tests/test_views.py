@@ -185,11 +185,13 @@ def test_heads_split_from_the_model_width_and_merged_by_the_output_projection(pa
     ("Y[t, h, d] = X[(t, h), d]", 17, "t (8) x h (2) is 16 elements, 't' of 'X' has 8"),
     ("Y[t, h, d] = X[t, (h, d), c]", 14, "'X' has 2 axes (X[t, e]), this reference gives 3"),
     ("Y[t, h, d] = R[t, (h, d)]", 20, "a view of the ragged axis 'r'"),
+    # (a KV cache of an odd length, its heads split for RoPE: once a traceback from lowering)
+    ("Y[r, h, d] = C[r, (h, d)]", 14, "a view of 'C', whose axis 'r' is ragged"),
 ])
 def test_views_whose_sizes_do_not_multiply_out_are_reported_where_they_are(body, column,
                                                                           message):
     text = ("dim t = 8 / 4\ndim e = 32 / 16\ndim h = 2 / 1\ndim d = 16\ndim c = 4\n"
-            "dim r = 32 / 12\ninput X[t, e], R[t, r] : f32\n" + body + "\noutput Y\n")
+            "dim r = 32 / 12\ninput X[t, e], R[t, r], C[r, e] : f32\n" + body + "\noutput Y\n")
     assert_reported(text, 8, column, message)
 
 
