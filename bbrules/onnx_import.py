@@ -57,6 +57,13 @@ def block_of(extent: int) -> int:
     return 64
 
 
+def dividing_block(extent: int) -> int:
+    """A block for a dimension a view reads, where `block_of`'s would leave the last one
+    ragged: the largest divisor of the extent from 16 to 64, else the whole extent (a KV cache
+    of 1023 past tokens, its heads split for RoPE, in blocks of 33)."""
+    return next((b for b in range(64, 15, -1) if extent % b == 0), extent)
+
+
 @dataclass(frozen=True)
 class Value:
     """An ONNX value as the program holds it.
@@ -660,8 +667,11 @@ class Importer:
 
     def text(self, outputs: dict[str, tuple[str, tuple[int, ...]]]) -> str:
         dims, extents = [], {}
+        viewed = self.viewed_extents()
         for extent in sorted(self.dim_copies):
             block = self.block(extent)
+            if extent % block and extent in viewed:
+                block = dividing_block(extent)
             for name, (e, b) in self.overrides.items():
                 if re.fullmatch(rf"d{extent}(_\d+)?", name) and e == extent and b:
                     block = b
@@ -678,6 +688,15 @@ class Importer:
                 *(f"output {', '.join(ts)}" + (f" : {dtype}" if dtype != "f32" else "")
                   for dtype, ts in stored.items())]
         return head + "\n".join(body) + "\n"
+
+    def viewed_extents(self) -> set[int]:
+        """The extents of the dimensions a view reads (a reference with a group of axes,
+        `pk[h, t, (p, i)]`): a view cannot hold a ragged axis, whose layout is padded."""
+        found = set()
+        for line in self.lines:
+            for inside in re.findall(r"\[([^\[\]]*\([^\[\]]*)\]", line):
+                found.update(int(e) for e in re.findall(r"\bd(\d+)(?:_\d+)?\b", inside))
+        return found
 
     def check_overrides(self, extents: dict[str, int]) -> None:
         """Every `--dim` names a symbolic dimension of the model (and sets its extent) or a

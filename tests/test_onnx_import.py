@@ -556,3 +556,28 @@ def test_a_shape_too_large_for_numpy_is_imported_and_priced_but_not_run(tmp_path
     assert bbrules("cost", str(path)).returncode == 0
     r = bbrules("run", str(path), "--no-fuse")
     assert r.returncode == 2 and "GiB of memory, more than" in r.stderr, r.stderr
+
+
+def test_a_dimension_read_through_a_view_gets_a_block_that_divides_it(tmp_path):
+    """A KV cache of 255 past tokens whose heads are split in halves (rotate-half RoPE): 255
+    in blocks of 64 would leave a ragged last block under a view, which the frontend refuses
+    (it once reached lowering and a traceback).  The import gives it blocks of 51."""
+    rng = np.random.default_rng(6)
+    shape = numpy_helper.from_array(np.array([255, 2, 32], np.int64), "shape")
+    scale = numpy_helper.from_array(rng.standard_normal((2, 32)).astype(np.float32), "scale")
+    graph = helper.make_graph(
+        [helper.make_node("Reshape", ["k", "shape"], ["halves"]),
+         helper.make_node("Mul", ["halves", "scale"], ["y"])], "cache",
+        [helper.make_tensor_value_info("k", TensorProto.FLOAT, [255, 64])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [255, 2, 32])], [shape, scale])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    onnx.save(model, str(tmp_path / "cache.onnx"))
+    imported = import_onnx(tmp_path / "cache.onnx")
+    assert re.search(r"^dim d255 = 255 / 51$", imported.text, re.M), imported.text
+    from bbrules.frontend import parse_program
+    from bbrules.lower import lower
+    fused = fuse(lower(parse_program(imported.text)), load_packs([]), get_target("cpu")).program
+    k = rng.standard_normal((255, 64)).astype(np.float32)
+    want = ReferenceEvaluator(model).run(None, {"k": k})[0]
+    got = imported.onnx_outputs(numpy_gen.run(fused, imported.bbp_inputs({"k": k})))["y"]
+    np.testing.assert_allclose(got, want, rtol=1e-6)
