@@ -280,6 +280,9 @@ class Importer:
                           1)
         self.lines: list[str] = []
         self.decls: list[str] = []
+        # extents of the axes a view reads (`reference`): a view cannot hold a ragged axis,
+        # whose layout is padded, so `text` gives them blocks that divide them
+        self.viewed: set[int] = set()
         self.values: dict[str, Value] = {}
         self.consts: dict[str, np.ndarray] = {}
         self.weights: dict[str, np.ndarray] = {}
@@ -470,11 +473,16 @@ class Importer:
             for k, p in enumerate(group):
                 hi, lo = mine[k], mine[k + 1]
                 piece_axes[p] = [names[i] for i in range(len(names)) if hi >= cut[i] > lo]
-        parts = []
+        parts, read = [], []
         for axis in range(len(self.tensor_axes[v.tensor])):
             axes = [n for p in range(len(v.pieces)) if v.owner[p] == axis
                     for n in piece_axes[p]]
             parts.append(axes[0] if len(axes) == 1 else f"({', '.join(axes)})")
+            read += axes
+        if len(read) > len(parts):  # a view
+            extent = {n: e for names, extents in zip(index.names, index.extents)
+                      for n, e in zip(names, extents)}
+            self.viewed.update(extent[n] for n in read)
         return f"{v.tensor}[{', '.join(parts)}]"
 
     def map(self, hint: str, args: Sequence[Value], fn: Callable[..., str]) -> Value:
@@ -667,10 +675,9 @@ class Importer:
 
     def text(self, outputs: dict[str, tuple[str, tuple[int, ...]]]) -> str:
         dims, extents = [], {}
-        viewed = self.viewed_extents()
         for extent in sorted(self.dim_copies):
             block = self.block(extent)
-            if extent % block and extent in viewed:
+            if extent % block and extent in self.viewed:
                 block = dividing_block(extent)
             for name, (e, b) in self.overrides.items():
                 if re.fullmatch(rf"d{extent}(_\d+)?", name) and e == extent and b:
@@ -688,15 +695,6 @@ class Importer:
                 *(f"output {', '.join(ts)}" + (f" : {dtype}" if dtype != "f32" else "")
                   for dtype, ts in stored.items())]
         return head + "\n".join(body) + "\n"
-
-    def viewed_extents(self) -> set[int]:
-        """The extents of the dimensions a view reads (a reference with a group of axes,
-        `pk[h, t, (p, i)]`): a view cannot hold a ragged axis, whose layout is padded."""
-        found = set()
-        for line in self.lines:
-            for inside in re.findall(r"\[([^\[\]]*\([^\[\]]*)\]", line):
-                found.update(int(e) for e in re.findall(r"\bd(\d+)(?:_\d+)?\b", inside))
-        return found
 
     def check_overrides(self, extents: dict[str, int]) -> None:
         """Every `--dim` names a symbolic dimension of the model (and sets its extent) or a
