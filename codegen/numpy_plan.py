@@ -93,6 +93,37 @@ def masks_as_offsets(k: Kernel) -> Kernel:
     return k if stores == k.stores else Kernel(k.grid, stores, k.blocks)
 
 
+def selections_as_gathers(p: BlockProgram, k: Kernel) -> Kernel:
+    """`k` with each in-block sum of a selection that pins the summed position, over blocks of
+    several elements, `bsum(a, where(c, x, 0))` where `c` is `pos(a) == e` (a concatenation
+    whose pieces share no chunk longer than one element, cut in the blocks of its axis: a KV
+    cache of 1023 tokens and the new one), written as the contraction by a one-hot it is,
+    `dot(a, where(c, 1, 0), x)`: a gather (`one_hot`), and a loop free to take the whole axis
+    (`_gathers`).  As a selection, numpy built each block's tile of `x` against every position
+    it might land at: 262 ms for the cache's keys, 0.4 ms gathered.  Over blocks of one
+    element a selection is no larger than its result, and unrolled (`unrollable`) it is a
+    slice: those stay selections."""
+    kp = p.in_kernel(k)
+
+    def gathered(n: Node, kids: tuple[Node, ...]) -> Node:
+        n = rebuild(n, kids)
+        if isinstance(n, BlockReduce) and n.op == "sum" and kp.block(n.axis) > 1 and \
+                isinstance(n.x, Where) and n.x.y == Const(0.0) and \
+                n.axis in _tile_shape(n.x.x):
+            dot = Dot(n.axis, Where(n.x.c, Const(1.0), Const(0.0)), n.x.x)
+            if one_hot(dot) is not None:
+                return dot
+        return n
+
+    stores = tuple(Store(s.tensor, s.axes, transform(s.value, gathered)) for s in k.stores)
+    return k if stores == k.stores else Kernel(k.grid, stores, k.blocks)
+
+
+def _tile_shape(n: Node) -> frozenset[Axis]:
+    t = type_of(n)
+    return t.shape if isinstance(t, TileType) else frozenset()
+
+
 def _constant_addend(total: Binary, x: Node) -> float | None:
     """`a` where `total` is `x + a` or `a + x` for a constant `a` (`-inf` is `neg(inf)`),
     else None."""
@@ -459,4 +490,5 @@ def coarsened(p: BlockProgram, k: Kernel, capacity: int) -> Kernel:
 def rewritten(p: BlockProgram, k: Kernel, capacity: int) -> Kernel:
     """`k` as the numpy backend writes it: masks as offsets, sums moved inward, short selecting
     grid axes walked by loops, and its loops' blocks coarsened (for local memory `capacity`)."""
-    return coarsened(p, ungridded(p, summed_inward(p, masks_as_offsets(k))), capacity)
+    k = selections_as_gathers(p, masks_as_offsets(k))
+    return coarsened(p, ungridded(p, summed_inward(p, k)), capacity)

@@ -675,6 +675,28 @@ def test_a_shift_by_a_one_hot_is_a_gather_and_a_guard_still_applies():
     assert_close(got, interp.run(p, inputs)["Y"], "vs interpreter")
 
 
+def test_a_concatenation_at_an_offset_no_block_divides_is_a_gather():
+    """A KV cache of 63 past tokens and the new one, as the import writes the concatenation
+    of pieces that share no chunk longer than one element: a selection summed over the
+    cache's positions (blocks of 9).  The numpy code gathers it in one call, with no loop over
+    the cache's blocks and no selection built against every position
+    (`numpy_plan.selections_as_gathers`); the numbers are the interpreter's and numpy's own
+    concatenation."""
+    source = ("dim p = 63 / 9\ndim t = 64 / 16\ndim d = 32\n"
+              "input C[p, d] : f32\ninput N[d] : f32\n"
+              "K[t, d] = (sum[p] where(p == t, C[p, d], 0)) + where(t == 63, N[d], 0)\n"
+              "output K\n")
+    ast = parse_program(source)
+    p = lower(ast)
+    kernel = numpy_gen.generate(p).split("def kernel_K")[1].split("\ndef ")[0]
+    assert kernel.count("gather_one_hot(") == 1, kernel
+    assert "loop over p" not in kernel and "elementwise_eq" not in kernel, kernel
+    inputs = random_inputs(ast, seed=5)
+    got = numpy_gen.run(p, inputs)["K"]
+    np.testing.assert_array_equal(got, np.concatenate([inputs["C"], inputs["N"][None]]))
+    assert_close(got, interp.run(p, inputs)["K"], "vs interpreter")
+
+
 def test_a_contraction_over_two_axes_is_one_matmul():
     """Rotate-half RoPE leaves a head split in halves, `sum[p, d] Q[q, p, d] * K[k, p, d]`:
     the sum over the halves of the contraction over d is one matmul over (p, d), not a
