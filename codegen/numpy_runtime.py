@@ -70,8 +70,8 @@ def _owner(array: np.ndarray) -> np.ndarray:
 def constant(tile: np.ndarray) -> np.ndarray:
     """`tile`, read-only: a tile a module computes once, when it loads, for every call (what
     `_stepping` finds of read-only positions it keeps)."""
-    if isinstance(tile, np.ndarray):
-        tile.flags.writeable = False
+    if isinstance(tile, np.ndarray):  # (the memory's owner too: a view of a fresh arange)
+        _owner(tile).flags.writeable = tile.flags.writeable = False
     return tile
 
 

@@ -680,8 +680,8 @@ def test_a_concatenation_at_an_offset_no_block_divides_is_a_gather():
     of pieces that share no chunk longer than one element: a selection summed over the
     cache's positions (blocks of 9).  The numpy code gathers it in one call, with no loop over
     the cache's blocks and no selection built against every position
-    (`numpy_plan.selections_as_gathers`); the numbers are the interpreter's and numpy's own
-    concatenation."""
+    (`numpy_plan.selections_as_gathers`), at positions computed once (`known_tile`); the
+    numbers are the interpreter's and numpy's own concatenation."""
     source = ("dim p = 63 / 9\ndim t = 64 / 16\ndim d = 32\n"
               "input C[p, d] : f32\ninput N[d] : f32\n"
               "K[t, d] = (sum[p] where(p == t, C[p, d], 0)) + where(t == 63, N[d], 0)\n"
@@ -691,6 +691,7 @@ def test_a_concatenation_at_an_offset_no_block_divides_is_a_gather():
     kernel = numpy_gen.generate(p).split("def kernel_K")[1].split("\ndef ")[0]
     assert kernel.count("gather_one_hot(") == 1, kernel
     assert "loop over p" not in kernel and "elementwise_eq" not in kernel, kernel
+    assert re.search(r"gather_one_hot\(\w+, \d+, \(\(known_\d+, \(\)\),\)", kernel), kernel
     inputs = random_inputs(ast, seed=5)
     got = numpy_gen.run(p, inputs)["K"]
     np.testing.assert_array_equal(got, np.concatenate([inputs["C"], inputs["N"][None]]))
@@ -999,6 +1000,9 @@ def test_the_steps_of_read_only_positions_are_found_once():
     fixed = numpy_runtime.constant(np.arange(8, dtype=np.float32).reshape(8, 1) + 3)
     first = numpy_runtime._window(values, 1, fixed, ())
     assert kept(fixed)
+    view = numpy_runtime.constant(np.arange(8, dtype=np.float32).reshape(8, 1))  # of an arange
+    numpy_runtime._window(values, 1, view, ())
+    assert kept(view) and not view.base.flags.writeable
     np.testing.assert_array_equal(numpy_runtime._window(values, 1, fixed, ()), first)
     np.testing.assert_array_equal(first.reshape(8), np.arange(3, 11))
     changing = np.arange(8, dtype=np.float32).reshape(8, 1)
