@@ -3,7 +3,8 @@
    dimensions; numpy_gen's `matmul` broadcasts the batch beforehand, broadcast dimensions have
    stride 0).  Any strides: a's elements are broadcast one at a time, so its layout does not
    matter; b is copied into panels of NR columns (`pack`), except in products of fewer rows
-   than MR, which read it in place (`thin`); out's rows must be contiguous.
+   than MR, which read it in place unless it comes packed (`thin`); out's rows must be
+   contiguous.
 
    Why not numpy's BLAS: on small products, the ones a transformer layer at a few hundred tokens
    is made of (128 x 256 by 256 x 512), OpenBLAS reached 227 GFLOP/s on 2 cores of an AVX-512
@@ -186,16 +187,21 @@ static long offset(const Product *p, const long *strides, long index) {
 }
 
 /* Thin products: fewer rows than the micro-kernel's MR (a vector times a matrix: a bias
-   through a weight; decode attention's one query).  A packed panel would serve one block of
-   rows, so b is read where it is: by rows where they are contiguous (each k adds a's elements
-   times b's row; 1 x 1024 by 1024 x 1024 packed took 290 µs, 3 times numpy's), by columns
-   where those are (a dot product along k per element of out).  M is a constant at each call
-   (`thin`), so the loops over rows unroll. */
+   through a weight, a decode step's projections; decode attention's one query).  Packing a
+   panel would serve one block of rows, so b is read where it is: by rows where they are
+   contiguous (each k adds a's elements times b's row; 1 x 1024 by 1024 x 1024 packed took
+   290 µs, 3 times numpy's), by columns where those are (a dot product along k per element
+   of out).  A constant b packed beforehand is read from its panels, one contiguous stream
+   per item where b's own rows are read 256 bytes a row apart: a 1 x 3072 by 3072 x 768
+   product, weights beyond the cache, took 403 µs on 2 cores of the AMD EPYC from panels
+   against 639 in place (onnxruntime, which packs its weights too: 380).  M is a constant at
+   each call (`thin`), so the loops over rows unroll. */
 
-/* out's M rows, columns [0, n), n <= NR, from b's rows in place (columns contiguous). */
+/* out's M rows, columns [0, n), n <= NR, from b's rows (columns contiguous), of which
+   `readable` columns may be read (NR in a panel, whose columns past n are zeros). */
 static inline __attribute__((always_inline)) void
 thin_rows(const float *a, long sm, long sk, const float *b, long sbk, long k, float *out,
-          long so, long n, const int M) {
+          long so, long n, long readable, const int M) {
     avec acc[MR][NV];
     for (int r = 0; r < M; r++)
         for (int v = 0; v < NV; v++)
@@ -203,7 +209,7 @@ thin_rows(const float *a, long sm, long sk, const float *b, long sbk, long k, fl
     float tail[NR] __attribute__((aligned(64))) = {0};
     for (long kk = 0; kk < k; kk++) {
         const float *row = b + kk * sbk;
-        if (n < NR) {  /* the last columns: through a zero-padded copy */
+        if (readable < NR) {  /* the last columns: through a zero-padded copy */
             memcpy(tail, row, sizeof(float) * n);
             row = tail;
         }
@@ -263,19 +269,25 @@ thin_dots(const float *a, long sm, const float *b, long sbn, long k, float *out,
     }
 }
 
-/* Batch entry e's columns from j (at most NR) of a thin product; 0 where its operands are
-   laid out for neither kernel (the caller packs). */
-static int thin(const Product *p, const float *a, const float *b, float *out, long n) {
+/* Batch entry e's columns from j (at most NR) of a thin product, from b or its panel
+   `packed` (NULL: none); 0 where its operands are laid out for neither kernel (the caller
+   packs). */
+static int thin(const Product *p, const float *a, const float *b, const float *packed,
+                float *out, long n) {
     const int d = p->dims;
-    const long sm = p->sa[d], sk = p->sa[d + 1], sbk = p->sb[d], sbn = p->sb[d + 1];
+    const long sm = p->sa[d], sk = p->sa[d + 1];
+    const long sbk = packed ? NR : p->sb[d], sbn = packed ? 1 : p->sb[d + 1];
+    const long readable = packed ? NR : n;
     const int rowwise = sbn == 1, dots = !rowwise && sbk == 1 && sk == 1;
+    if (packed)
+        b = packed;
     if (!rowwise && !dots)
         return 0;
     switch (p->m) {
 #define THIN(M) \
     case M: \
         if (rowwise) \
-            thin_rows(a, sm, sk, b, sbk, p->k, out, p->so[d], n, M); \
+            thin_rows(a, sm, sk, b, sbk, p->k, out, p->so[d], n, readable, M); \
         else \
             thin_dots(a, sm, b, sbn, p->k, out, p->so[d], n, M); \
         return 1;
@@ -306,12 +318,12 @@ static void rows(const Product *p, long e, long j, long r0, long r1, float *pane
     float *out = p->out + offset(p, p->so, e) + j;
     const float *c = p->c == NULL ? NULL : p->c + offset(p, p->sc, e) + j * p->sc[d + 1];
     const long scm = p->sc[d], scn = p->sc[d + 1];
-    if (p->m < MR && thin(p, a, b, out, n)) {
+    const float *held = p->panels == NULL ? panel : p->panels + j * p->k;
+    if (p->m < MR && thin(p, a, b, p->panels == NULL ? NULL : held, out, n)) {
         if (c != NULL || p->scale != 1.0f)
             finish(p, p->scale, e, j, r0, r1, n);
         return;
     }
-    const float *held = p->panels == NULL ? panel : p->panels + j * p->k;
     for (long k0 = 0; k0 < p->k; k0 += KC) {
         const long kc = p->k - k0 < KC ? p->k - k0 : KC;
         const float *from = p->panels == NULL ? panel : held + k0 * NR;

@@ -109,13 +109,13 @@ def panels(b: np.ndarray) -> np.ndarray:
 def _constant_panels(x: np.ndarray, y: np.ndarray) -> np.ndarray | None:
     """`y`'s panels where `y` is a 2-D view of a constant (`constant_relaid`), packed once and
     kept while the constant lives; None for any other operand, which the product packs
-    itself, for products of fewer rows than the micro-kernel's, which read `y` in place, and
-    for fewer columns than a panel's: a loop's narrow slices of a weight (RMSNorm + FFN's
-    blocks of 4 hidden units) would each be padded to a panel and kept, many times the weight.
-    A model's weights are read every call: packing them took 10-20% of a 128 x 768 by 768 x
-    3072 product (onnxruntime, too, packs its initializers once)."""
-    if y.ndim != 2 or x.shape[-2] < PANEL_ROWS or y.shape[1] < panel_width() or \
-            not PACK_CONSTANTS:
+    itself, or reads in place where it has fewer rows than the micro-kernel's, and for fewer
+    columns than a panel's: a loop's narrow slices of a weight (RMSNorm + FFN's blocks of 4
+    hidden units) would each be padded to a panel and kept, many times the weight.  A model's
+    weights are read every call: packing them took 10-20% of a 128 x 768 by 768 x 3072
+    product (onnxruntime, too, packs its initializers once), and a product by one row (a
+    decode step's) reads each panel as one stream where the weight's rows lie apart."""
+    if y.ndim != 2 or y.shape[1] < panel_width() or not PACK_CONSTANTS:
         return None
     return constant_relaid(y, panels, "panels", address=address())
 
@@ -133,9 +133,6 @@ def compiled_matmul() -> Callable[[np.ndarray, np.ndarray, int], np.ndarray]:
 # 64 x 128, 9.0 against 16.9), and the native product runs on one thread.
 MIN_ROWS = 16
 MIN_MACS = 1 << 19
-
-# Rows of the micro-kernel (matmul.c's MR): a product of fewer reads b in place, unpacked.
-PANEL_ROWS = 6
 
 # Constants are packed once unless `$BBRULES_PACK_CONSTANTS` is 0 (memory for speed: the
 # panels take a model's weights' memory again).

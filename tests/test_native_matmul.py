@@ -76,6 +76,20 @@ def test_thin_products_read_the_matrix_in_place(m, n, k, transposed):
     close_to_float64(out, x, y)
 
 
+@pytest.mark.parametrize("m", [1, 2, 5])
+@pytest.mark.parametrize("n", [3, 64, 67, 130])
+@pytest.mark.parametrize("k", [1, 17, 1100])
+def test_thin_products_read_a_packed_matrix_from_its_panels(m, n, k):
+    """A decode step's projection: a constant weight comes packed, and a product of fewer rows
+    than the micro-kernel's streams each panel, the zeros past the last column never stored;
+    the addend and scale as any product applies them."""
+    x, y, c = rand(m, k, seed=m), rand(k, n, seed=n), rand(1, n, seed=k)
+    out = np.full((m, n), np.nan, np.float32)
+    assert native_matmul.product()(out, x, y, c, 0.5, native_matmul.panels(y), 2) == 0
+    want = c.astype(np.float64) + 0.5 * (x.astype(np.float64) @ y.astype(np.float64))
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
 @pytest.mark.parametrize("layout", ["transposed", "strided", "column-major x", "both"])
 def test_operands_in_any_layout(layout):
     """A weight read as W^T (columns contiguous: packed 16 x 16 at a time through registers),
@@ -186,15 +200,17 @@ def test_a_constant_operand_is_packed_once(monkeypatch):
     """A read-only right operand (a model's weight) is packed on first use and its panels
     kept, for a view of it too (as a module reads `W.T.reshape(..).T`), and the product is the
     one a call that packs it computes; a writeable one, which may change between calls, is
-    packed by each product, as is a slice narrower than a panel, and a product of a few rows
-    reads it in place; none is kept where `$BBRULES_PACK_CONSTANTS` is 0."""
+    packed by each product, as is a slice narrower than a panel; a product of a few rows
+    reads the panels too; none is kept where `$BBRULES_PACK_CONSTANTS` is 0."""
     x, w = rand(40, 96, seed=1), rand(96, 200, seed=2)
     weight = constant(w)
     kept = native_matmul._constant_panels(x, weight)
     assert kept is not None and not kept.flags.writeable
     assert native_matmul._constant_panels(x, weight.T.T) is kept
     assert native_matmul._constant_panels(x, w) is None
-    assert native_matmul._constant_panels(x[:3], weight) is None
+    assert native_matmul._constant_panels(x[:1], weight) is kept
+    np.testing.assert_array_equal(native_matmul.matmul(x[:1], weight, 2),
+                                  native_matmul.matmul(x[:1], w, 2))
     narrow = weight[:, :native_matmul.panel_width() - 1]  # (a loop's slice: padded, kept)
     assert native_matmul._constant_panels(x, narrow) is None
     # Slices of one shape and strides are told apart by where they start (`bb_address`).
