@@ -1,15 +1,17 @@
 """Transformer blocks as torch exports them, at a model's size, fused and run against onnxruntime.
 
 `tests/models/export.py` writes nine blocks (GPT-2, LLaMA, BERT, Mistral, ViT, GPT-NeoX, T5,
-Gemma, Qwen) as model code is usually written (a QKV projection split three ways, a buffer
-mask, `repeat_interleave`, an additive padding mask, RoPE on interleaved pairs, a sliding
-window, SDPA), through torch's TorchScript exporter.  The suite runs them at width 32; this
+Gemma, Qwen) and a LLaMA decode step as model code is usually written (a QKV projection split
+three ways, a buffer mask, `repeat_interleave`, an additive padding mask, RoPE on interleaved
+pairs, a sliding window, SDPA, a KV cache grown by `torch.cat`), through torch's TorchScript
+exporter.  The suite runs them at width 32; this
 script exports them at a model's size (default 128 tokens, width 768, 12 heads, 4 key/value
-heads in the grouped-query blocks, hidden 3072: a GPT-2 small or BERT-base layer) with
+heads in the grouped-query blocks, hidden 3072: a GPT-2 small or BERT-base layer; the decode
+step's cache holds TOKENS - 1 tokens before the new one) with
 `--torch-python`, a Python that has torch and onnx (torch is no dependency of bbrules: a side
 environment), or reads blocks exported before (`--models DIR`; those not found there are
 left out).  Each block is imported, fused for the cpu target (by candidates), its native numpy
-module tuned (`numpy_timing.tune`: in parts or whole), checked against torch's own output, and
+module tuned (`numpy_timing.tune`: in parts or whole), checked against torch's own outputs, and
 timed against onnxruntime's CPU session on the same input (`timing.compare`: rounds, each
 contender after a pause).
 Programs neither the rules nor the generator were shaped after: what they find on these is
@@ -17,6 +19,7 @@ what a user's export would get.
 
     python benchmarks/torch_blocks.py --torch-python /path/to/python [--tokens 128]
         [--width 768] [--heads 12] [--kv-heads 4] [--hidden 3072] [--rounds 5] [--json PATH]
+        [--blocks decode,llama]
     python benchmarks/torch_blocks.py --models DIR      # NAME-TOKENS-WIDTH.onnx, _io.npz
 
 Nothing is asserted: this measures.
@@ -46,7 +49,7 @@ from bbrules.targets import get_target
 from timing import compare
 
 EXPORT = Path(__file__).resolve().parent.parent / "tests" / "models" / "export.py"
-BLOCKS = ("gpt2", "llama", "bert", "mistral", "vit", "neox", "t5", "gemma", "qwen")
+BLOCKS = ("gpt2", "llama", "bert", "mistral", "vit", "neox", "t5", "gemma", "qwen", "decode")
 
 
 def main() -> int:
@@ -65,7 +68,13 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5,
                     help="rounds of timed calls per runtime (`timing.compare`)")
     ap.add_argument("--json", type=Path, metavar="PATH", help="write the rows as JSON")
+    ap.add_argument("--blocks", default=",".join(BLOCKS),
+                    help=f"the blocks to measure, by name (default: {','.join(BLOCKS)})")
     args = ap.parse_args()
+    blocks = [b for b in args.blocks.split(",") if b]
+    if unknown := set(blocks) - set(BLOCKS):
+        print(f"unknown blocks: {', '.join(sorted(unknown))}", file=sys.stderr)
+        return 2
     if not native.available():
         print("no C compiler: the native module cannot be built", file=sys.stderr)
         return 2
@@ -82,7 +91,7 @@ def main() -> int:
                 print(f"exporting failed: {done.stderr.strip()[-2000:]}", file=sys.stderr)
                 return 2
             print(f"exported in {time.perf_counter() - started:.1f} s", file=sys.stderr)
-        stems = [folder / f"{name}-{args.tokens}-{args.width}" for name in BLOCKS]
+        stems = [folder / f"{name}-{args.tokens}-{args.width}" for name in blocks]
         for stem in stems:
             if not stem.with_suffix(".onnx").exists():
                 print(f"{stem}.onnx: not found, left out", file=sys.stderr)
@@ -110,7 +119,8 @@ def measure(stem: Path, rounds: int) -> dict:
     """One exported block (`stem`.onnx, `stem`_io.npz): fused, checked and timed."""
     import onnxruntime
     saved = np.load(f"{stem}_io.npz")
-    feed = {k: saved[k] for k in saved.files if k != "y"}
+    session = onnxruntime.InferenceSession(f"{stem}.onnx", providers=["CPUExecutionProvider"])
+    feed = {i.name: saved[i.name] for i in session.get_inputs()}
     started = time.perf_counter()
     imported = import_onnx(f"{stem}.onnx")
     program = lower(parse_program(imported.text, f"{stem.name}.onnx"))
@@ -119,9 +129,9 @@ def measure(stem: Path, rounds: int) -> dict:
     fusion = time.perf_counter() - started
     inputs = imported.bbp_inputs(feed)
     tuned = tune(r.program, inputs, native=True)
-    y = imported.onnx_outputs(tuned.module.outputs(**inputs))["y"]
-    error = float(np.abs(y - saved["y"]).max() / np.abs(saved["y"]).max())
-    session = onnxruntime.InferenceSession(f"{stem}.onnx", providers=["CPUExecutionProvider"])
+    got = imported.onnx_outputs(tuned.module.outputs(**inputs))
+    error = max(float(np.abs(y - saved[n]).max() / np.abs(saved[n]).max())
+                for n, y in got.items())
     timed = compare({"native": lambda: tuned.module.outputs(**inputs),
                      "onnxruntime": lambda: session.run(None, feed)}, rounds)
     ours, theirs = timed["native"], timed["onnxruntime"]

@@ -1,6 +1,6 @@
-"""How the models of tests/test_torch_exports.py were made: nine transformer blocks written
-as model code usually is, exported by torch's TorchScript exporter (torch 2.13, opset 17)
-with one input and torch's own output for it (`NAME_io.npz`).  Not run by the suite (torch is
+"""How the models of tests/test_torch_exports.py were made: nine transformer blocks and a
+decode step written as model code usually is, exported by torch's TorchScript exporter
+(torch 2.13, opset 17) with their inputs and torch's own outputs for them (`NAME_io.npz`).  Not run by the suite (torch is
 no dependency):
 
     python tests/models/export.py      # in an environment with torch and onnx
@@ -256,6 +256,27 @@ class Qwen(Llama):
                                               attn_mask=self.causal)
 
 
+class Decode(Llama):
+    """One step of LLaMA's decoding: one new token at position T - 1, the keys and values of
+    the T - 1 tokens before it given as inputs (a KV cache), the new token's appended by
+    `torch.cat`, and the grown cache returned beside y."""
+
+    def __init__(self):
+        super().__init__()
+        self.cos, self.sin = self.cos[-1:], self.sin[-1:]  # RoPE at the new token's position
+
+    def forward(self, x, pk, pv):
+        b, hd = x.shape[0], D // H
+        h = self.norm(x, self.w1)
+        q = self.rope(self.q(h).view(b, 1, H, hd).transpose(1, 2))
+        k = torch.cat((pk, self.rope(self.k(h).view(b, 1, KV, hd).transpose(1, 2))), 2)
+        v = torch.cat((pv, self.v(h).view(b, 1, KV, hd).transpose(1, 2)), 2)
+        a = torch.softmax(q @ self.repeat(k).transpose(-1, -2) / math.sqrt(hd), dim=-1)
+        x = x + self.o((a @ self.repeat(v)).transpose(1, 2).reshape(b, 1, D))
+        h = self.norm(x, self.w2)
+        return x + self.d(F.silu(self.g(h)) * self.u(h)), k, v
+
+
 def main() -> None:
     global T, D, H, KV, FF, WINDOW
     ap = argparse.ArgumentParser(description="export the transformer blocks")
@@ -274,19 +295,24 @@ def main() -> None:
     torch.manual_seed(0)
     x = torch.randn(1, T, D)
     keep = (torch.rand(1, T) > 0.2).float()
-    models = (("gpt2", GPT2(), (x,)), ("llama", Llama(), (x,)), ("bert", Bert(), (x, keep)),
-              ("mistral", Mistral(), (x,)), ("vit", ViT(), (x,)), ("neox", NeoX(), (x,)),
-              ("t5", T5(), (x,)), ("gemma", Gemma(), (x,)), ("qwen", Qwen(), (x,)))
+    models = [("gpt2", GPT2(), {"x": x}), ("llama", Llama(), {"x": x}),
+              ("bert", Bert(), {"x": x, "m": keep}), ("mistral", Mistral(), {"x": x}),
+              ("vit", ViT(), {"x": x}), ("neox", NeoX(), {"x": x}), ("t5", T5(), {"x": x}),
+              ("gemma", Gemma(), {"x": x}), ("qwen", Qwen(), {"x": x})]
+    decode = Decode()
+    past = {n: torch.randn(1, KV, T - 1, D // H) for n in ("pk", "pv")}
+    models.append(("decode", decode, {"x": x[:, -1:], **past}))
     for name, model, inputs in models:
-        names = ["x", "m"][:len(inputs)]
         model = model.eval()
-        torch.onnx.export(model, inputs, str(out / f"{name}{suffix}.onnx"), input_names=names,
-                          output_names=["y"], opset_version=17, dynamo=False)
+        outputs = ["y", "k", "v"] if isinstance(model, Decode) else ["y"]
+        torch.onnx.export(model, tuple(inputs.values()), str(out / f"{name}{suffix}.onnx"),
+                          input_names=list(inputs), output_names=outputs, opset_version=17,
+                          dynamo=False)
         with torch.no_grad():
-            y = model(*inputs)
-        np.savez(out / f"{name}{suffix}_io.npz", **{n: a.numpy() for n, a in zip(names, inputs)},
-                 y=y.numpy())
-
+            ys = model(*inputs.values())
+        ys = ys if isinstance(ys, tuple) else (ys,)
+        np.savez(out / f"{name}{suffix}_io.npz", **{n: a.numpy() for n, a in inputs.items()},
+                 **{n: a.numpy() for n, a in zip(outputs, ys)})
 
 if __name__ == "__main__":
     main()
