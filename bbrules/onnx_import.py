@@ -278,11 +278,14 @@ class Importer:
         self.overrides = dims
         self.opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")),
                           1)
-        self.lines: list[str] = []
+        self.lines: list[tuple[str, str, frozenset[str]]] = []  # (target, text, tensors read)
         self.decls: list[str] = []
         # extents of the axes a view reads (`reference`): a view cannot hold a ragged axis,
         # whose layout is padded, so `text` gives them blocks that divide them
         self.viewed: set[int] = set()
+        # a slice -> (what it slices, along which dimension, from where): a concatenation
+        # that puts a slice back where it was reads its source there (`gather_parts`)
+        self.sliced: dict[Value, tuple[Value, int, int]] = {}
         self.values: dict[str, Value] = {}
         self.consts: dict[str, np.ndarray] = {}
         self.weights: dict[str, np.ndarray] = {}
@@ -448,7 +451,8 @@ class Importer:
         for a in out_axes:  # a broadcast store: `0 * a` names the axis, the value is unchanged
             if not re.search(rf"\b{a}\b", body):
                 body = f"{body} + 0 * {a}"
-        self.lines.append(f"{target}[{', '.join(out_axes)}] = {body}")
+        self.lines.append((target, f"{target}[{', '.join(out_axes)}] = {body}",
+                           frozenset(v.tensor for v, _ in operands if v.tensor is not None)))
         self.tensor_axes[target] = tuple(e for d in out for e in atoms[d])
         groups, i = [], 0
         for d in out:
@@ -691,10 +695,21 @@ class Importer:
         stored: dict[str, list[str]] = {}  # outputs by storage type: ONNX's, where bbrules has it
         for name, (tensor, _) in outputs.items():
             stored.setdefault(_DTYPES.get(self.elem_types.get(name, 1), "f32"), []).append(tensor)
-        body = [*dims, "", *self.decls, "", *self.lines, "",
+        body = [*dims, "", *self.decls, "", *self.live(outputs), "",
                 *(f"output {', '.join(ts)}" + (f" : {dtype}" if dtype != "f32" else "")
                   for dtype, ts in stored.items())]
         return head + "\n".join(body) + "\n"
+
+    def live(self, outputs: dict[str, tuple[str, tuple[int, ...]]]) -> list[str]:
+        """The statements an output depends on, in order: a slice that a concatenation no
+        longer reads (it reads the slice's source: `gather_parts`) is left out."""
+        needed = {tensor for tensor, _ in outputs.values()}
+        kept = []
+        for target, text, reads in reversed(self.lines):
+            if target in needed:
+                kept.append(text)
+                needed |= reads
+        return kept[::-1]
 
     def check_overrides(self, extents: dict[str, int]) -> None:
         """Every `--dim` names a symbolic dimension of the model (and sets its extent) or a
@@ -1056,17 +1071,23 @@ def _transpose(im: Importer, node) -> list[Value]:
 
 
 def gather_parts(im: Importer, hint: str, parts: Sequence[tuple[Value, int]], axis: int,
-                 length: int) -> Value:
+                 length: int, kept: Sequence[tuple[Value, int, int]] = ()) -> Value:
     """`length` elements along `axis` assembled from slices of `parts`: part (x, at) places
-    x's elements from position `at` of the result (negative: x is cut off before it).
+    x's elements from position `at` of the result (negative: x is cut off before it), and
+    each of `kept`, (y, lo, hi), y's own elements at positions lo .. hi - 1 (y has the
+    result's shape: a concatenation puts a slice of y back where it was).
 
     No statement can shift an index, so each part is read through a view that cuts `axis`
     into chunks of g elements (g divides every boundary) and chosen by a one-hot sum over its
     chunks: y[q, i] = sum over p of where(p == q + offset, x[p, i], 0).  Block skipping visits
     only the blocks of chunks whose predicate may hold (one chunk per block where the chunks are
-    few, so then no more data moves than the selection holds)."""
-    shape = parts[0][0].shape
-    g = math.gcd(length, *(n for x, at in parts for n in (x.shape[axis], at)))
+    few, so then no more data moves than the selection holds).  A kept piece needs no shift:
+    it is a selection by the chunk's position, elementwise, which forwarding can take into
+    the reader (GPT-NeoX's query and key heads, a quarter rotated and concatenated back to
+    the other three: two kernels of their own each)."""
+    shape = (parts or kept)[0][0].shape
+    g = math.gcd(length, *(n for x, at in parts for n in (x.shape[axis], at)),
+                 *(b for _, lo, hi in kept for b in (lo, hi)))
     outer = tuple(shape[:axis]) + (length // g, g) + tuple(shape[axis + 1:])
     r = len(outer)
     dims = [*outer, *(x.shape[axis] // g for x, _ in parts)]
@@ -1077,6 +1098,9 @@ def gather_parts(im: Importer, hint: str, parts: Sequence[tuple[Value, int]], ax
         where[axis] = r + k
         operands.append((viewed, [d if viewed.shape[j] == dims[d] else None
                                   for j, d in enumerate(where)]))
+    for y, _, _ in kept:
+        viewed = im.reshape(y, outer)
+        operands.append((viewed, [d if n == outer[d] else None for d, n in enumerate(viewed.shape)]))
 
     def expr(refs: list[str], ix: _Index) -> str:
         terms = []
@@ -1084,6 +1108,9 @@ def gather_parts(im: Importer, hint: str, parts: Sequence[tuple[Value, int]], ax
             hit = f"{ix.position(r + k)} == {ix.position(axis)} - {at // g}" if at >= 0 else \
                 f"{ix.position(r + k)} == {ix.position(axis)} + {-at // g}"
             terms.append(reduce_expr("sum", ix.axes([r + k]), f"where({hit}, {ref}, 0)"))
+        q = ix.position(axis)
+        for ref, (_, lo, hi) in zip(refs[len(parts):], kept):
+            terms.append(f"where({q} >= {lo // g} and {q} < {hi // g}, {ref}, 0)")
         return " + ".join(terms)
     y = im.statement(hint, dims, range(r), operands, expr)
     return im.reshape(y, tuple(shape[:axis]) + (length,) + tuple(shape[axis + 1:]))
@@ -1092,7 +1119,9 @@ def gather_parts(im: Importer, hint: str, parts: Sequence[tuple[Value, int]], ax
 def _slice(im: Importer, hint: str, x: Value, axis: int, start: int, stop: int) -> Value:
     if (start, stop) == (0, x.shape[axis]):
         return x
-    return gather_parts(im, hint, [(x, -start)], axis, stop - start)
+    y = gather_parts(im, hint, [(x, -start)], axis, stop - start)
+    im.sliced[y] = (x, axis, start)
+    return y
 
 
 @lowering("Slice")
@@ -1243,11 +1272,17 @@ def _concat(im: Importer, node) -> list[Value]:
     xs = [x for x in xs if x.shape[axis] > 0]
     if len(xs) == 1:
         return xs
-    parts, at = [], 0
+    length = sum(x.shape[axis] for x in xs)
+    shape = xs[0].shape[:axis] + (length,) + xs[0].shape[axis + 1:]
+    parts, kept, at = [], [], 0
     for x in xs:
-        parts.append((x, at))
+        source = im.sliced.get(x)
+        if source is not None and source[1:] == (axis, at) and source[0].shape == shape:
+            kept.append((source[0], at, at + x.shape[axis]))  # back where it was sliced from
+        else:
+            parts.append((x, at))
         at += x.shape[axis]
-    return [gather_parts(im, node.output[0], parts, axis, at)]
+    return [gather_parts(im, node.output[0], parts, axis, length, kept)]
 
 
 @lowering("Conv")

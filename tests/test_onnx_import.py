@@ -581,3 +581,44 @@ def test_a_dimension_read_through_a_view_gets_a_block_that_divides_it(tmp_path):
     want = ReferenceEvaluator(model).run(None, {"k": k})[0]
     got = imported.onnx_outputs(numpy_gen.run(fused, imported.bbp_inputs({"k": k})))["y"]
     np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def test_a_slice_concatenated_back_where_it_was_is_read_from_its_source(tmp_path):
+    """GPT-NeoX's partial rotary: a quarter of each head rotated, the rest sliced off and
+    concatenated back after it.  The concatenation reads the rest from the head itself, a
+    selection by the chunk's position (elementwise: forwarding takes it into its readers),
+    and the slice it no longer reads is not written at all, unless another reader needs it: a
+    concatenation that moves it (z) gathers it as before.  Numbers: ONNX's reference
+    evaluator."""
+    rng = np.random.default_rng(9)
+    consts = [numpy_helper.from_array(np.array(v, np.int64), n) for n, v in
+              (("zero", [0]), ("rot", [16]), ("end", [64]), ("axis", [1]))]
+    nodes = [helper.make_node("Slice", ["x", "zero", "rot", "axis"], ["head"]),
+             helper.make_node("Slice", ["x", "rot", "end", "axis"], ["rest"]),
+             helper.make_node("Neg", ["head"], ["rotated"]),
+             helper.make_node("Concat", ["rotated", "rest"], ["y"], axis=1),
+             helper.make_node("Concat", ["rest", "head"], ["z"], axis=1)]
+    x = rng.standard_normal((8, 64)).astype(np.float32)
+    from bbrules.frontend import parse_program
+    from bbrules.lower import lower
+    for outputs in ("y", "yz"):
+        graph = helper.make_graph(
+            nodes[:3 + len(outputs)], "partial",
+            [helper.make_tensor_value_info("x", TensorProto.FLOAT, [8, 64])],
+            [helper.make_tensor_value_info(n, TensorProto.FLOAT, [8, 64]) for n in outputs],
+            consts)
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+        onnx.save(model, str(tmp_path / "partial.onnx"))
+        imported = import_onnx(tmp_path / "partial.onnx")
+        lines = {line.split("[")[0]: line for line in imported.text.splitlines()
+                 if "] = " in line}
+        assert "sum[" not in lines["y"], imported.text
+        assert re.search(r"where\(\(\w+\) >= 1 and \(\w+\) < 4, x\[", lines["y"]), lines["y"]
+        assert ("rest" in lines) == ("z" in outputs), imported.text
+        if "z" in outputs:
+            assert "sum[" in lines["z"] and "rest[" in lines["z"], lines["z"]
+        want = ReferenceEvaluator(model).run(None, {"x": x})
+        program = lower(parse_program(imported.text))
+        got = imported.onnx_outputs(numpy_gen.run(program, imported.bbp_inputs({"x": x})))
+        for name, expected in zip(outputs, want):
+            np.testing.assert_array_equal(got[name], expected)
