@@ -1100,7 +1100,8 @@ def gather_parts(im: Importer, hint: str, parts: Sequence[tuple[Value, int]], ax
                                   for j, d in enumerate(where)]))
     for y, _, _ in kept:
         viewed = im.reshape(y, outer)
-        operands.append((viewed, [d if n == outer[d] else None for d, n in enumerate(viewed.shape)]))
+        operands.append((viewed, [d if n == outer[d] else None
+                                  for d, n in enumerate(viewed.shape)]))
 
     def expr(refs: list[str], ix: _Index) -> str:
         terms = []

@@ -193,8 +193,8 @@ static long offset(const Product *p, const long *strides, long index) {
    290 µs, 3 times numpy's), by columns where those are (a dot product along k per element
    of out).  A constant b packed beforehand is read from its panels, one contiguous stream
    per item where b's own rows are read 256 bytes a row apart: a 1 x 3072 by 3072 x 768
-   product, weights beyond the cache, took 403 µs on 2 cores of the AMD EPYC from panels
-   against 639 in place (onnxruntime, which packs its weights too: 380).  M is a constant at
+   product, weights beyond the cache, took 339 µs on 2 cores of the AMD EPYC from panels
+   against 723 in place (onnxruntime, which packs its weights too: 380).  M is a constant at
    each call (`thin`), so the loops over rows unroll. */
 
 /* out's M rows, columns [0, n), n <= NR, from b's rows (columns contiguous), of which

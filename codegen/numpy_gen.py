@@ -871,7 +871,7 @@ class _KernelWriter:
         every call, took 53 µs of LLaMA's 1.7 ms at 128 tokens.  A bare position is one only
         where a gather picks at it: `gather_one_hot` then finds once that it steps evenly
         (`_stepping` keeps what it found of a read-only array), where a fresh `np.arange` was
-        checked on every call (a KV cache's concatenation, 172 -> 90 µs)."""
+        checked on every call (a KV cache's concatenation: 270 -> 141 µs)."""
         if isinstance(n, Pos):
             return self.fns.computed_on_loading(self.position(n)) if n in self.picked and \
                 self.positions_known(n.axis) and 1 < prod(self.dims(n)) <= KNOWN_ELEMENTS else None

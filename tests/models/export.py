@@ -1,7 +1,7 @@
 """How the models of tests/test_torch_exports.py were made: nine transformer blocks and a
 decode step written as model code usually is, exported by torch's TorchScript exporter
-(torch 2.13, opset 17) with their inputs and torch's own outputs for them (`NAME_io.npz`).  Not run by the suite (torch is
-no dependency):
+(torch 2.13, opset 17) with their inputs and torch's own outputs for them (`NAME_io.npz`).
+Not run by the suite (torch is no dependency):
 
     python tests/models/export.py      # in an environment with torch and onnx
 
