@@ -488,7 +488,8 @@ def coarsened(p: BlockProgram, k: Kernel, capacity: int) -> Kernel:
 
 
 def rewritten(p: BlockProgram, k: Kernel, capacity: int) -> Kernel:
-    """`k` as the numpy backend writes it: masks as offsets, sums moved inward, short selecting
-    grid axes walked by loops, and its loops' blocks coarsened (for local memory `capacity`)."""
+    """`k` as the numpy backend writes it: masks as offsets, selections that pin a position
+    as gathers, sums moved inward, short selecting grid axes walked by loops, and its loops'
+    blocks coarsened (for local memory `capacity`)."""
     k = selections_as_gathers(p, masks_as_offsets(k))
     return coarsened(p, ungridded(p, summed_inward(p, k)), capacity)

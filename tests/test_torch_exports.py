@@ -1,11 +1,11 @@
 """Transformer blocks as torch exports them (`tests/models/export.py`: GPT-2, LLaMA, BERT,
 Mistral, ViT, GPT-NeoX, T5, Gemma and Qwen blocks and a LLaMA decode step with a KV cache, at
 width 32, opset 17), imported, fused and called as onnxruntime calls a model, against torch's
-own outputs.  Exporters write graphs no
-one writes by hand (a QKV split, a buffer mask through Where, `repeat_interleave` as Tile, a
-mask input made additive, RoPE on interleaved feature pairs, a sliding-window mask, attention
-by `scaled_dot_product_attention`), and the fusions differ by target and objective: each model
-runs where it once went wrong, or on a target and objective the others leave out."""
+own outputs.  Exporters write graphs no one writes by hand (a QKV split, a buffer mask
+through Where, `repeat_interleave` as Tile, a mask input made additive, RoPE on interleaved
+feature pairs, a sliding-window mask, attention by `scaled_dot_product_attention`, a cache
+grown by Concat), and the fusions differ by target and objective: each model runs where it
+once went wrong, or on a target and objective the others leave out."""
 
 from __future__ import annotations
 
