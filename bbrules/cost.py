@@ -24,7 +24,7 @@ rate for its operands: 16-bit when an operand is a load of a 16-bit tensor (the 
 computed, rounded to that format, as FlashAttention rounds P and as the Triton backend does),
 f32 when both are computed or the two formats differ.  On a target that `gathers`, a dot by a
 one-hot (`bbrules.onehot`) is instead one copy per pick of each element of its result, vector
-work.  A loop pays each reduction's monoid `combine` once per iteration and its `finalize`
+work, and so is an in-tile sum of a selection that pins the summed position.  A loop pays each reduction's monoid `combine` once per iteration and its `finalize`
 once per completion, both evaluated on the state tiles (distinct subexpressions once), split
 by operator like any elementwise work.
 Recomputation inside fused kernels is therefore counted as it happens.  `flops` is the total
@@ -63,7 +63,7 @@ from .ir import (ELEMENTWISE_KINDS, BlockProgram, BlockReduce, Const, Dim, Dot, 
                  KindTable, Load, Monoid, Node, Pos, Reduce, TensorDecl, Tuple, Var,
                  is_elementwise, operator, postorder)
 from .masking import visited_share
-from .onehot import one_hot
+from .onehot import one_hot, selection_as_contraction
 from .plan import LoopPlan, Op, Value, WritePlan, kernel_uses, plan_once
 from .plan import clear_cache as _clear_plans
 from .targets import Target
@@ -406,6 +406,9 @@ def _(n: Node, c: _KernelCoster, v: Value, runs: int) -> Work:
 
 @FLOPS.on(BlockReduce)
 def _(n: BlockReduce, c: _KernelCoster, v: Value, runs: int) -> Work:
+    if c.target.gathers and \
+            (dot := selection_as_contraction(n, c.dims[n.axis].block)) is not None:
+        return Work(vector=c.elements(v.shape) * len(one_hot(dot)[1]))  # as the dot's
     return Work(vector=c.elements(v.args[0].shape))
 
 

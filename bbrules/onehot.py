@@ -2,14 +2,15 @@
 a condition pins (`ids == pos(k)`, a convolution's `pos(k) == pos(t) + 2`) and 0 elsewhere,
 the sum over k picks the other operand's elements there: an embedding lookup or a
 convolution's shifted rows.  The numpy backend computes them as gathers, and a target whose
-backend does (`Target.gathers`) prices them as such, not as the product they are written as.
+backend does (`Target.gathers`) prices them as such, not as the product they are written as;
+so too a sum of a selection that pins the summed position (`selection_as_contraction`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .ir import Axis, Binary, Const, Dot, Node, Pos, TileType, Where
+from .ir import Axis, Binary, BlockReduce, Const, Dot, Node, Pos, TileType, Where
 from .ir.typecheck import type_of
 
 
@@ -36,6 +37,21 @@ def one_hot(n: Dot) -> tuple[Node, tuple[Pick, ...]] | None:
         if (c := indicator(hot)) is not None and (picks := _picks(c, n.axis)):
             return values, picks
     return None
+
+
+def selection_as_contraction(n: BlockReduce, block: int) -> Dot | None:
+    """The contraction by a one-hot that `n` is, where `n` sums, over a block of `block` > 1
+    elements, a selection that pins the summed position: `bsum(k, where(c, x, 0))` is
+    `dot(k, where(c, 1, 0), x)` when `c` is `pos(k) == e` (a concatenation whose pieces share
+    no chunk longer than one element).  Over blocks of one element the selection is no larger
+    than its result: None, as for any other `n`."""
+    if n.op != "sum" or block <= 1 or not isinstance(n.x, Where) or n.x.y != Const(0.0):
+        return None
+    t = type_of(n.x.x)
+    if not isinstance(t, TileType) or n.axis not in t.shape:
+        return None
+    dot = Dot(n.axis, Where(n.x.c, Const(1.0), Const(0.0)), n.x.x)
+    return dot if one_hot(dot) is not None else None
 
 
 def indicator(n: Node) -> Node | None:

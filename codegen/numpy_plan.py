@@ -19,7 +19,7 @@ from bbrules.ir import (Axis, Binary, BlockProgram, BlockReduce, Const, Dot, Ker
                         Pos, Reduce, Store, TileType, Where, children, is_elementwise,
                         operator, postorder, rebuild, transform, type_of)
 from bbrules.masking import NumpyAlgebra, may_hold
-from bbrules.onehot import mentions, one_hot
+from bbrules.onehot import mentions, one_hot, selection_as_contraction
 from bbrules.plan import loop_predicate, plan_for
 from bbrules.schedule import Compute, Loop, Write, walk_steps
 from bbrules.targets import Target
@@ -95,33 +95,23 @@ def masks_as_offsets(k: Kernel) -> Kernel:
 
 def selections_as_gathers(p: BlockProgram, k: Kernel) -> Kernel:
     """`k` with each in-block sum of a selection that pins the summed position, over blocks of
-    several elements, `bsum(a, where(c, x, 0))` where `c` is `pos(a) == e` (a concatenation
-    whose pieces share no chunk longer than one element, cut in the blocks of its axis: a KV
-    cache of 1023 tokens and the new one), written as the contraction by a one-hot it is,
-    `dot(a, where(c, 1, 0), x)`: a gather (`one_hot`), and a loop free to take the whole axis
-    (`_gathers`).  As a selection, numpy built each block's tile of `x` against every position
-    it might land at: 262 ms for the cache's keys, 0.4 ms gathered.  Over blocks of one
-    element a selection is no larger than its result, and unrolled (`unrollable`) it is a
-    slice: those stay selections."""
+    several elements (a concatenation whose pieces share no chunk longer than one element,
+    cut in the blocks of its axis: a KV cache of 1023 tokens and the new one), written as the
+    contraction by a one-hot it is (`selection_as_contraction`): a gather (`one_hot`), and a
+    loop free to take the whole axis (`_gathers`).  As a selection, numpy built each block's
+    tile of `x` against every position it might land at: 262 ms for the cache's keys, 0.4 ms
+    gathered.  Over blocks of one element, unrolled (`unrollable`), a selection is a slice:
+    those stay selections."""
     kp = p.in_kernel(k)
 
     def gathered(n: Node, kids: tuple[Node, ...]) -> Node:
         n = rebuild(n, kids)
-        if isinstance(n, BlockReduce) and n.op == "sum" and kp.block(n.axis) > 1 and \
-                isinstance(n.x, Where) and n.x.y == Const(0.0) and \
-                n.axis in _tile_shape(n.x.x):
-            dot = Dot(n.axis, Where(n.x.c, Const(1.0), Const(0.0)), n.x.x)
-            if one_hot(dot) is not None:
-                return dot
+        if isinstance(n, BlockReduce):
+            return selection_as_contraction(n, kp.block(n.axis)) or n
         return n
 
     stores = tuple(Store(s.tensor, s.axes, transform(s.value, gathered)) for s in k.stores)
     return k if stores == k.stores else Kernel(k.grid, stores, k.blocks)
-
-
-def _tile_shape(n: Node) -> frozenset[Axis]:
-    t = type_of(n)
-    return t.shape if isinstance(t, TileType) else frozenset()
 
 
 def _constant_addend(total: Binary, x: Node) -> float | None:

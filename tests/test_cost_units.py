@@ -200,6 +200,23 @@ def test_a_one_hot_contraction_is_a_copy_where_the_backend_gathers():
     assert get_target("cpu").gathers and not H100.gathers
 
 
+def test_a_sum_of_a_selection_that_pins_its_position_is_a_copy_where_the_backend_gathers():
+    # A cache of 63 tokens read at the positions of 64 (a concatenation's piece), in blocks
+    # of 9: the in-tile sum over each block's 16 x 9 x 32 selection, where the backend sums
+    # it, is one copied element per element of the 16 x 32 result where it gathers (the
+    # numpy backend writes it as the contraction by a one-hot it is).
+    def cache(target: Target) -> KernelCost:
+        p = lower(parse_program("dim p = 63 / 9\ndim t = 64 / 16\ndim d = 32\n"
+                                "input C[p, d] : f32\n"
+                                "K[t, d] = sum[p] where(p == t, C[p, d], 0)\noutput K\n"))
+        (k,) = cost_program(p, target).kernels
+        return k
+    summed = cache(machine()).work
+    copied = cache(dataclasses.replace(machine(), gathers=True)).work
+    visits = 2 + 3 + 3 + 2  # the blocks of p each block of t may read (block skipping)
+    assert summed.vector - copied.vector == visits * (16 * 9 * 32 - 16 * 32)
+
+
 def test_gathers_is_a_boolean_target_field(tmp_path):
     (tmp_path / "numpy.toml").write_text(BASE + "gathers = true\n")
     assert get_target(str(tmp_path / "numpy.toml")).gathers
