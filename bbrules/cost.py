@@ -24,9 +24,10 @@ rate for its operands: 16-bit when an operand is a load of a 16-bit tensor (the 
 computed, rounded to that format, as FlashAttention rounds P and as the Triton backend does),
 f32 when both are computed or the two formats differ.  On a target that `gathers`, a dot by a
 one-hot (`bbrules.onehot`) is instead one copy per pick of each element of its result, vector
-work, and so is an in-tile sum of a selection that pins the summed position.  A loop pays each reduction's monoid `combine` once per iteration and its `finalize`
-once per completion, both evaluated on the state tiles (distinct subexpressions once), split
-by operator like any elementwise work.
+work, and so is an in-tile sum of a selection that pins the summed position.  A loop pays
+each reduction's monoid `combine` once per iteration and its `finalize` once per completion,
+both evaluated on the state tiles (distinct subexpressions once), split by operator like any
+elementwise work.
 Recomputation inside fused kernels is therefore counted as it happens.  `flops` is the total
 of all units (a special function counts one).
 

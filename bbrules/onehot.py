@@ -42,9 +42,9 @@ def one_hot(n: Dot) -> tuple[Node, tuple[Pick, ...]] | None:
 def selection_as_contraction(n: BlockReduce, block: int) -> Dot | None:
     """The contraction by a one-hot that `n` is, where `n` sums, over a block of `block` > 1
     elements, a selection that pins the summed position: `bsum(k, where(c, x, 0))` is
-    `dot(k, where(c, 1, 0), x)` when `c` is `pos(k) == e` (a concatenation whose pieces share
-    no chunk longer than one element).  Over blocks of one element the selection is no larger
-    than its result: None, as for any other `n`."""
+    `dot(k, where(c, 1, 0), x)` when `c` is `pos(k) == e` and x spans k (a piece of a
+    concatenation, read in blocks of several of its chunks).  Over blocks of one element the
+    selection is no larger than its result: None, as for any other `n`."""
     if n.op != "sum" or block <= 1 or not isinstance(n.x, Where) or n.x.y != Const(0.0):
         return None
     t = type_of(n.x.x)
