@@ -7,9 +7,9 @@ pairs, a sliding window, SDPA, a KV cache grown by `torch.cat`), through torch's
 exporter.  The suite runs them at width 32; this script exports them at a model's size
 (default 128 tokens, width 768, 12 heads, 4 key/value heads in the grouped-query blocks,
 hidden 3072: a GPT-2 small or BERT-base layer; the decode step's cache holds TOKENS - 1
-tokens before the new one) with `--torch-python`, a Python that has torch and onnx (torch is no dependency of bbrules: a side
-environment), or reads blocks exported before (`--models DIR`; those not found there are
-left out).  Each block is imported, fused for the cpu target (by candidates), its native numpy
+tokens before the new one) with `--torch-python`, a Python that has torch and onnx (torch
+is no dependency of bbrules: a side environment), or reads blocks exported before
+(`--models DIR`; those not found there are left out).  Each block is imported, fused for the cpu target (by candidates), its native numpy
 module tuned (`numpy_timing.tune`: in parts or whole), checked against torch's own outputs, and
 timed against onnxruntime's CPU session on the same input (`timing.compare`: rounds, each
 contender after a pause).
