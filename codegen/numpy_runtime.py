@@ -160,8 +160,11 @@ def _window(values: np.ndarray, axis: int, at: np.ndarray, guards: Sequence[np.n
     if below or above:  # (in the values' own order: the window's strides then merge as theirs)
         order = sorted(range(values.ndim), key=lambda d: -abs(values.strides[d]))
         shape = [values.shape[d] + (below + above if d == axis else 0) for d in order]
-        padded = np.zeros(shape, values.dtype).transpose(np.argsort(order))
-        padded[(slice(None),) * axis + (slice(below, below + values.shape[axis]),)] = values
+        padded = np.empty(shape, values.dtype).transpose(np.argsort(order))
+        ahead, n = (slice(None),) * axis, values.shape[axis]
+        padded[ahead + (slice(below, below + n),)] = values
+        padded[ahead + (slice(0, below),)] = 0  # (only the pads: zeroing the whole copy
+        padded[ahead + (slice(below + n, None),)] = 0  # first was a pass of its own)
         values = padded
     start = values[(slice(None),) * axis + (slice(base + below, None),)]
     shape = [1 if d == axis else max(at.shape[d], values.shape[d]) for d in range(values.ndim)]
