@@ -178,13 +178,19 @@ def test_a_loop_step_s_operations_are_counted_once_for_the_whole_grid():
     assert unary("exp").kernels[0].step_ops == 0
 
 
+def one_kernel(source: str, target: Target) -> KernelCost:
+    """The cost of the one kernel `source` lowers to."""
+    (k,) = cost_program(lower(parse_program(source)), target).kernels
+    return k
+
+
+EMBEDDING = ("dim t = 64 / 16\ndim v = 256 / 64\ndim e = 32\ninput IDS[t], E[v, e] : f32\n"
+             "X[t, e] = sum[v] where(IDS[t] == v, 1, 0) * E[v, e]\noutput X\n")
+
+
 def embedding(target: Target) -> KernelCost:
     """X[t, e] = sum[v] where(IDS[t] == v, 1, 0) * E[v, e]: a lookup of E's rows by id."""
-    p = lower(parse_program("dim t = 64 / 16\ndim v = 256 / 64\ndim e = 32\n"
-                            "input IDS[t], E[v, e] : f32\n"
-                            "X[t, e] = sum[v] where(IDS[t] == v, 1, 0) * E[v, e]\noutput X\n"))
-    (k,) = cost_program(p, target).kernels
-    return k
+    return one_kernel(EMBEDDING, target)
 
 
 def test_a_one_hot_contraction_is_a_copy_where_the_backend_gathers():
@@ -205,14 +211,10 @@ def test_a_sum_of_a_selection_that_pins_its_position_is_a_copy_where_the_backend
     # of 9: the in-tile sum over each block's 16 x 9 x 32 selection, where the backend sums
     # it, is one copied element per element of the 16 x 32 result where it gathers (the
     # numpy backend writes it as the contraction by a one-hot it is).
-    def cache(target: Target) -> KernelCost:
-        p = lower(parse_program("dim p = 63 / 9\ndim t = 64 / 16\ndim d = 32\n"
-                                "input C[p, d] : f32\n"
-                                "K[t, d] = sum[p] where(p == t, C[p, d], 0)\noutput K\n"))
-        (k,) = cost_program(p, target).kernels
-        return k
-    summed = cache(machine()).work
-    copied = cache(dataclasses.replace(machine(), gathers=True)).work
+    cache = ("dim p = 63 / 9\ndim t = 64 / 16\ndim d = 32\ninput C[p, d] : f32\n"
+             "K[t, d] = sum[p] where(p == t, C[p, d], 0)\noutput K\n")
+    summed = one_kernel(cache, machine()).work
+    copied = one_kernel(cache, dataclasses.replace(machine(), gathers=True)).work
     visits = 2 + 3 + 3 + 2  # the blocks of p each block of t may read (block skipping)
     assert summed.vector - copied.vector == visits * (16 * 9 * 32 - 16 * 32)
 

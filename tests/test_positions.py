@@ -307,49 +307,49 @@ def test_numpy_iterates_only_the_blocks_a_predicate_of_the_loop_axis_may_hold_on
         np.testing.assert_allclose(got[o], want[o], rtol=1e-5, atol=1e-5)
 
 
+def fused_into_one_kernel(text: str, pack) -> tuple[str, dict[str, np.ndarray]]:
+    """`text` fused on h100 into one kernel: its numpy code, and its inputs (random) and
+    outputs by name."""
+    ast = parse_program(text)
+    program = fuse(lower(ast), pack, H100).program
+    assert len(program.kernels) == 1
+    inputs = random_inputs(ast, seed=2)
+    return numpy_gen.generate(program), {**inputs, **numpy_gen.run(program, inputs)}
+
+
 def test_numpy_skips_by_an_enclosing_loops_position_and_may_visit_nothing(pack):
     """A band fused into its consumer: the fold over `a` skips by the position of the loop
     storing `e`, so each block of `e` visits only the blocks of `a` its predicate may hold on
     (a table by the enclosing loop's block), split where it holds throughout (unmasked) from
     where it is cut (masked), and the first block of `e` visits none, leaving the fold's
     identity."""
-    ast = parse_program("dim t = 64 / 16\ndim a = 64 / 32\ndim e = 96 / 32\ndim n = 32 / 16\n"
-                        "input A[t, a], W[e, n] : f32\n"
-                        "J[t, e] = sum[a] where(a + 32 <= e, exp(A[t, a]), 0)\n"
-                        "Y[t, n] = sum[e] J[t, e] * W[e, n]\noutput J, Y\n")
-    r = fuse(lower(ast), pack, H100)
-    assert len(r.program.kernels) == 1
-    source = numpy_gen.generate(r.program)
+    source, got = fused_into_one_kernel(
+        "dim t = 64 / 16\ndim a = 64 / 32\ndim e = 96 / 32\ndim n = 32 / 16\n"
+        "input A[t, a], W[e, n] : f32\nJ[t, e] = sum[a] where(a + 32 <= e, exp(A[t, a]), 0)\n"
+        "Y[t, n] = sum[e] J[t, e] * W[e, n]\noutput J, Y\n", pack)
     for table in ("{0: (), 32: range(0, 32, 32), 64: ()}[e0]",  # cut by the band
                   "{0: (), 32: (), 64: range(0, 32, 32)}[e0]",  # within it
                   "{0: (), 32: (), 64: range(32, 64, 32)}[e0]"):
         assert table in source, source
-    inputs = random_inputs(ast, seed=2)
     e, a = np.arange(96)[:, None], np.arange(64)[None, :]
-    band = np.exp(inputs["A"].astype(np.float64)) @ (a + 32 <= e).T
-    got = numpy_gen.run(r.program, inputs)
+    band = np.exp(got["A"].astype(np.float64)) @ (a + 32 <= e).T
     np.testing.assert_allclose(got["J"], band, rtol=1e-6)
     np.testing.assert_array_equal(got["J"][:, :32], 0)
-    np.testing.assert_allclose(got["Y"], band @ inputs["W"], rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(got["Y"], band @ got["W"], rtol=1e-5, atol=1e-4)
 
 
 def test_a_concatenation_fused_into_its_consumer_gathers_each_piece(pack):
     """Each piece of a concatenation is a one-hot sum over the piece's blocks of several
     elements: the numpy code gathers it for each block of the joined axis, the whole piece at
     once, where it built a selection per block of the piece (`selections_as_gathers`)."""
-    ast = parse_program("dim t = 64 / 16\ndim a = 64 / 32\ndim b = 32 / 16\n"
-                        "dim e = 96 / 32\ndim n = 32 / 16\ninput A[t, a], B[t, b], W[e, n] : f32\n"
-                        "J[t, e] = concat(e, exp(A[t, a]), B[t, b])\n"
-                        "Y[t, n] = sum[e] J[t, e] * W[e, n]\noutput J, Y\n")
-    r = fuse(lower(ast), pack, H100)
-    assert len(r.program.kernels) == 1
-    source = numpy_gen.generate(r.program)
+    source, got = fused_into_one_kernel(
+        "dim t = 64 / 16\ndim a = 64 / 32\ndim b = 32 / 16\ndim e = 96 / 32\ndim n = 32 / 16\n"
+        "input A[t, a], B[t, b], W[e, n] : f32\nJ[t, e] = concat(e, exp(A[t, a]), B[t, b])\n"
+        "Y[t, n] = sum[e] J[t, e] * W[e, n]\noutput J, Y\n", pack)
     assert source.count("gather_one_hot(") == 2 and "for a0" not in source, source
-    inputs = random_inputs(ast, seed=2)
-    joined = np.concatenate([np.exp(inputs["A"].astype(np.float64)), inputs["B"]], axis=1)
-    got = numpy_gen.run(r.program, inputs)
+    joined = np.concatenate([np.exp(got["A"].astype(np.float64)), got["B"]], axis=1)
     np.testing.assert_allclose(got["J"], joined, rtol=1e-6)
-    np.testing.assert_allclose(got["Y"], joined @ inputs["W"], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got["Y"], joined @ got["W"], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("blocks", ["4 / 1", "64 / 16"])
