@@ -257,6 +257,14 @@ MAX_NESTING = 50
 # 1,024 2.8 against 1.7 µs, over 16,384 4.4 against 9.6 µs (the Xeon of the README).
 NATIVE_ELEMENTS = 1 << 12
 
+# ... or is a chain of at least this many operators, whatever its size: each numpy call costs a
+# microsecond or more, several once a product has streamed its weights through the caches,
+# where the group's one call costs about three.  A decode step's RoPE on 12 x 64 values, a chain
+# of four per half, took 39.6 µs in a run of the step as numpy calls and 16.7 as two native
+# calls; the whole step (LLaMA, width 768, a cache of 127 or 1023 tokens) ran 1-5% faster
+# (`benchmarks/paired.py`), the 128-token blocks and magika as fast as before.
+NATIVE_CHAIN = 4
+
 # One operator alone is a native group from this many elements, on every core where numpy's
 # call runs on one: GPT-2's causal mask over 12 x 128 x 128 scores by `np.where` took 353 µs in
 # a run of its block (768 wide, 128 tokens), its Q, K and V bias sums 100 µs each; the block
@@ -983,13 +991,14 @@ class _KernelWriter:
         """The native groups among the nodes one body computes (`codegen.native`): an
         operator joins the group of the operators reading it where they all are in one group,
         have its dimensions (or it is a value a row of theirs: `per_row`) and it is not
-        stored.  A group is at least two operators over at least `NATIVE_ELEMENTS` elements,
-        or one over at least `NATIVE_ALONE_ELEMENTS` (not a sum a product may take as its
-        addend: `_adds_to_product`), or one a reduction within the tile reads (the C reduces
-        it, and returns the values too where other steps read them: `also`), or one that
-        reads a value a row of its own (`by_rows`), or none: a reduction of a tile no
-        operator computes (a softmax's max over loaded scores, but not a sum of products,
-        which is one matmul), and at most `NATIVE_OPERATORS`.  Only operators that compute
+        stored.  A group is at least two operators, or one over at least
+        `NATIVE_ALONE_ELEMENTS` (not a sum a product may take as its addend:
+        `_adds_to_product`), or one a reduction within the tile reads (the C reduces it, and
+        returns the values too where other steps read them: `also`), or one that reads a value
+        a row of its own (`by_rows`), or none: a reduction of a tile no operator computes (a
+        softmax's max over loaded scores, but not a sum of products, which is one matmul); it
+        covers at least `NATIVE_ELEMENTS` elements or chains at least `NATIVE_CHAIN`
+        operators, and has at most `NATIVE_OPERATORS`.  Only operators that compute
         (not `aliased`, not a `known_tile`, not in a gather's one-hot) join; a selection by
         known positions joins (the C selects by a tile of them) where it would otherwise set
         slices (`fill`)."""
@@ -1051,7 +1060,8 @@ class _KernelWriter:
             elements = prod(self.dims(group[-1] if group else root.x))
             alone = elements >= NATIVE_ALONE_ELEMENTS and not _adds_to_product(root, self.p)
             if (reduces or len(group) > 1 or self.by_rows(root) or alone) and \
-                    len(group) <= NATIVE_OPERATORS and elements >= NATIVE_ELEMENTS:
+                    len(group) <= NATIVE_OPERATORS and \
+                    (elements >= NATIVE_ELEMENTS or len(group) >= NATIVE_CHAIN):
                 self.groups[root] = group
                 self.absorbed.update(m for m in group if m is not root)
                 if root in also:

@@ -323,7 +323,8 @@ def test_parts_on_two_threads_each_call_a_group():
 
 def test_a_chain_is_one_call_and_a_stored_or_shared_tile_ends_it():
     """GELU of a biased input is one call; a tile another kernel reads (stored) is computed
-    on its own, and a tile of fewer than `NATIVE_ELEMENTS` stays numpy code."""
+    on its own, and a tile of fewer than `NATIVE_ELEMENTS` stays numpy code unless its chain
+    is `NATIVE_CHAIN` operators long."""
     ast = parse_program("dim r = 256 / 16\ndim c = 128 / 64\ninput X[r, c] : f32\n"
                         "input B[c] : f32\nH[r, c] = X[r, c] + B[c]\n"
                         "Y[r, c] = gelu(H[r, c]) * H[r, c]\n"
@@ -342,6 +343,13 @@ def test_a_chain_is_one_call_and_a_stored_or_shared_tile_ends_it():
     small = lower(parse_program("dim r = 16 / 16\ndim c = 64 / 64\ninput X[r, c] : f32\n"
                                 "Y[r, c] = exp(X[r, c] - 1) * 2\noutput Y\n"))
     assert "native_" not in numpy_gen.generate(small, native=True)
+    assert numpy_gen.NATIVE_CHAIN == 4  # the chain below is that long
+    chain = parse_program("dim r = 16 / 16\ndim c = 64 / 64\ninput X[r, c] : f32\n"
+                          "Y[r, c] = exp(X[r, c] - 1) * 2 + X[r, c]\noutput Y\n")
+    source, got, want = run_both(lower(chain), random_inputs(chain, seed=8))
+    assert_close(got["Y"], want["Y"], "Y vs interpreter")
+    body = source[source.index("def kernel_"):source.index("def _input")]
+    assert len(re.findall(r"native_\d+\(", body)) == 1 and "np.exp" not in body, body
 
 
 def test_a_norms_scale_a_row_is_computed_in_the_group_that_applies_it():
