@@ -119,8 +119,8 @@ import numpy as np
 from bbrules.ir import (ELEMENTWISE_KINDS, SCALAR, WHOLE_DTYPES, Axis, Binary, BlockProgram,
                         BlockReduce, Const, Dim, Dot, Get, IRError, Kernel, KindTable, Load, Node,
                         Pos, Reduce, Store, TileType, Tuple, Unary, Var, Where, children,
-                        is_elementwise, operator, postorder, rebuild, show_kernel, tile_type,
-                        transform, type_of, validate)
+                        is_elementwise, operator, postorder, show_kernel, tile_type, type_of,
+                        validate)
 from bbrules.ops import ELEMENTWISE, TILE_REDUCE, OpInfo
 from bbrules.masking import skip_predicate
 from bbrules.onehot import Pick, one_hot
@@ -1857,47 +1857,35 @@ class _KernelWriter:
                 f"{', '.join(acc)} = {', '.join(new)}"]
 
     def fold_once(self, r: Reduce, acc: list[str]) -> _Stmt:
-        """A fold over one block: combine(identity, contribution), simplified.
-
-        The simplification uses only laws exact in floating point up to the sign of a zero
-        (x + 0 = x, x * 1 = x, max(x, -inf) = x, ...), so a sum over one block is the block's
-        contribution itself, not a pass adding zero to it.  A component that simplifies to an
-        operand *is* that operand: `acc` gets its name, and no array is copied.
-        """
-        shared, folded, texts = self.with_identity(r)
-        lines, defs, owned = list(shared), [], set()
-        for c, e, text, new in zip(r.monoid.state, folded, texts, _fresh(r, folded)):
-            if isinstance(e, (Var, Const)):
-                acc.append(text)
-                continue
-            name = self.fresh(c)
-            lines.append(f"{name} = {text}")
-            acc.append(name)
-            defs.append(name)
-            if new:
-                owned.add(name)
-        self.owned |= owned
-        return _Stmt(lines, tuple(defs), frozenset(self.reads), frozenset(owned))
+        """A fold over one block: the block's contribution itself, by the monoid's identity
+        law, combine(identity, b) = b (as the Triton backend's single trip).  `acc` gets the
+        names of the contribution's components, and nothing is computed or copied: a sum over
+        one block is no pass adding zero, and an online softmax over one block is its block's
+        maximum, sum and product, not eight passes rescaling them by exp(0) and adding the
+        identity's zeros (a decode step's attention: 12 numpy calls)."""
+        acc.extend(self.contribution(r))
+        return _Stmt([], uses=frozenset(self.reads))
 
     def take_once(self, r: Reduce, acc: list[str]) -> tuple[_Stmt, tuple[bool, ...]]:
         """The one combine of a fold that one run of an unrolled loop takes
-        (`combined_once`): its accumulators set to combine(identity, contribution),
-        simplified as in `fold_once` (a one-hot selection's sum is the selected chunk, not a
-        pass adding it to zeros), and which of them are arrays of their own."""
-        shared, folded, texts = self.with_identity(r)
-        env = self.contribution_env(r)
-        stmt = _Stmt(shared + [f"{', '.join(acc)} = {', '.join(texts)}"],
-                     uses=frozenset(self.reads),
-                     escapes=frozenset(env[e.name] for e in folded if isinstance(e, Var)))
-        if len(folded) == 1 and isinstance(folded[0], Var) and \
-                folded[0].name == f"b.{r.monoid.state[0]}" and self.written_view(r.x):
+        (`combined_once`): its accumulators set to the contribution, as in `fold_once` (a
+        one-hot selection's sum is the selected chunk, not a pass adding it to zeros), and
+        which of them are arrays of their own."""
+        parts = self.contribution(r)
+        stmt = _Stmt([f"{', '.join(acc)} = {', '.join(parts)}"], uses=frozenset(self.reads),
+                     escapes=frozenset(parts))
+        if len(parts) == 1 and self.written_view(r.x):
             self.taken_views.add(r)  # (decided here, where the chunk's selection is known)
         # a component that is the contribution's own new array, which no store returns, is
         # the accumulator's too: a store returns it, not a copy (GPT-2's Q, K and V, each a
         # chunk of the projection plus its bias: a 384 KB copy each)
         alone = not any(m in self.stored for m in postorder(r.x))
-        return stmt, tuple(new or alone and isinstance(e, Var) and env[e.name] in self.owned
-                           for e, new in zip(folded, _fresh(r, folded)))
+        return stmt, tuple(alone and part in self.owned for part in parts)
+
+    def contribution(self, r: Reduce) -> list[str]:
+        """The code of the contribution's components, in the monoid's state order."""
+        env = self.contribution_env(r)
+        return [env[f"b.{c}"] for c in r.monoid.state]
 
     def contribution_env(self, r: Reduce) -> dict[str, str]:
         """The names of the contribution's components, as a monoid's expressions read them
@@ -1905,15 +1893,6 @@ class _KernelWriter:
         contribution = self.lookup(r.x)
         parts = contribution if isinstance(contribution, tuple) else (contribution,)
         return {f"b.{c}": b for c, b in zip(r.monoid.state, parts)}
-
-    def with_identity(self, r: Reduce) -> tuple[list[str], list[Node], list[str]]:
-        """combine(identity, contribution) of `r`'s monoid, simplified (`_with_identity`):
-        the lines it needs first, its expressions, their code."""
-        m = r.monoid
-        identity = {f"a.{c}": e for c, e in zip(m.state, m.identity)}
-        folded = [_with_identity(e, identity) for e in m.combine]
-        shared, texts = _expressions(folded, self.contribution_env(r), self.fns, self.fresh)
-        return shared, folded, texts
 
     def finalize(self, states: list[tuple[Reduce, list[str]]],
                  combined: AbstractSet[Reduce] | None = None) -> _Stmt:
@@ -2059,23 +2038,6 @@ _RIGHT_NEUTRAL = {("add", 0.0), ("sub", 0.0), ("mul", 1.0), ("div", 1.0),
 _LEFT_NEUTRAL = {("add", 0.0), ("mul", 1.0), ("max", float("-inf")), ("min", float("inf"))}
 
 
-def _with_identity(e: Node, identity: Mapping[str, Node]) -> Node:
-    """`e` with the accumulator variables replaced by the identity, neutral operations removed."""
-    def simplify(n: Node, kids: tuple[Node, ...]) -> Node:
-        match n:
-            case Var(name) if name in identity:
-                return identity[name]
-            case Binary(op):
-                x, y = kids
-                if isinstance(y, Const) and (op, y.value) in _RIGHT_NEUTRAL:
-                    return x
-                if isinstance(x, Const) and (op, x.value) in _LEFT_NEUTRAL:
-                    return y
-        return rebuild(n, kids)
-
-    return transform(e, simplify)
-
-
 def _rescaled_sum(r: Reduce) -> tuple[int, Node, Node] | None:
     """(c, f, e) where component c of `r`'s monoid combines as `b.c * f + e` (in either order)
     with b.c, the contribution, an array read nowhere else: an online softmax's rescaled
@@ -2107,17 +2069,12 @@ def _rescaled_sum(r: Reduce) -> tuple[int, Node, Node] | None:
     return None
 
 
-def _fresh(r: Reduce, combine: Sequence[Node]) -> tuple[bool, ...]:
-    """Per state component: whether `combine` (`r`'s, or a simplification of it) makes it a
-    new array of its own: an operator (not a bare operand) over a tile that spans an axis."""
+def _fresh_state(r: Reduce) -> tuple[bool, ...]:
+    """Per state component: whether every combine makes it a new array of its own: an
+    operator (not a bare operand) over a tile that spans an axis."""
     t = type_of(r.x)
     parts = t if isinstance(t, tuple) else (t,)
-    return tuple(is_elementwise(e) and bool(p.shape) for e, p in zip(combine, parts))
-
-
-def _fresh_state(r: Reduce) -> tuple[bool, ...]:
-    """Per state component: whether every combine makes it a new array of its own."""
-    return _fresh(r, r.monoid.combine)
+    return tuple(is_elementwise(e) and bool(p.shape) for e, p in zip(r.monoid.combine, parts))
 
 
 def _axes_of(n: Node) -> tuple[Axis, ...]:

@@ -127,6 +127,21 @@ def test_flash_attention_matches_plain_attention(n, d, bq, bk):
     assert python_loops(numpy_gen.generate(p)) == (1 if n // bk > 1 else 0)
 
 
+def test_an_online_softmax_over_one_key_block_is_that_blocks_state():
+    """combine(identity, b) = b, the monoid's identity law: over one key block the fold's
+    state is the block's maximum, sum and product, with no rescaling by exp(m - m') and no
+    identity's zeros added (one exp, that of the scores), and the output is theirs."""
+    n, d = 32, 4
+    p = flash(n, d, 8, n)
+    code = numpy_gen.generate(p)
+    kernel = code[code.index("def kernel_"):code.index("def _input")]
+    assert kernel.count("np.exp(") == 1 and "-inf" not in kernel, kernel
+    inputs = {"Q": rand(n, d, seed=4), "K": rand(n, d, seed=5), "V": rand(n, d, seed=6)}
+    got = numpy_gen.run(p, inputs)["O"]
+    assert_close(got, interp.run(p, inputs)["O"], "vs interpreter")
+    assert_close(got, attention_reference(inputs["Q"], inputs["K"], inputs["V"]), "vs numpy")
+
+
 def test_the_scores_of_a_key_loop_are_multiplied_column_major():
     """Q K^T inside the loop over key blocks, whose row maxima and sums reduce across its
     columns: computed as (K Q^T)^T, a transposed view, so each reduction runs over
