@@ -11,6 +11,7 @@ import threading
 import weakref
 from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import contextmanager, suppress
+from dataclasses import dataclass
 from math import prod
 from typing import AbstractSet, Callable, Iterator, Sequence
 
@@ -69,7 +70,7 @@ def _owner(array: np.ndarray) -> np.ndarray:
 
 def constant(tile: np.ndarray) -> np.ndarray:
     """`tile`, read-only: a tile a module computes once, when it loads, for every call (what
-    `_stepping` finds of read-only positions it keeps)."""
+    `_geometry` finds of read-only positions it keeps)."""
     if isinstance(tile, np.ndarray):  # (the memory's owner too: a view of a fresh arange)
         _owner(tile).flags.writeable = tile.flags.writeable = False
     return tile
@@ -77,17 +78,19 @@ def constant(tile: np.ndarray) -> np.ndarray:
 
 def gather_one_hot(values: np.ndarray, axis: int,
                    picks: Sequence[tuple[np.ndarray, Sequence[np.ndarray]]],
-                   window: bool = False) -> np.ndarray:
+                   window: bool = False, own: bool = False) -> np.ndarray:
     """The sum along `axis` of `values` times a one-hot that is 1 at each pick's position
     (relative to the block `values` holds: a position outside it, or not a whole number,
     picks nothing) where the pick's guards hold; two picks of one position count once, as the
     one-hot's `or` does.  With `window`, one pick that steps evenly is a read-only view of the
     values (`_window`): for the native product, which reads any strides (numpy's matmul,
-    given magika's window, whose rows overlap, took 3.9 ms; 1.9 given a copy of it).  A
-    position known while generating may be a number, not a tile: one position everywhere."""
+    given magika's window, whose rows overlap, took 3.9 ms; 1.9 given a copy of it); with
+    `own` too, an array of its own, which the caller may write into.  A position known while
+    generating may be a number, not a tile: one position everywhere."""
     picks = [(np.reshape(at, (1,) * values.ndim) if np.ndim(at) == 0 else at, guards)
              for at, guards in picks]
-    if window and len(picks) == 1 and (view := _window(values, axis, *picks[0])) is not None:
+    if window and len(picks) == 1 and \
+            (view := _window(values, axis, *picks[0], own=own)) is not None:
         return view
     size = values.shape[axis]
     total, zeroed = None, None
@@ -136,71 +139,126 @@ def gather_one_hot(values: np.ndarray, axis: int,
     return total
 
 
-def _window(values: np.ndarray, axis: int, at: np.ndarray, guards: Sequence[np.ndarray]
-            ) -> np.ndarray | None:
+def _window(values: np.ndarray, axis: int, at: np.ndarray, guards: Sequence[np.ndarray],
+            own: bool = False) -> np.ndarray | None:
     """The pick as a read-only strided view of `values` where its positions are whole numbers
     that step evenly (forwards) along each of their dimensions the values do not span, and its
     guards all hold: a convolution's window (position + tap), a slice, a shift; else None.
     Positions past the values read zeros from a padded copy of them.  A product then reads the
     window in place: magika's convolution gathered 2.6 MB a call (0.2 ms); its product reads
-    the window of its 0.5 MB of values instead (the model: 3.23 -> 3.10 ms)."""
+    the window of its 0.5 MB of values instead (the model: 3.23 -> 3.10 ms).
+    With `own`, an array of its own: the view itself, writable, where it is of a padded copy
+    and no two of its elements share memory (each step past the span of the steps within it:
+    a KV cache grown by a token, whose window is then the copy, its pad written by the
+    caller), else a copy of the view.  The window's shape is found once for positions that
+    do not change (`_geometry`)."""
     at = np.asarray(at)
+    if not all(np.all(np.asarray(g) != 0) for g in guards) or \
+            (w := _geometry(values, axis, at)) is None:
+        return None
+    if w.pad is None:
+        view = np.lib.stride_tricks.as_strided(values[w.start], w.shape, w.strides,
+                                               writeable=False)
+        return view.copy(order="K") if own else view
+    memory = np.empty(w.pad.shape, values.dtype)  # (in the values' own order: the window's
+    padded = memory.transpose(w.pad.order)  # strides then merge as theirs)
+    padded[w.pad.middle] = values
+    for end in w.pad.ends:  # (only the pads: zeroing the whole copy first was a pass of its own)
+        padded[end] = 0
+    view = np.ndarray(w.shape, values.dtype, memory, w.offset, w.strides)
+    view.flags.writeable = own and w.apart
+    return view if w.apart or not own else view.copy(order="K")
+
+
+@dataclass(frozen=True)
+class _Padding:
+    """A padded copy of a window's values: the memory's shape (in the values' order), the
+    order of the values' dimensions in it, where the values go and the pads."""
+    shape: tuple[int, ...]
+    order: tuple[int, ...]
+    middle: tuple[slice, ...]
+    ends: tuple[tuple[slice, ...], ...]
+
+
+@dataclass(frozen=True)
+class _Geometry:
+    """A window (`_window`) as a strided view: of the values from `start` along the axis, or
+    of a padded copy of them from `offset` bytes; `apart` where no two of its elements share
+    memory."""
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    start: tuple[slice, ...]
+    offset: int
+    pad: _Padding | None
+    apart: bool
+
+
+# The windows of read-only positions (`_geometry`), by the positions and the values' layout,
+# kept while the positions live: a module's positions computed once (magika's window,
+# position + tap) took 60 µs a call to check; a KV cache's window, 30 µs to lay out.
+_GEOMETRY: dict[tuple, tuple[weakref.ref, _Geometry | None]] = {}
+
+
+def _geometry(values: np.ndarray, axis: int, at: np.ndarray) -> _Geometry | None:
+    """The window of `values` that positions `at` pick along `axis` (`_window`), or None where
+    they do not step evenly along dimensions the values do not span."""
+    fixed = not _owner(at).flags.writeable
+    spot = (id(at), at.shape, at.strides, values.shape, values.strides, values.dtype.str, axis)
+    if fixed and (kept := _GEOMETRY.get(spot)) is not None and kept[0]() is at:
+        return kept[1]
+    found = _laid_out(values, axis, at)
+    if fixed:
+        _GEOMETRY[spot] = (weakref.ref(at, lambda _: _GEOMETRY.pop(spot, None)), found)
+    return found
+
+
+def _laid_out(values: np.ndarray, axis: int, at: np.ndarray) -> _Geometry | None:
+    """`_geometry`, found."""
     if at.ndim != values.ndim:
         return None
     spans = [d for d in range(values.ndim) if d != axis and at.shape[d] > 1]
     if at.shape[axis] != 1 or any(values.shape[d] > 1 for d in spans) or \
-            not all(np.all(np.asarray(g) != 0) for g in guards):
-        return None
-    stepping = _stepping(at, tuple(spans))
-    if stepping is None:
+            (stepping := _stepping(at, tuple(spans))) is None:
         return None
     base, steps = stepping
     last = base + sum(s * (at.shape[d] - 1) for d, s in steps.items())
-    below, above = max(0, -base), max(0, last + 1 - values.shape[axis])
-    if below or above:  # (in the values' own order: the window's strides then merge as theirs)
+    n = values.shape[axis]
+    below, above = max(0, -base), max(0, last + 1 - n)
+    ahead = (slice(None),) * axis
+    pad, strides = None, values.strides
+    if below or above:
         order = sorted(range(values.ndim), key=lambda d: -abs(values.strides[d]))
-        shape = [values.shape[d] + (below + above if d == axis else 0) for d in order]
-        padded = np.empty(shape, values.dtype).transpose(np.argsort(order))
-        ahead, n = (slice(None),) * axis, values.shape[axis]
-        padded[ahead + (slice(below, below + n),)] = values
-        padded[ahead + (slice(0, below),)] = 0  # (only the pads: zeroing the whole copy
-        padded[ahead + (slice(below + n, None),)] = 0  # first was a pass of its own)
-        values = padded
-    start = values[(slice(None),) * axis + (slice(base + below, None),)]
-    shape = [1 if d == axis else max(at.shape[d], values.shape[d]) for d in range(values.ndim)]
-    strides = [steps[d] * values.strides[axis] if d in steps
-               else values.strides[d] if d != axis and values.shape[d] > 1 else 0
-               for d in range(values.ndim)]
-    return np.lib.stride_tricks.as_strided(start, shape, strides, writeable=False)
-
-
-# The steps of read-only positions (`_stepping`), kept while the positions live: a module's
-# positions computed once (magika's window, position + tap) took 60 µs a call to check.
-_STEPPING: dict[tuple, tuple[weakref.ref, tuple[int, dict[int, int]] | None]] = {}
+        shape = tuple(values.shape[d] + (below + above if d == axis else 0) for d in order)
+        inverse = tuple(order.index(d) for d in range(values.ndim))
+        ends = tuple(ahead + (part,) for part in (slice(0, below), slice(below + n, below + n + above))
+                     if part.stop != part.start)
+        pad = _Padding(shape, inverse, ahead + (slice(below, below + n),), ends)
+        strides = np.empty(shape, values.dtype).transpose(inverse).strides
+    start = base + below
+    window = tuple(steps[d] * strides[axis] if d in steps
+                   else strides[d] if d != axis and values.shape[d] > 1 else 0
+                   for d in range(values.ndim))
+    apart, reach = pad is not None, 1  # (each step past the span of those within it)
+    for step, extent in sorted((s, at.shape[d]) for d, s in steps.items()):
+        apart, reach = apart and step >= reach, step * extent
+    return _Geometry(tuple(1 if d == axis else max(at.shape[d], values.shape[d])
+                           for d in range(values.ndim)),
+                     window, ahead + (slice(start, None),), start * strides[axis], pad, apart)
 
 
 def _stepping(at: np.ndarray, spans: tuple[int, ...]) -> tuple[int, dict[int, int]] | None:
     """(the first position, the step along each of `spans`) where `at` holds whole numbers
     stepping evenly (forwards) along each of those dimensions; None where it does not."""
-    fixed = not _owner(at).flags.writeable
-    spot = (id(at), at.shape, at.strides, spans)
-    if fixed and (kept := _STEPPING.get(spot)) is not None and kept[0]() is at:
-        return kept[1]
     index = at.astype(np.intp)
     if not np.array_equal(index, at):
-        stepping = None
-    else:
-        base = int(index.flat[0])
-        steps = {d: int(index[tuple(int(e == d) for e in range(at.ndim))]) - base
-                 for d in spans}
-        even = base + sum((np.arange(at.shape[d]) * s).reshape([-1 if e == d else 1
-                                                                for e in range(at.ndim)])
-                          for d, s in steps.items())
-        stepping = None if any(s < 0 for s in steps.values()) or not np.array_equal(
-            np.broadcast_to(even, index.shape), index) else (base, steps)
-    if fixed:
-        _STEPPING[spot] = (weakref.ref(at, lambda _: _STEPPING.pop(spot, None)), stepping)
-    return stepping
+        return None
+    base = int(index.flat[0])
+    steps = {d: int(index[tuple(int(e == d) for e in range(at.ndim))]) - base for d in spans}
+    even = base + sum((np.arange(at.shape[d]) * s).reshape([-1 if e == d else 1
+                                                            for e in range(at.ndim)])
+                      for d, s in steps.items())
+    return None if any(s < 0 for s in steps.values()) or not np.array_equal(
+        np.broadcast_to(even, index.shape), index) else (base, steps)
 
 
 def lookup(values: np.ndarray, axis: int, at: np.ndarray, whole: bool = False) -> np.ndarray:

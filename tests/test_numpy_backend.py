@@ -713,6 +713,26 @@ def test_a_concatenation_at_an_offset_no_block_divides_is_a_gather():
     assert_close(got, interp.run(p, inputs)["K"], "vs interpreter")
 
 
+def test_an_own_window_is_the_padded_copy_where_no_elements_share_memory():
+    """`own=True`: a window past the values is their padded copy, writable, where positions
+    step apart (a position's block and its place in the block); overlapping taps, or a window
+    within the values, are copied.  Either way the values are not written."""
+    values = numpy_runtime.constant(np.arange(40, dtype=np.float32).reshape(1, 40))
+    blocks = (np.arange(4, dtype=np.float32).reshape(4, 1, 1) * 12
+              + np.arange(12, dtype=np.float32).reshape(1, 12, 1)).reshape(4, 12, 1)
+    got = numpy_runtime.gather_one_hot(values.reshape(1, 1, 40), 2, ((blocks, ()),),
+                                       window=True, own=True)
+    assert got.flags.writeable and got.shape == (4, 12, 1)
+    np.testing.assert_array_equal(got.reshape(48), np.r_[np.arange(40), np.zeros(8)])
+    taps = np.arange(40, dtype=np.float32).reshape(40, 1) + np.arange(3).reshape(1, 3)
+    for at in (taps.reshape(40, 3, 1), np.arange(30, dtype=np.float32).reshape(30, 1)):
+        held = numpy_runtime.gather_one_hot(values.reshape((1,) * (at.ndim - 1) + (40,)),
+                                            at.ndim - 1, ((at, ()),), window=True, own=True)
+        assert held.flags.writeable and not np.shares_memory(held, values)
+        np.testing.assert_array_equal(held, numpy_runtime.gather_one_hot(
+            values.reshape((1,) * (at.ndim - 1) + (40,)), at.ndim - 1, ((at, ()),)))
+
+
 def test_a_contraction_over_two_axes_is_one_matmul():
     """Rotate-half RoPE leaves a head split in halves, `sum[p, d] Q[q, p, d] * K[k, p, d]`:
     the sum over the halves of the contraction over d is one matmul over (p, d), not a
@@ -1011,7 +1031,7 @@ def test_the_steps_of_read_only_positions_are_found_once():
     values = np.arange(40, dtype=np.float32).reshape(1, 40)
 
     def kept(at: np.ndarray) -> bool:
-        return any(spot[0] == id(at) for spot in list(numpy_runtime._STEPPING))
+        return any(spot[0] == id(at) for spot in list(numpy_runtime._GEOMETRY))
     fixed = numpy_runtime.constant(np.arange(8, dtype=np.float32).reshape(8, 1) + 3)
     first = numpy_runtime._window(values, 1, fixed, ())
     assert kept(fixed)
@@ -1024,10 +1044,10 @@ def test_the_steps_of_read_only_positions_are_found_once():
     assert numpy_runtime._window(values, 1, changing, ()) is not None and not kept(changing)
     changing **= 2
     assert numpy_runtime._window(values, 1, changing, ()) is None
-    spot = next(spot for spot in numpy_runtime._STEPPING if spot[0] == id(fixed))
+    spot = next(spot for spot in numpy_runtime._GEOMETRY if spot[0] == id(fixed))
     del fixed, first
     gc.collect()
-    assert spot not in numpy_runtime._STEPPING
+    assert spot not in numpy_runtime._GEOMETRY
 
 
 def test_a_window_is_not_taken_where_positions_jump_or_a_guard_fails():
