@@ -713,6 +713,31 @@ def test_a_concatenation_at_an_offset_no_block_divides_is_a_gather():
     assert_close(got, interp.run(p, inputs)["K"], "vs interpreter")
 
 
+@pytest.mark.parametrize("first", [False, True], ids=["appended", "prepended"])
+def test_a_token_concatenated_to_a_cache_is_written_into_the_caches_padded_copy(first):
+    """With native code, the cache's window is its padded copy, an array of the gather's own
+    (`own=True`), and the token is added on the one position where it goes
+    (`_KernelWriter.box_add`): no native group reads the window and writes a new array, no
+    condition is computed.  Exactly numpy's own concatenation, either way round."""
+    at, new = ("p == t - 1", "t == 0") if first else ("p == t", "t == 63")
+    source = ("dim p = 63 / 9\ndim t = 64 / 16\ndim d = 32\n"
+              "input C[p, d] : f32\ninput N[d] : f32\n"
+              f"K[t, d] = (sum[p] where({at}, C[p, d], 0)) + where({new}, N[d], 0)\n"
+              "output K\n")
+    ast = parse_program(source)
+    p = lower(ast)
+    code = numpy_gen.generate(p, native=True)
+    kernel = code.split("def kernel_K")[1].split("\ndef ")[0]
+    assert re.search(r"= gather_one_hot\(.*, window=True, own=True\)", kernel), kernel
+    assert re.search(r"\[[:, 0-9]+\] \+= ", kernel), kernel
+    assert "native_" not in kernel and "known_" not in kernel.split("own=True)")[1], kernel
+    inputs = random_inputs(ast, seed=6)
+    got = numpy_gen.module_from_source(code).run(**inputs)["K"]
+    pieces = [inputs["C"], inputs["N"][None]]
+    np.testing.assert_array_equal(got, np.concatenate(pieces[::-1] if first else pieces))
+    assert_close(got, interp.run(p, inputs)["K"], "vs interpreter")
+
+
 def test_an_own_window_is_the_padded_copy_where_no_elements_share_memory():
     """`own=True`: a window past the values is their padded copy, writable, where positions
     step apart (a position's block and its place in the block); overlapping taps, or a window
