@@ -181,7 +181,9 @@ def selecting_programs(draw: Callable[[st.SearchStrategy[Any]], Any]) -> str:
     """Source text of a program that selects by the position along a short axis `c` (2 to 4
     chunks, in blocks of one or all in one), as slices, concatenations and RoPE do: sums,
     maxima and contractions over c under predicates of c's position, that may hold on every
-    chunk, some or none, a map over c, and a one-hot pick of one chunk."""
+    chunk, some or none, a map over c, and a one-hot pick of one chunk; and rows of `V`
+    shifted along a longer axis `s`, with a row of `Y` added where a predicate of s's
+    position holds, as a KV cache grown by a token is."""
     chunks = draw(st.integers(2, 4))
     block = draw(st.sampled_from([1, chunks]))
 
@@ -192,14 +194,19 @@ def selecting_programs(draw: Callable[[st.SearchStrategy[Any]], Any]) -> str:
 
     pick = draw(st.integers(0, chunks - 1))
     width = draw(st.sampled_from(["8", "16 / 8"]))
+    longer = draw(st.sampled_from(["33", "33 / 11", "34 / 17"]))
+    shift, grown = draw(st.integers(0, 2)), draw(st.integers(0, 34))
     lines = [f"dim t = 32 / 16\ndim c = {chunks} / {block}\ndim d = {width}\ndim n = 16 / 8",
-             "input X[t, c, d], W[c, d, n], V[t, d], U[d, n] : f32",
+             f"dim s = {longer}",
+             "input X[t, c, d], W[c, d, n], V[t, d], U[d, n], Y[d] : f32",
              f"A[t, d] = sum[c] where({predicate()}, X[t, c, d], 0)",
              f"B[t, c, d] = where({predicate()}, X[t, c, d], V[t, d]) * (c + 1)",
              f"G[t, n] = sum[c, d] where({predicate()}, X[t, c, d], 0) * W[c, d, n]",
              f"M[t, d] = max[c] where({predicate()}, B[t, c, d], -inf)",
              f"H[t, n] = sum[d] A[t, d] * U[d, n] + G[t, n] + "
-             f"sum[c] where(c == {pick}, 1, 0) * sum[d] B[t, c, d] * W[c, d, n]"]
-    outputs = draw(st.lists(st.sampled_from("ABGMH"), min_size=1, max_size=3, unique=True))
+             f"sum[c] where(c == {pick}, 1, 0) * sum[d] B[t, c, d] * W[c, d, n]",
+             f"K[s, d] = (sum[t] where(t == s - {shift}, V[t, d], 0)) + "
+             f"where(s {draw(st.sampled_from(COMPARE))} {grown}, Y[d], 0)"]
+    outputs = draw(st.lists(st.sampled_from("ABGMHK"), min_size=1, max_size=3, unique=True))
     lines.append(f"output {', '.join(outputs)}")
     return "\n".join(lines) + "\n"

@@ -78,14 +78,16 @@ def test_fused_programs_agree_with_the_dense_evaluator(source):
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(selecting_programs())
 def test_selections_by_position_agree_in_every_backend(source):
-    """Lowered and fused, through the numpy backend on one thread and on two, the interpreter
-    and the CUDA C emulator: every output within 1e-4 of the float64 dense evaluation, -inf
-    where it is -inf (a maximum over chunks no predicate keeps)."""
+    """Lowered and fused, through the numpy backend on one thread and on two, with native
+    groups and products, the interpreter and the CUDA C emulator: every output within 1e-4 of
+    the float64 dense evaluation, -inf where it is -inf (a maximum over chunks no predicate
+    keeps)."""
     program = parse_program(source, "<random>")
     inputs = random_inputs(program, seed=0)
     want = dense.evaluate(program, inputs, dtype=np.float64)
-    runs = {"numpy": lambda p: numpy_gen.run(p, inputs, threads=1),
-            "numpy, 2 threads": lambda p: numpy_gen.run(p, inputs, threads=2),
+    runs = {"numpy": lambda p: numpy_gen.run(p, inputs, threads=1, native=False),
+            "numpy, 2 threads": lambda p: numpy_gen.run(p, inputs, threads=2, native=False),
+            "native": lambda p: numpy_gen.run(p, inputs, threads=2, native=True),
             "interp": lambda p: interp.run(p, inputs),
             "cuda": lambda p: emulate(cuda_gen.generate(p), inputs)}
     fused = fuse(lower(program), standard_pack(), get_target("h100")).program
