@@ -230,8 +230,8 @@ def _laid_out(values: np.ndarray, axis: int, at: np.ndarray) -> _Geometry | None
         order = sorted(range(values.ndim), key=lambda d: -abs(values.strides[d]))
         shape = tuple(values.shape[d] + (below + above if d == axis else 0) for d in order)
         inverse = tuple(order.index(d) for d in range(values.ndim))
-        ends = tuple(ahead + (part,) for part in (slice(0, below), slice(below + n, below + n + above))
-                     if part.stop != part.start)
+        pads = (slice(0, below), slice(below + n, below + n + above))
+        ends = tuple(ahead + (part,) for part in pads if part.stop != part.start)
         pad = _Padding(shape, inverse, ahead + (slice(below, below + n),), ends)
         strides = np.empty(shape, values.dtype).transpose(inverse).strides
     start = base + below
