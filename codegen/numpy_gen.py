@@ -1667,12 +1667,12 @@ class _KernelWriter:
                 else f"# {folds} over {loop.axis}: one block, no loop"]
         unrolled = self.unrolled(loop) if looping else None
         segments = unrolled or (self.segments(loop) if looping else [_Segment("", {}, True)])
-        once = self.combined_once(loop, unrolled) if unrolled else set()
+        runs = self.combining_runs(loop, unrolled) if unrolled else {}
         states: list[tuple[Reduce, list[str]]] = []
         for r in loop.reduces:
             m = r.monoid
             acc = [self.fresh(c) for c in m.state] if looping else []
-            if looping and r not in once:
+            if looping and r not in runs:
                 shared, identity = _expressions(m.identity, {}, self.fns, self.fresh)
                 init += shared + [f"{', '.join(acc)} = {', '.join(identity)}"]
             states.append((r, acc))
@@ -1690,7 +1690,7 @@ class _KernelWriter:
         self.copies *= len(unrolled or [None])
         surely_combined: set[Reduce] = set()  # on blocks every case visits
         fresh = {r: _fresh_state(r) for r in loop.reduces}  # (a fold taken once: as taken)
-        for segment in segments:
+        for i, segment in enumerate(segments):
             self.known = {**outer, **segment.known}
             self.scopes.append({})
             body = self.steps(loop.body)
@@ -1698,11 +1698,14 @@ class _KernelWriter:
                 self.reads = set()
                 if looping and self.known.get(skip_predicate(r), 1.0) == 0.0:
                     continue  # it contributes its identity on these blocks
-                if r in once:
-                    stmt, fresh[r] = self.take_once(r, acc)
+                if r in runs and runs[r][0] == i:
+                    stmt, fresh[r] = self.take_once(r, acc, alone=len(runs[r]) == 1)
                     body.append(stmt)
+                elif looping:
+                    body.append(self.combine(r, acc))
+                    fresh[r] = _fresh_state(r)
                 else:
-                    body.append(self.combine(r, acc) if looping else self.fold_once(r, acc))
+                    body.append(self.fold_once(r, acc))
                 if segment.always:
                     surely_combined.add(r)
             self.scopes.pop()
@@ -1733,12 +1736,21 @@ class _KernelWriter:
         stmt = _Stmt(lines, accs, uses, owned, escapes=escapes)
         return [stmt, self.finalize(states, surely_combined)] if states else [stmt]
 
-    def combined_once(self, loop: Loop, runs: Sequence[_Segment]) -> set[Reduce]:
-        """The reductions of an unrolled loop that only one of its runs combines (the others
-        contribute the identity): a one-hot selection of one chunk, rotate-half's halves.  Such
-        a fold takes that run's contribution (`take_once`), with no accumulator to fill."""
-        return {r for r in loop.reduces if sum(
-            {**self.known, **run.known}.get(skip_predicate(r), 1.0) != 0.0 for run in runs) == 1}
+    def combining_runs(self, loop: Loop, runs: Sequence[_Segment]) -> dict[Reduce, list[int]]:
+        """The runs of an unrolled loop that combine each of its reductions, where any do (on
+        the others its predicate is known false: they contribute the identity).  Each run is
+        one block, written once, in order, so the first of them takes its contribution
+        (`take_once`), with no accumulator to fill with the identity and no pass adding the
+        contribution to it: a one-hot selection of one chunk is that chunk, rotate-half's
+        two halves of a contraction are one sum (Mistral's attention scores, 128 tokens: a
+        pass of 4 x 384 x 64 per key block)."""
+        found: dict[Reduce, list[int]] = {}
+        for r in loop.reduces:
+            combining = [i for i, run in enumerate(runs)
+                         if {**self.known, **run.known}.get(skip_predicate(r), 1.0) != 0.0]
+            if combining:
+                found[r] = combining
+        return found
 
     def segments(self, loop: Loop) -> list[_Segment]:
         """The loop's visited blocks as code, each run with what is known there (the value of
@@ -1950,15 +1962,16 @@ class _KernelWriter:
         acc.extend(self.contribution(r))
         return _Stmt([], uses=frozenset(self.reads))
 
-    def take_once(self, r: Reduce, acc: list[str]) -> tuple[_Stmt, tuple[bool, ...]]:
-        """The one combine of a fold that one run of an unrolled loop takes
-        (`combined_once`): its accumulators set to the contribution, as in `fold_once` (a
+    def take_once(self, r: Reduce, acc: list[str], alone: bool
+                  ) -> tuple[_Stmt, tuple[bool, ...]]:
+        """The first combine of a fold by the runs of an unrolled loop (`combining_runs`; the
+        only one where `alone`): its accumulators set to the contribution, as in `fold_once` (a
         one-hot selection's sum is the selected chunk, not a pass adding it to zeros), and
         which of them are arrays of their own."""
         parts = self.contribution(r)
         stmt = _Stmt([f"{', '.join(acc)} = {', '.join(parts)}"], uses=frozenset(self.reads),
                      escapes=frozenset(parts))
-        if len(parts) == 1 and self.written_view(r.x):
+        if alone and len(parts) == 1 and self.written_view(r.x):
             self.taken_views.add(r)  # (decided here, where the chunk's selection is known)
         # a component that is the contribution's own new array, which no store returns, is
         # the accumulator's too: a store returns it, not a copy (GPT-2's Q, K and V, each a

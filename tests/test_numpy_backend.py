@@ -758,6 +758,24 @@ def test_an_own_window_is_the_padded_copy_where_no_elements_share_memory():
             values.reshape((1,) * (at.ndim - 1) + (40,)), at.ndim - 1, ((at, ()),)))
 
 
+def test_the_first_run_of_an_unrolled_fold_takes_its_contribution():
+    """Rotate-half's scores, the halves' contractions summed over the pair: the first half's
+    product is the fold's state (combine(identity, b) = b), the second is added to it; no
+    accumulator starts at zero, no pass adds the first product to zero."""
+    source = ("dim q = 32 / 16\ndim k = 32 / 16\ndim p = 2 / 1\ndim d = 8\n"
+              "input A[q, d], B[q, d], C[k, d], D[k, d] : f32\n"
+              "S[q, k] = sum[p, d] where(p == 0, A[q, d], B[q, d]) * "
+              "where(p == 0, C[k, d], D[k, d])\noutput S\n")
+    ast = parse_program(source)
+    p = lower(ast)
+    code = numpy_gen.generate(p, native=False)
+    kernel = code[code.index("def kernel_S"):code.index("def _input")]
+    assert "f32(0.0)" not in kernel and kernel.count("np.add(") == 1, kernel
+    inputs = random_inputs(ast, seed=7)
+    assert_close(numpy_gen.run(p, inputs, native=False)["S"],
+                 dense.evaluate(ast, inputs, np.float64)["S"], "vs dense")
+
+
 def test_a_contraction_over_two_axes_is_one_matmul():
     """Rotate-half RoPE leaves a head split in halves, `sum[p, d] Q[q, p, d] * K[k, p, d]`:
     the sum over the halves of the contraction over d is one matmul over (p, d), not a
