@@ -17,7 +17,7 @@ import numpy as np
 from bbrules.cost import cost_kernel
 from bbrules.ir import (Axis, Binary, BlockProgram, BlockReduce, Const, Dot, Kernel, Load, Node,
                         Pos, Reduce, Store, TileType, Where, children, is_elementwise,
-                        operator, postorder, rebuild, transform, type_of)
+                        is_node, operator, postorder, rebuild, transform, type_of)
 from bbrules.masking import NumpyAlgebra, may_hold
 from bbrules.onehot import mentions, one_hot, selection_as_contraction
 from bbrules.plan import loop_predicate, plan_for
@@ -432,6 +432,24 @@ def _keeps_blocks(p: BlockProgram, loop: Loop) -> bool:
             or any(isinstance(step, Write) for step, _ in walk_steps(loop.body)))
 
 
+def _in_block(fold: Reduce) -> set[str]:
+    """The reductions within a block along `fold`'s axis that its contribution makes, not
+    those of a fold nested in it (a softmax's sums read the maximum, a fold of its own,
+    reduced by its own blocks)."""
+    found: set[str] = set()
+    seen: set[Node] = set()
+    stack = [fold.x]
+    while stack:
+        n = stack.pop()
+        if n in seen or isinstance(n, Reduce):
+            continue
+        seen.add(n)
+        if isinstance(n, (BlockReduce, Dot)) and n.axis == fold.axis:
+            found.add(n.op if isinstance(n, BlockReduce) else "sum")
+        stack.extend(c for c in children(n) if is_node(c))
+    return found
+
+
 def coarsened(p: BlockProgram, k: Kernel, capacity: int) -> Kernel:
     """`k` with each axis that its plan walks only in loops free to take larger blocks
     (`_keeps_blocks`), and in folds only of `_SAME_IN_BLOCKS` monoids, given the largest
@@ -447,11 +465,8 @@ def coarsened(p: BlockProgram, k: Kernel, capacity: int) -> Kernel:
     for n in nodes:  # a fold whose in-block reduction is not its own monoid's depends on blocks
         if isinstance(n, Reduce) and n.monoid.name not in _SAME_IN_BLOCKS:
             fixed.add(n.axis)
-        elif isinstance(n, Reduce):
-            inner = {m.op if isinstance(m, BlockReduce) else "sum" for m in postorder(n.x)
-                     if isinstance(m, (BlockReduce, Dot)) and m.axis == n.axis}
-            if inner - {n.monoid.name}:
-                fixed.add(n.axis)
+        elif isinstance(n, Reduce) and _in_block(n) - {n.monoid.name}:
+            fixed.add(n.axis)
     free = [a for a in dict.fromkeys(loop.axis for loop in loops) if a not in fixed]
     unmade = {id(m) for n in nodes if isinstance(n, Dot) and (hot := one_hot(n)) is not None
               for m in postorder(n.y if hot[0] is n.x else n.x) if mentions(m, n.axis)}

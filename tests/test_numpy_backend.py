@@ -142,6 +142,24 @@ def test_an_online_softmax_over_one_key_block_is_that_blocks_state():
     assert_close(got, attention_reference(inputs["Q"], inputs["K"], inputs["V"]), "vs numpy")
 
 
+def test_a_fold_reading_a_fold_of_its_own_axis_is_free_to_take_larger_blocks():
+    """A softmax in two passes, the sum of exp(s - max) over k after the maximum over k: the
+    sum's contribution reads the maximum's in-block reduction (`bmax`), which is the
+    maximum's own, not the sum's, so both walk k in one block."""
+    text = ("# bbrules block program\ndim q = 64 / 16\ndim k = 256 / 64\ndim d = 16 / 16\n"
+            "input S[q, k] : f32\ninput V[k, d] : f32\noutput O[q, d] : f32\n\n"
+            "kernel [q]:\n  O[q, d] = reduce(k, sum, dot(k, exp(load(S[q, k]) - "
+            "reduce(k, max, bmax(k, load(S[q, k])))), load(V[k, d])))\n")
+    p = parse_block_program(text).program
+    assert numpy_plan.coarsened(p, p.kernels[0], H100.local_capacity).blocks == (("k", 256),)
+    assert python_loops(numpy_gen.generate(p)) == 0
+    inputs = random_inputs(p, seed=4)
+    s, v = (inputs[x].astype(np.float64) for x in "SV")
+    want = np.exp(s - s.max(axis=1, keepdims=True)) @ v
+    assert_close(numpy_gen.run(p, inputs)["O"], want, "vs numpy")
+    assert_matches_interpreter(p, inputs)
+
+
 def test_the_scores_of_a_key_loop_are_multiplied_column_major():
     """Q K^T inside the loop over key blocks, whose row maxima and sums reduce across its
     columns: computed as (K Q^T)^T, a transposed view, so each reduction runs over
