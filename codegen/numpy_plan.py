@@ -20,7 +20,7 @@ from bbrules.ir import (Axis, Binary, BlockProgram, BlockReduce, Const, Dot, Ker
                         is_node, operator, postorder, rebuild, transform, type_of)
 from bbrules.masking import NumpyAlgebra, may_hold
 from bbrules.onehot import mentions, one_hot, selection_as_contraction
-from bbrules.plan import loop_predicate, plan_for
+from bbrules.plan import block_bound_axes, loop_predicate, plan_for
 from bbrules.schedule import Compute, Loop, Write, walk_steps
 from bbrules.targets import Target
 
@@ -316,6 +316,15 @@ def _gathers(r: Reduce) -> bool:
 # gathers (`one_hot`).
 _SAME_IN_BLOCKS = {"sum", "max", "min"}
 
+# ... but any fold (an online softmax, one that skips blocks) takes its whole axis in one block
+# where no tile of the kernel then holds more than this many elements (1 MiB of f32, all grid
+# blocks at once): over one block a fold is its contribution, with no combine
+# (`numpy_gen.fold_once`), and its loop's numpy calls are made once.  Attention at 128 tokens
+# (12 heads; 4 x 3 x 128 x 128 scores), paired against two key blocks of 64: LLaMA's block
+# 0.987-0.995, Mistral's 0.975-0.979, GPT-NeoX's 0.962-0.967.  Its blocks are left to folds
+# whose state holds their block (`block_bound_axes`), and to a split's chunks (blocks of one).
+WHOLE_FOLD_TILE = 1 << 18
+
 
 def starts_where(p: BlockProgram, axis: Axis, pred: Node,
                  ranges: Mapping[Axis, tuple[int, int]]) -> list[int]:
@@ -454,9 +463,10 @@ def coarsened(p: BlockProgram, k: Kernel, capacity: int) -> Kernel:
     """`k` with each axis that its plan walks only in loops free to take larger blocks
     (`_keeps_blocks`), and in folds only of `_SAME_IN_BLOCKS` monoids, given the largest
     block, its own times a divisor of its block count, at which no tile of the kernel holds
-    more than `COARSE_TILE` elements.  Block sizes are a kernel's own (global tensors are the same
-    whatever a kernel's tiles), so this changes its loops only: sums are added in another
-    order, which changes results to float rounding."""
+    more than `COARSE_TILE` elements; and each other fold's axis the whole axis, where no tile
+    then holds more than `WHOLE_FOLD_TILE`.  Block sizes are a kernel's own (global tensors
+    are the same whatever a kernel's tiles), so this changes its loops only: sums are added
+    in another order, which changes results to float rounding."""
     kp = p.in_kernel(k)
     loops = [loop for _, enclosing in walk_steps(plan_for(kp, k, capacity).schedule.body)
              for loop in enclosing]
@@ -488,6 +498,16 @@ def coarsened(p: BlockProgram, k: Kernel, capacity: int) -> Kernel:
             if largest_tile() <= COARSE_TILE:
                 break
             blocks[axis] = own
+    bound = block_bound_axes(kp, k)
+    for loop in loops:  # the other folds' axes: the whole axis, or their blocks
+        axis = loop.axis
+        if axis in blocks or axis in bound or kp.block(axis) == 1 or kp.dims[axis].ragged or \
+                unrollable(kp, loop) or not loop.reduces or \
+                any(isinstance(step, Write) for step, _ in walk_steps(loop.body)):
+            continue
+        blocks[axis] = kp.extent(axis)
+        if largest_tile() > WHOLE_FOLD_TILE:
+            del blocks[axis]
     changed = {a: b for a, b in blocks.items() if b != kp.block(a)}
     return Kernel(k.grid, k.stores, tuple((dict(k.blocks) | changed).items())) if changed else k
 

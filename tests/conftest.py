@@ -25,3 +25,10 @@ def split_small(monkeypatch):
     parts cost nothing to start, and each numpy call of a part has work enough."""
     monkeypatch.setattr(numpy_plan, "PARTS_START_NS", -float("inf"))
     monkeypatch.setattr(numpy_plan, "MIN_CALL_FLOPS", 1)
+
+
+@pytest.fixture
+def walked_folds(monkeypatch):
+    """Folds walked in their blocks whatever their tiles, as attention over long sequences is,
+    not in one block of the whole axis where the tiles are small (`WHOLE_FOLD_TILE`)."""
+    monkeypatch.setattr(numpy_plan, "WHOLE_FOLD_TILE", 0)

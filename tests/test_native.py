@@ -436,7 +436,7 @@ def test_a_masked_maximum_over_padded_positions_is_one_call():
         assert_close(got[name], want[name], f"{name} vs interpreter")
 
 
-def test_a_softmaxs_exponentials_and_their_sum_are_one_call():
+def test_a_softmaxs_exponentials_and_their_sum_are_one_call(walked_folds):
     """Fused attention's exp(S - M) is read by the product with V and by its sum: one call
     computes both.  The scores are multiplied row by row, not column-major as numpy code
     multiplies them: the C reduces a row fastest where it is contiguous (4 x 1024 x 256
@@ -453,7 +453,7 @@ def test_a_softmaxs_exponentials_and_their_sum_are_one_call():
         assert_close(got[name], want[name], f"{name} vs interpreter")
 
 
-def test_an_online_softmaxs_rescaled_output_is_one_call():
+def test_an_online_softmaxs_rescaled_output_is_one_call(walked_folds):
     """Flash attention's combine rescales the output so far and adds the block's: o * a +
     pv * b, one C pass into pv's dying buffer where numpy makes three; the factors, one per
     row, stay numpy's.  The first block's o is still the identity, a number."""

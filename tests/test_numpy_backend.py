@@ -118,7 +118,7 @@ def flash(n: int, d: int, bq: int, bk: int) -> BlockProgram:
 
 
 @pytest.mark.parametrize("n, d, bq, bk", [(48, 8, 16, 12), (64, 16, 64, 8), (32, 4, 8, 32)])
-def test_flash_attention_matches_plain_attention(n, d, bq, bk):
+def test_flash_attention_matches_plain_attention(n, d, bq, bk, walked_folds):
     p = flash(n, d, bq, bk)
     inputs = {"Q": rand(n, d, seed=1), "K": rand(n, d, seed=2), "V": rand(n, d, seed=3)}
     got = numpy_gen.run(p, inputs)["O"]
@@ -142,6 +142,19 @@ def test_an_online_softmax_over_one_key_block_is_that_blocks_state():
     assert_close(got, attention_reference(inputs["Q"], inputs["K"], inputs["V"]), "vs numpy")
 
 
+def test_an_online_softmax_with_small_tiles_is_one_block_of_the_whole_axis():
+    """Over 64 keys in blocks of 16 the scores of all queries at once are a small tile
+    (`WHOLE_FOLD_TILE`): the fold takes the whole axis in one block, its contribution the
+    state (no loop, no rescaling, no identity); a tile too large for that keeps the loop."""
+    p = flash(64, 16, 16, 16)
+    code = numpy_gen.generate(p)
+    assert python_loops(code) == 0 and "-inf" not in code.split("def kernel_O")[1], code
+    inputs = {"Q": rand(64, 16, seed=1), "K": rand(64, 16, seed=2), "V": rand(64, 16, seed=3)}
+    assert_close(numpy_gen.run(p, inputs)["O"],
+                 attention_reference(inputs["Q"], inputs["K"], inputs["V"]), "vs numpy")
+    assert python_loops(numpy_gen.generate(flash(1024, 16, 64, 64))) == 1
+
+
 def test_a_fold_reading_a_fold_of_its_own_axis_is_free_to_take_larger_blocks():
     """A softmax in two passes, the sum of exp(s - max) over k after the maximum over k: the
     sum's contribution reads the maximum's in-block reduction (`bmax`), which is the
@@ -160,7 +173,7 @@ def test_a_fold_reading_a_fold_of_its_own_axis_is_free_to_take_larger_blocks():
     assert_matches_interpreter(p, inputs)
 
 
-def test_the_scores_of_a_key_loop_are_multiplied_column_major():
+def test_the_scores_of_a_key_loop_are_multiplied_column_major(walked_folds):
     """Q K^T inside the loop over key blocks, whose row maxima and sums reduce across its
     columns: computed as (K Q^T)^T, a transposed view, so each reduction runs over
     contiguous memory; P V, whose columns are features, is an ordinary product."""
@@ -589,7 +602,9 @@ def test_a_one_hot_contraction_is_a_gather(vocab, hot, ids_type):
 def test_a_ragged_axis_mask_does_not_keep_a_fold_in_blocks():
     """A row maximum over 508 columns in blocks of 64 masks the padding of its last block,
     which holds valid columns too: no block is skipped, so the fold is coarsened to one block
-    (one numpy call per step, not eight).  A causal mask skips whole blocks, and keeps them."""
+    (one numpy call per step, not eight).  A causal mask skips whole blocks, and keeps them,
+    unless the whole axis' tiles are small (`WHOLE_FOLD_TILE`): then one block is fewer calls
+    for all the rows at once."""
     ragged = ("dim r = 512 / 16\ndim c = 508 / 64\ninput X[r, c] : f32\n"
               "Y[r] = max[c] tanh(X[r, c])\noutput Y\n")
     ast = parse_program(ragged)
@@ -600,11 +615,12 @@ def test_a_ragged_axis_mask_does_not_keep_a_fold_in_blocks():
     inputs = random_inputs(ast, seed=8)
     assert_close(numpy_gen.run(p, inputs)["Y"], dense.evaluate(ast, inputs, np.float64)["Y"],
                  "vs dense")
-    causal = ("dim r = 512 / 64\ndim c = 512 / 64\ninput X[r, c] : f32\n"
-              "Y[r] = max[c] where(c <= r, X[r, c], -inf)\noutput Y\n")
-    p = lower(parse_program(causal))
-    assert dict(numpy_plan.coarsened(p, p.kernels[0], H100.local_capacity).blocks).get(
-        "c", 64) == 64
+    for n, block in ((1024, 64), (256, 256)):
+        causal = (f"dim r = {n} / 64\ndim c = {n} / 64\ninput X[r, c] : f32\n"
+                  "Y[r] = max[c] where(c <= r, X[r, c], -inf)\noutput Y\n")
+        p = lower(parse_program(causal))
+        assert dict(numpy_plan.coarsened(p, p.kernels[0], H100.local_capacity).blocks).get(
+            "c", 64) == block
 
 
 @pytest.mark.parametrize("columns, statement, fills", [
@@ -1053,7 +1069,7 @@ def test_a_window_past_the_end_is_gathered_as_whole_rows_of_zeros_after_the_valu
     assert got.reshape(64, 5, 4, 16).flags.c_contiguous
 
 
-def test_the_online_softmax_rescales_its_output_in_the_contributions_buffer():
+def test_the_online_softmax_rescales_its_output_in_the_contributions_buffer(walked_folds):
     """`o' = o * exp(m - m') + P V * exp(m_b - m')` allocates three arrays of the output's
     size per key block as an expression; scaled and added into the dying P V product it
     allocates one.  The results are those of the expression."""

@@ -76,10 +76,11 @@ def test_flash_attention_on_threads_matches_whole_and_numpy(n, d, bq, bk):
                  "vs numpy")
 
 
-def test_fused_causal_attention_on_threads(monkeypatch):
+def test_fused_causal_attention_on_threads(monkeypatch, walked_folds):
     """The mask reads the positions of the split query axis: each part must see its own.  The
     cost model counts the flops of a kernel that skips masked blocks as a fraction, which must
-    still make a whole number of parts (here fewer than the grid's 4 query blocks)."""
+    still make a whole number of parts (here fewer than the grid's 4 query blocks).  The key
+    loop is walked in its blocks, as over longer sequences."""
     ast = load_program(EXAMPLES / "causal_attention.bbp",
                        dims={"h": (2, 1), "q": (64, 16), "k": (64, 16), "d": (16, 16)})
     p = fuse(lower(ast), load_packs([]), H100).program

@@ -289,9 +289,10 @@ def test_a_split_fold_keeps_positions_and_skips_the_masked_chunks(pack):
         np.testing.assert_allclose(got["O"], want, rtol=1e-4, atol=1e-5)
 
 
-def test_numpy_iterates_only_the_blocks_a_predicate_of_the_loop_axis_may_hold_on():
+def test_numpy_iterates_only_the_blocks_a_predicate_of_the_loop_axis_may_hold_on(walked_folds):
     """numpy computes every grid block at once, so it skips a block of the loop only where
-    the predicate is false for all of them: here, one that reads the loop's positions alone."""
+    the predicate is false for all of them: here, one that reads the loop's positions alone
+    (walked in blocks, as larger tiles are)."""
     ast = parse_program("dim r = 64 / 16\ndim c = 256 / 32\ninput X[r, c] : f32\n"
                         "Y[r] = sum[c] where(c < 100 and c >= 40, X[r, c], 0.0)\n"
                         "Z[r] = max[c] where(c < 70 or c >= 200, X[r, c], -inf)\noutput Y, Z\n")
