@@ -49,13 +49,15 @@ Why it looks the way it does:
   operand that must be copied into a matmul's order is copied keeping its outer
   dimensions outer and handed to BLAS transposed where that order is the transposed one; a
   selection of a tile and a number by a box of known positions (a padded axis' mask) sets
-  slices (`fill`); a tile of known positions alone (a causal mask) is a module global,
-  computed once when the module loads (`known_tile`); a read-only input (a model's weights)
-  is copied into another layout (a matmul's order, padding) once, not on every call
-  (`relaid`).
+  slices (`fill`), and a window plus a selection on a few such boxes (a KV cache grown by a
+  token) adds it on them in the window's own padded copy (`box_add`); a tile of known
+  positions alone (a causal mask) is a module global, computed once when the module loads
+  (`known_tile`); a read-only input (a model's weights) is copied into another layout (a
+  matmul's order, padding) once, not on every call (`relaid`).
   Statements whose results no one reads (the one-hot a gather replaced) are dropped.
 - *Monoids are data.*  Identity, combine and finalize are emitted from the monoid's expressions,
-  never special-cased by name, so online softmax and Welford need no code of their own.
+  never special-cased by name, so online softmax and Welford need no code of their own.  A
+  fold's first combine is its contribution, by the identity law (`fold_once`, `take_once`).
 - Static shapes are known while generating, so reshapes and transposes around `np.matmul` are
   written out as constants: the generated code is plain numpy a reader can follow.
 - *Every core.*  A vectorised tile runs numpy's elementwise work (exp, max, where, ...) on one
