@@ -9,10 +9,10 @@ exporter.  The suite runs them at width 32; this script exports them at a model'
 hidden 3072: a GPT-2 small or BERT-base layer; the decode step's cache holds TOKENS - 1
 tokens before the new one) with `--torch-python`, a Python that has torch and onnx (torch
 is no dependency of bbrules: a side environment), or reads blocks exported before
-(`--models DIR`; those not found there are left out).  Each block is imported, fused for the cpu target (by candidates), its native numpy
-module tuned (`numpy_timing.tune`: in parts or whole), checked against torch's own outputs, and
-timed against onnxruntime's CPU session on the same input (`timing.compare`: rounds, each
-contender after a pause).
+(`--models DIR`; those not found there are left out).  Each block is imported, fused for the
+cpu target (by candidates), its native numpy module tuned (`numpy_timing.tune`: in parts or
+whole), checked against torch's own outputs, and timed against onnxruntime's CPU session on
+the same input (`timing.compare`: rounds, each contender after a pause).
 Programs neither the rules nor the generator were shaped after: what they find on these is
 what a user's export would get.
 

@@ -437,8 +437,11 @@ def _keeps_blocks(p: BlockProgram, loop: Loop) -> bool:
         return True
     if not loop.reduces:
         return loop_predicate(loop) is not None or Pos(loop.axis) in set(body_nodes(loop))
-    return (_skips(p, loop) and not all(map(_gathers, loop.reduces))
-            or any(isinstance(step, Write) for step, _ in walk_steps(loop.body)))
+    return _skips(p, loop) and not all(map(_gathers, loop.reduces)) or _stores_inside(loop)
+
+
+def _stores_inside(loop: Loop) -> bool:
+    return any(isinstance(step, Write) for step, _ in walk_steps(loop.body))
 
 
 def _in_block(fold: Reduce) -> set[str]:
@@ -502,8 +505,7 @@ def coarsened(p: BlockProgram, k: Kernel, capacity: int) -> Kernel:
     for loop in loops:  # the other folds' axes: the whole axis, or their blocks
         axis = loop.axis
         if axis in blocks or axis in bound or kp.block(axis) == 1 or kp.dims[axis].ragged or \
-                unrollable(kp, loop) or not loop.reduces or \
-                any(isinstance(step, Write) for step, _ in walk_steps(loop.body)):
+                unrollable(kp, loop) or not loop.reduces or _stores_inside(loop):
             continue
         blocks[axis] = kp.extent(axis)
         if largest_tile() > WHOLE_FOLD_TILE:
