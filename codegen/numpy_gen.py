@@ -1515,7 +1515,7 @@ class _KernelWriter:
             negative = n.op == "sub" and operand is n.x  # the product less the addend
             if isinstance(add, Const) or add in self.known or self.dims(n) != dims or \
                     self.named(operand) != name or not self.reads_alone(n, operand, top) or \
-                    not isinstance(code, str) or \
+                    not isinstance(code, str) or code == name or \
                     negative and code not in self.fns.known.values() or \
                     any(adds[i] > 1 for i in range(len(adds)) if i not in grouped) or \
                     not all(_spans(adds, dims, g, inner=g is rows) for g in groups):

@@ -503,6 +503,20 @@ def test_a_tile_added_to_a_product_is_its_addend():
         assert_close(got[name], want[name], name)
 
 
+@pytest.mark.parametrize("op", ["+", "-"])
+def test_a_product_added_to_itself_is_not_its_own_addend(op):
+    """The sum (or difference) of a product and itself, as the rules leave `(A + A) * A`
+    summed over one block: the product's array had been its own addend, named before it was
+    computed.  Against the interpreter."""
+    program = parse_program("dim r = 8\ndim c = 8\ndim k = 16\ninput X[r, k], W[k, c] : f32\n"
+                            f"Y[r, c] = sum[k] X[r, k] * W[k, c] {op} sum[k] X[r, k] * W[k, c]\n"
+                            "output Y\n")
+    p = lower(program)
+    inputs = random_inputs(program, seed=22)
+    got = numpy_gen.run(p, inputs, threads=2, native=True)["Y"]
+    assert_close(got, interp.run(p, inputs)["Y"], f"product {op} itself")
+
+
 GROUPED_QUERIES = """dim h = 2
 dim g = 3
 dim t = 64 / 32
