@@ -7,10 +7,11 @@ unless the program was fused for `cpu`), so the shares are what compare: a kerne
 much more of the measured time than of the modeled one is where numpy does worse than the
 model assumes (elementwise work on one core, a gather, a copy into a matmul's order) or where
 a fusion that the model prices well does not pay here.  Each kernel is timed where the
-module's `run` calls it: its whole function, or `run_parts` for a kernel split into parts.  The
-runs follow each other with no pause, as a program called in a loop would; what `run` does
-between kernels (views of the inputs and stores) is the difference between the kernels' sum
-and the whole run's time.
+module's `run` calls it: its whole function, or `run_parts` for a kernel split into parts;
+kernels that the module runs as one call (products of one job, `numpy_gen._jointly`) are one
+row, beside the sum of their modeled times.  The runs follow each other with no pause, as a
+program called in a loop would; what `run` does between kernels (views of the inputs and
+stores) is the difference between the kernels' sum and the whole run's time.
 
 `tune` settles by the clock what `numpy_plan.parts_pay` estimates from rates measured on one
 machine: whether a program's kernels run in parts on every core, or whole with BLAS threading
@@ -43,18 +44,20 @@ WARMUP_RUNS = 2
 
 @dataclass(frozen=True)
 class KernelTime:
-    """One kernel: the tensors it stores, how many parts it runs in (1: whole) and the median
-    of its time over the runs."""
+    """One kernel, or kernels the module runs as one call (their products as one job): the
+    tensors they store, how many parts it runs in (1: whole), the median of its time over the
+    runs, and the indices of its kernels in the program."""
 
     tensors: tuple[str, ...]
     parts: int
     seconds: float
+    kernels: tuple[int, ...]
 
 
 @dataclass(frozen=True)
 class Profile:
-    """Medians over `runs` runs of the generated module on `threads` threads: of each kernel,
-    in program order, and of the whole run."""
+    """Medians over `runs` runs of the generated module on `threads` threads: of each kernel
+    (or kernels run as one call), in program order, and of the whole run."""
 
     threads: int
     runs: int
@@ -67,10 +70,11 @@ class Profile:
                 "share")
         rows = [head]
         measured = sum(k.seconds for k in self.kernels)
-        for k, m in zip(self.kernels, modeled.kernels):
+        for k in self.kernels:
+            m = _modeled(k, modeled)
             rows.append((",".join(k.tensors), str(k.parts), fmt_time(k.seconds),
-                         _percent(k.seconds, measured), fmt_time(m.time),
-                         _percent(m.time, modeled.time)))
+                         _percent(k.seconds, measured), fmt_time(m),
+                         _percent(m, modeled.time)))
         rows.append(("kernels", "", fmt_time(measured), "", fmt_time(modeled.time), ""))
         widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
         lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w)
@@ -90,9 +94,14 @@ class Profile:
             "seconds": self.seconds,
             "target": modeled.target.name,
             "kernels": [{"tensors": list(k.tensors), "parts": k.parts, "seconds": k.seconds,
-                         "modeled_seconds": m.time if np.isfinite(m.time) else None}
-                        for k, m in zip(self.kernels, modeled.kernels)],
+                         "modeled_seconds": m if np.isfinite(m := _modeled(k, modeled)) else None}
+                        for k in self.kernels],
         }
+
+
+def _modeled(k: KernelTime, modeled: ProgramCost) -> float:
+    """The modeled time of `k`'s kernels."""
+    return sum(modeled.kernels[i].time for i in k.kernels)
 
 
 def _percent(part: float, whole: float) -> str:
@@ -106,8 +115,12 @@ def profile(p: BlockProgram, inputs: Mapping[str, np.ndarray], runs: int = 10,
     timing every kernel of the last `runs`."""
     threads = default_threads() if threads is None else threads
     generated, module = loaded(p, threads, default_native() if native is None else native)
-    spent = [0.0] * len(p.kernels)
-    kernel_of = {fn: i for i, fns in enumerate(generated.functions) for fn in fns}
+    # kernels run as one call share its function: one row
+    rows: dict[tuple[str, ...], list[int]] = {}
+    for i, fns in enumerate(generated.functions):
+        rows.setdefault(fns, []).append(i)
+    spent = [0.0] * len(rows)
+    kernel_of = {fn: r for r, fns in enumerate(rows) for fn in fns}
 
     def timed(fn: Callable[..., object], kernel: Callable[..., int]) -> Callable[..., object]:
         def call(*args: object) -> object:
@@ -118,14 +131,14 @@ def profile(p: BlockProgram, inputs: Mapping[str, np.ndarray], runs: int = 10,
                 spent[kernel(*args)] += time.perf_counter() - start
         return call
 
-    for fns, count in zip(generated.functions, generated.parts):
-        if count == 1:
-            i = kernel_of[fns[0]]
-            setattr(module, fns[0], timed(getattr(module, fns[0]), lambda *_, i=i: i))
+    for fns, kernels in rows.items():
+        if generated.parts[kernels[0]] == 1:
+            r = kernel_of[fns[0]]
+            setattr(module, fns[0], timed(getattr(module, fns[0]), lambda *_, r=r: r))
     if hasattr(module, "run_parts"):
         module.run_parts = timed(module.run_parts,
                                  lambda parts, *_: kernel_of[parts[0][0].__name__])
-    per_kernel: list[list[float]] = [[] for _ in p.kernels]
+    per_kernel: list[list[float]] = [[] for _ in rows]
     totals = []
     for n in range(WARMUP_RUNS + runs):
         spent[:] = [0.0] * len(spent)
@@ -136,8 +149,9 @@ def profile(p: BlockProgram, inputs: Mapping[str, np.ndarray], runs: int = 10,
             for times, s in zip(per_kernel, spent):
                 times.append(s)
     return Profile(threads, runs, statistics.median(totals), tuple(
-        KernelTime(tuple(k.tensors), count, statistics.median(times))
-        for k, count, times in zip(p.kernels, generated.parts, per_kernel)))
+        KernelTime(tuple(t for i in kernels for t in p.kernels[i].tensors),
+                   generated.parts[kernels[0]], statistics.median(times), tuple(kernels))
+        for kernels, times in zip(rows.values(), per_kernel)))
 
 
 @dataclass(frozen=True)

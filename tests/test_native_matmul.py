@@ -7,18 +7,21 @@ compiler (gcc), so these run there."""
 
 from __future__ import annotations
 
+import ast
+import itertools
 import multiprocessing
 import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from bbrules import interp
 from bbrules.blockfile import parse_block_program
-from bbrules.codegen import native, native_matmul, numpy_gen, numpy_plan
+from bbrules.codegen import native, native_matmul, numpy_gen, numpy_plan, numpy_timing
 from bbrules.frontend import parse_program
 from bbrules.inputs import random_inputs
 from bbrules.lower import lower
@@ -293,6 +296,44 @@ def test_a_kernels_products_of_one_operand_are_one_call():
         assert_close(got[name], want[name], f"{name}: native products vs interpreter")
 
 
+# Four kernels that are each one product, and one between them that is not: K reads what Q
+# reads, V what S stores after Q, R what Q stores.
+PRODUCT_KERNELS = (
+    "# bbrules block program\ndim t = 128 / 128\ndim d = 256 / 256\ndim n = 256 / 256\n"
+    "dim m = 128 / 128\ninput X[t, d] : f32\ninput WQ[d, n] : f32\ninput WK[d, m] : f32\n"
+    "input WV[n, m] : f32\ninput WR[n, m] : f32\noutput Q[t, n] : f32\noutput S[t, n] : f32\n"
+    "output K[t, m] : f32\noutput V[t, m] : f32\noutput R[t, m] : f32\n\n"
+    "kernel [t]:\n  Q[t, n] = reduce(d, sum, dot(d, load(X[t, d]), load(WQ[d, n])))\n\n"
+    "kernel [t, n]:\n  S[t, n] = load(Q[t, n]) * 2.0\n\n"
+    "kernel [t]:\n  K[t, m] = reduce(d, sum, dot(d, load(X[t, d]), load(WK[d, m])))\n\n"
+    "kernel [t]:\n  V[t, m] = reduce(n, sum, dot(n, load(S[t, n]), load(WV[n, m])))\n\n"
+    "kernel [t]:\n  R[t, m] = reduce(n, sum, dot(n, load(Q[t, n]), load(WR[n, m])))\n")
+
+
+def test_kernels_that_are_each_one_product_run_as_one_call(monkeypatch):
+    """Q's kernel and K's, each one product of X, run as one `matmuls` call where Q's ran; V's,
+    which reads S, stored since, cannot join them, and R's, which reads Q, joins V's.  Against
+    the interpreter; `profile` times each call once, one row for the kernels it runs."""
+    p = parse_block_program(PRODUCT_KERNELS).program
+    source = numpy_gen.generate_module(p, threads=2, split=False, native=True).source
+    run = source.split("def _execute(")[1]
+    calls = re.findall(r"^ +(.*) = (kernel_\w+)\(", run, re.MULTILINE)
+    assert [stored for stored, _ in calls] == ["Q, K", "S", "V, R"], run
+    for _, fn in calls[::2]:
+        kernel = source.split(f"def {fn}(")[1].split("\ndef ")[0]
+        assert kernel.count("matmuls(") == 1 and "matmul(" not in kernel, kernel
+    inputs = random_inputs(p, seed=15)
+    want = interp.run(p, inputs)
+    got = numpy_gen.module_from_source(source).run(**inputs)
+    for name in "QSKVR":
+        assert_close(got[name], want[name], f"{name}: products as one call vs interpreter")
+    ticks = itertools.count()
+    monkeypatch.setattr(numpy_timing, "time", SimpleNamespace(perf_counter=lambda: next(ticks)))
+    rows = numpy_timing.profile(p, inputs, runs=2, threads=2, native=True).kernels
+    assert [(r.tensors, r.kernels, r.seconds) for r in rows] == [
+        (("Q", "K"), (0, 2), 1), (("S",), (1,), 1), (("V", "R"), (3, 4), 1)]
+
+
 def test_a_store_between_products_follows_their_call(monkeypatch):
     """Q, K and V projections of different widths in one kernel, Q's contraction over an
     axis of its own (as LLaMA's import names them), so Q's loop comes first and its store (a
@@ -481,22 +522,37 @@ output Y, Z, S, V, D, C
 """
 
 
+def products(source: str) -> list[tuple[str, str | None, bool]]:
+    """Each native product `source` calls, as (x, the addend or None, whether it scales the
+    product by -1): `matmul(x, y, T, add, scale=s)` calls and the `(x, y, add, s)` operands of
+    `matmuls` calls."""
+    found = []
+    for call in ast.walk(ast.parse(source)):
+        if isinstance(call, ast.Call) and isinstance(call.func, ast.Name):
+            if call.func.id == "matmul":
+                found.append((call.args[0], call.args[3:], [k.value for k in call.keywords]))
+            elif call.func.id == "matmuls":
+                found += [(t.elts[0], t.elts[2:3], t.elts[3:]) for t in call.args]
+    return [(ast.unparse(x), ast.unparse(add[0]) if add else None,
+             any(ast.unparse(s) == "f32(-1.0)" for s in scale)) for x, add, scale in found]
+
+
 def test_a_tile_added_to_a_product_is_its_addend():
     """A residual, a bias (one row, loaded after the product) and a mask the heads share,
     added to products, are the native product's addend: no numpy pass adds them.  So are a
     residual less a product (the product scaled by -1) and a product less a mask computed on
     loading (the mask negated on loading).  A product read twice is not (V's is read by its
     sum with R and by their product).  The results are the interpreter's."""
-    ast = parse_program(ADDED)
-    p = lower(ast)
+    program = parse_program(ADDED)
+    p = lower(program)
     source = numpy_gen.generate(p, threads=2, native=True)
-    added = re.findall(r"= matmul\(.*, 2, (\w+)\.reshape\([\d, ]+\)"
-                       r"(, scale=f32\(-1\.0\))?\)", source)
-    assert sorted((re.sub(r"^t\d+_|_\d+$", "", a), bool(s)) for a, s in added) == [
+    added = [(re.sub(r"^t\d+_|_\d+$", "", add.split(".")[0]), negated)
+             for _, add, negated in products(source) if add is not None]
+    assert sorted(added) == [
         ("B", False), ("M", False), ("R", False), ("R", True), ("known", False)]
     assert re.search(r"\nknown_\d+ = constant\(np\.negative\(known_\d+\)\)\n", source)
     assert "np.add(" not in source and "np.subtract(" not in source
-    inputs = random_inputs(ast, seed=21)
+    inputs = random_inputs(program, seed=21)
     got = numpy_gen.module_from_source(source).run(**inputs)
     want = interp.run(p, inputs)
     for name in "YZSVDC":
@@ -569,12 +625,13 @@ def test_a_mask_the_query_heads_of_a_group_share_is_the_addend_of_their_rows():
     ast = parse_program(MASKED_GROUPS)
     p = lower(ast)
     source = numpy_gen.generate(p, threads=2, native=True)
-    kernels = {t: source.split(f"def kernel_{t}(")[1].split("\ndef ")[0] for t in "SCB"}
-    for t in "SC":
-        assert re.search(r"matmul\((t\d+_)?Q\.reshape\(2, 192, 32\), .*, 2, \w+\.reshape\("
-                         r"1, 64, 64\)", kernels[t]), kernels[t]
-        assert "np.add(" not in kernels[t] and "np.subtract(" not in kernels[t], kernels[t]
-    assert re.search(r"matmul\(.*, 2, .*\.reshape\(1, 192, 64\)\)", kernels["B"]), kernels["B"]
+    found = products(source)
+    repeated = [x for x, add, _ in found
+                if add and re.fullmatch(r"\w+\.reshape\(1, 64, 64\)", add)]
+    assert len(repeated) == 2 and all(re.fullmatch(r"(t\d+_)?Q\.reshape\(2, 192, 32\)", x)
+                                      for x in repeated), found
+    assert any(add and add.endswith(".reshape(1, 192, 64)") for _, add, _ in found), found
+    assert "np.add(" not in source and "np.subtract(" not in source
     inputs = random_inputs(ast, seed=23)
     got = numpy_gen.module_from_source(source).run(**inputs)
     want = interp.run(p, inputs)
