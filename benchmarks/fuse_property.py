@@ -1,5 +1,5 @@
 """The fusion property test at scale: `fuse()` on many random programs agrees with the dense
-evaluation, through the interpreter and the numpy backend.
+evaluation, through the interpreter and the numpy backend (numpy code and native code).
 
 The test suite runs 20 examples per CI run (tests/test_random_programs.py); this runs the same
 check on as many as asked, with a seed, and reports the time per example.  A failure prints
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     elapsed = time.perf_counter() - start
     print(f"{len(ran)} random programs fused, each agreeing with the dense evaluation through "
-          f"the interpreter and the numpy backend: {elapsed:.1f} s "
+          f"the interpreter, numpy code and native code: {elapsed:.1f} s "
           f"({elapsed / max(len(ran), 1):.2f} s an example)")
     return 0
 

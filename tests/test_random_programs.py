@@ -51,14 +51,18 @@ def standard_pack() -> RulePack:
 
 def check_fused_agrees(source: str) -> None:
     """Fuse the program with the standard pack; the fused program, through the interpreter and
-    through the numpy backend, computes every output as `bbrules run` judges it: within the
-    norm-wise tolerance of the float64 dense evaluation."""
+    through the numpy backend (numpy code, and native code on two threads), computes every
+    output as `bbrules run` judges it: within the norm-wise tolerance of the float64 dense
+    evaluation."""
     program = parse_program(source, "<random>")
     fused = fuse(lower(program), standard_pack(), get_target("h100")).program
     inputs = random_inputs(program, seed=0)
     want = dense.evaluate(program, inputs, dtype=np.float64)
     plain = dense.evaluate(program, inputs, dtype=np.float32)
-    for backend, run in (("interp", interp.run), ("numpy", numpy_gen.run)):
+    runs = {"interp": interp.run,
+            "numpy": lambda p, i: numpy_gen.run(p, i, native=False),
+            "native": lambda p, i: numpy_gen.run(p, i, threads=2, native=True)}
+    for backend, run in runs.items():
         got = run(fused, inputs)
         for name in program.outputs:
             c = Comparison.of(got[name], want[name], program.tensors[name].dtype,
