@@ -428,18 +428,16 @@ class Importer:
         atomic axes (for reductions and positions); `out` lists the dimensions of the result.
         """
         self.check_shape(dims)
-        factors: list[list[list[int]]] = [[] for _ in dims]
-        for v, where in operands:
-            for j, d in enumerate(where):
-                if d is not None and v.groups and v.groups[j] and v.shape[j] == dims[d]:
-                    factors[d].append([v.pieces[p] for p in v.groups[j]])
-        atoms: list[list[int]] = []
-        for d, n in enumerate(dims):
-            r = refine(n, factors[d]) if n > 1 else []
-            if r is None:
+        operands = list(operands)
+        while isinstance(atoms := self.atoms(dims, operands), int):
+            d = atoms  # a dimension the operands factor in incompatible ways ([3, 4], [4, 3])
+            split = [(i, j) for i, (v, where) in enumerate(operands) for j, e in enumerate(where)
+                     if e == d and v.groups and len(v.groups[j]) > 1 and v.shape[j] == dims[d]]
+            if not split:
                 raise self.error("operands factor a dimension in incompatible ways; no view "
                                  "reads them together")
-            atoms.append(r)
+            i, j = split[0]
+            operands[i] = (self.regrouped(operands[i][0], j), operands[i][1])
         flat = [e for d in range(len(dims)) for e in atoms[d]]
         names_flat = iter(self.axis_names(flat))
         names = [[next(names_flat) for _ in atoms[d]] for d in range(len(dims))]
@@ -461,6 +459,37 @@ class Importer:
         extents = self.tensor_axes[target]
         return Value(tuple(dims[d] for d in out), target, None, extents,
                      tuple(range(len(extents))), tuple(groups))
+
+    def atoms(self, dims: Sequence[int], operands: Sequence[Operand]) -> list[list[int]] | int:
+        """The atomic axes of each statement dimension: the coarsest factorization that
+        refines every operand's of it; or the first dimension that none refines."""
+        factors: list[list[list[int]]] = [[] for _ in dims]
+        for v, where in operands:
+            for j, d in enumerate(where):
+                if d is not None and v.groups and v.groups[j] and v.shape[j] == dims[d]:
+                    factors[d].append([v.pieces[p] for p in v.groups[j]])
+        atoms: list[list[int]] = []
+        for d, n in enumerate(dims):
+            r = refine(n, factors[d]) if n > 1 else []
+            if r is None:
+                return d
+            atoms.append(r)
+        return atoms
+
+    def regrouped(self, v: Value, j: int) -> Value:
+        """`v` stored again with its dimension `j` one axis, which any factorization reads:
+        a sum over v's own factors of it, selected by position.  Where two operands factor a
+        dimension in incompatible ways: Phi-3's 12 query heads, sliced from one QKV
+        projection in thirds of 256 features and viewed as heads of 64, are (3, 4); its 4
+        key heads repeated for them are (4, 3).  The selection is a gather, which fusion may
+        forward into its reader."""
+        r = len(v.shape)
+
+        def expr(refs: list[str], ix: _Index) -> str:
+            return reduce_expr("sum", ix.axes([j]),
+                               f"where({ix.position(j)} == {ix.position(r)}, {refs[0]}, 0)")
+        return self.statement(f"{v.tensor}_regrouped", (*v.shape, v.shape[j]),
+                              [r if d == j else d for d in range(r)], [(v, range(r))], expr)
 
     def reference(self, v: Value, where: Sequence[int | None], index: _Index) -> str:
         """The operand `v` read at the statement's atomic axes: `T[a, (b, c)]`, or a literal."""
