@@ -1,20 +1,20 @@
 """Transformer blocks as torch exports them, at a model's size, fused and run against onnxruntime.
 
-`tests/models/export.py` writes nine blocks (GPT-2, LLaMA, BERT, Mistral, ViT, GPT-NeoX, T5,
-Gemma, Qwen) and a LLaMA decode step as model code is usually written (a QKV projection split
-three ways, a buffer mask, `repeat_interleave`, an additive padding mask, RoPE on interleaved
-pairs, a sliding window, SDPA, a KV cache grown by `torch.cat`), through torch's TorchScript
-exporter.  The suite runs them at width 32; this script exports them at a model's size
-(default 128 tokens, width 768, 12 heads, 4 key/value heads in the grouped-query blocks,
-hidden 3072: a GPT-2 small or BERT-base layer; the decode step's cache holds TOKENS - 1
-tokens before the new one) with `--torch-python`, a Python that has torch and onnx (torch
-is no dependency of bbrules: a side environment), or reads blocks exported before
-(`--models DIR`; those not found there are left out).  Each block is imported, fused for the
-cpu target (by candidates), its native numpy module tuned (`numpy_timing.tune`: in parts or
-whole), checked against torch's own outputs, and timed against onnxruntime's CPU session on
-the same input (`timing.compare`: rounds, each contender after a pause).
-Programs neither the rules nor the generator were shaped after: what they find on these is
-what a user's export would get.
+`tests/models/export.py` writes fifteen blocks (GPT-2, LLaMA, BERT, Mistral, ViT, GPT-NeoX,
+T5, Gemma, Qwen, BLOOM, GPT-J, Phi-3, cross-attention, Falcon, Gemma 2) and a LLaMA decode
+step as model code is usually written (a QKV projection split three ways, a buffer mask,
+`repeat_interleave`, an additive padding mask, RoPE on interleaved pairs, a sliding window,
+SDPA, ALiBi, a KV cache grown by `torch.cat`), through torch's TorchScript exporter.  The
+suite runs them at width 32; this script exports them at a model's size (default 128 tokens,
+width 768, 12 heads, 4 key/value heads in the grouped-query blocks, hidden 3072: a GPT-2
+small or BERT-base layer; the decode step's cache holds TOKENS - 1 tokens before the new
+one) with `--torch-python`, a Python that has torch and onnx (torch is no dependency of
+bbrules: a side environment), or reads blocks exported before (`--models DIR`; those not
+found there are left out).  Each block is imported, fused for the cpu target (by candidates),
+its native numpy module tuned (`numpy_timing.tune`: in parts or whole), checked against
+torch's own outputs, and timed against onnxruntime's CPU session on the same input
+(`timing.compare`: rounds, each contender after a pause).  Programs neither the rules nor the
+generator were shaped after: what they find on these is what a user's export would get.
 
     python benchmarks/torch_blocks.py --torch-python /path/to/python [--tokens 128]
         [--width 768] [--heads 12] [--kv-heads 4] [--hidden 3072] [--rounds 5] [--json PATH]
@@ -49,7 +49,8 @@ from bbrules.targets import get_target
 from timing import compare
 
 EXPORT = Path(__file__).resolve().parent.parent / "tests" / "models" / "export.py"
-BLOCKS = ("gpt2", "llama", "bert", "mistral", "vit", "neox", "t5", "gemma", "qwen", "decode")
+BLOCKS = ("gpt2", "llama", "bert", "mistral", "vit", "neox", "t5", "gemma", "qwen", "decode",
+          "bloom", "gptj", "phi3", "cross", "falcon", "gemma2")
 # Fusion time, so that every candidate stops at its iteration limit, as on an idle machine,
 # and not at its share of the default 20 s: LLaMA's block fused into 64.77 MiB, not 56.06, in
 # an hour when the shared machine ran everything 20% slower.

@@ -1,4 +1,4 @@
-"""How the models of tests/test_torch_exports.py were made: nine transformer blocks and a
+"""How the models of tests/test_torch_exports.py were made: fifteen transformer blocks and a
 decode step written as model code usually is, exported by torch's TorchScript exporter
 (torch 2.13, opset 17) with their inputs and torch's own outputs for them (`NAME_io.npz`).
 Not run by the suite (torch is no dependency):
@@ -256,6 +256,154 @@ class Qwen(Llama):
                                               attn_mask=self.causal)
 
 
+class Bloom(nn.Module):
+    """LayerNorm, one QKV projection with bias, an ALiBi bias (a slope per head times the
+    keys' distance, built from `arange` in the graph), a causal mask by `masked_fill` with
+    float's lowest value, an erf-GELU MLP."""
+
+    def __init__(self):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(D), nn.LayerNorm(D)
+        self.qkv, self.o = nn.Linear(D, 3 * D), nn.Linear(D, D)
+        self.fc1, self.fc2 = nn.Linear(D, FF), nn.Linear(FF, D)
+        slopes = torch.tensor([2 ** (-8 * (i + 1) / H) for i in range(H)])
+        self.register_buffer("slopes", slopes.view(1, H, 1, 1))
+
+    def forward(self, x):
+        b, hd = x.shape[0], D // H
+        q, k, v = self.qkv(self.ln1(x)).view(b, T, H, 3, hd).permute(3, 0, 2, 1, 4)
+        pos = torch.arange(T)
+        s = q @ k.transpose(-1, -2) / math.sqrt(hd) + \
+            self.slopes * (pos[None, :] - pos[:, None]).float()
+        s = s.masked_fill(pos[None, :] > pos[:, None], torch.finfo(s.dtype).min)
+        x = x + self.o((torch.softmax(s, dim=-1) @ v).transpose(1, 2).reshape(b, T, D))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+class GPTJ(nn.Module):
+    """GPT-J's rotary embedding on interleaved pairs of the first half of each head
+    (`rotate_every_two`, by strided slices and `stack`), attention and MLP in parallel from one
+    LayerNorm, causal `scaled_dot_product_attention`."""
+
+    def __init__(self):
+        super().__init__()
+        self.rotary = D // H // 2
+        self.ln = nn.LayerNorm(D)
+        self.q, self.k, self.v, self.o = (nn.Linear(D, D, bias=False) for _ in range(4))
+        self.fc1, self.fc2 = nn.Linear(D, FF), nn.Linear(FF, D)
+        freqs = torch.outer(torch.arange(T).float(), 1.0 / (
+            10000 ** (torch.arange(0, self.rotary, 2).float() / self.rotary)))
+        self.register_buffer("cos", freqs.cos().repeat_interleave(2, -1))
+        self.register_buffer("sin", freqs.sin().repeat_interleave(2, -1))
+
+    def rope(self, x):
+        r, rest = x[..., :self.rotary], x[..., self.rotary:]
+        turned = torch.stack((-r[..., 1::2], r[..., ::2]), -1).flatten(-2)
+        return torch.cat((r * self.cos + turned * self.sin, rest), -1)
+
+    def forward(self, x):
+        b, hd = x.shape[0], D // H
+        h = self.ln(x)
+        q, k, v = (f(h).view(b, T, H, hd).transpose(1, 2) for f in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(self.rope(q), self.rope(k), v, is_causal=True)
+        return x + self.o(y.transpose(1, 2).reshape(b, T, D)) + \
+            self.fc2(F.gelu(self.fc1(h), approximate="tanh"))
+
+
+class Phi3(Llama):
+    """LLaMA's block with Phi-3's fused projections: one QKV projection split by sizes, and
+    one gate-and-up projection split in two by `chunk`."""
+
+    def __init__(self):
+        super().__init__()
+        hd = D // H
+        del self.q, self.k, self.v, self.g, self.u  # (replaced by the fused projections)
+        self.qkv = nn.Linear(D, D + 2 * KV * hd, bias=False)
+        self.gate_up = nn.Linear(D, 2 * FF, bias=False)
+
+    def forward(self, x):
+        b, hd = x.shape[0], D // H
+        q, k, v = self.qkv(self.norm(x, self.w1)).split([D, KV * hd, KV * hd], -1)
+        q = self.rope(q.view(b, T, H, hd).transpose(1, 2))
+        k = self.rope(k.view(b, T, KV, hd).transpose(1, 2))
+        v = v.view(b, T, KV, hd).transpose(1, 2)
+        x = x + self.o(self.attend(q, k, v).transpose(1, 2).reshape(b, T, D))
+        gate, up = self.gate_up(self.norm(x, self.w2)).chunk(2, -1)
+        return x + self.d(F.silu(gate) * up)
+
+
+class Cross(nn.Module):
+    """A decoder's cross-attention (BART's, post-LayerNorm): queries of T tokens over an
+    encoder's S states of half the width, with a padding mask over the encoder's positions,
+    then a ReLU MLP."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.o = nn.Linear(D, D), nn.Linear(D, D)
+        self.k, self.v = nn.Linear(D // 2, D), nn.Linear(D // 2, D)
+        self.ln1, self.ln2 = nn.LayerNorm(D), nn.LayerNorm(D)
+        self.fc1, self.fc2 = nn.Linear(D, FF), nn.Linear(FF, D)
+
+    def forward(self, x, enc, keep):
+        b, s, hd = x.shape[0], enc.shape[1], D // H
+        q = self.q(x).view(b, T, H, hd).transpose(1, 2)
+        k, v = (f(enc).view(b, s, H, hd).transpose(1, 2) for f in (self.k, self.v))
+        scores = q @ k.transpose(-1, -2) * hd ** -0.5 + (1.0 - keep[:, None, None, :]) * -1e9
+        x = self.ln1(x + self.o((torch.softmax(scores, -1) @ v).transpose(1, 2)
+                                .reshape(b, T, D)))
+        return self.ln2(x + self.fc2(F.relu(self.fc1(x))))
+
+
+class Falcon(nn.Module):
+    """Falcon's multi-query attention (one key/value head, from the same projection as the
+    queries, broadcast to every head by `expand`), attention and MLP in parallel from one
+    LayerNorm, causal `scaled_dot_product_attention`, an erf-GELU MLP."""
+
+    def __init__(self):
+        super().__init__()
+        hd = D // H
+        self.ln = nn.LayerNorm(D)
+        self.qkv, self.o = nn.Linear(D, D + 2 * hd, bias=False), nn.Linear(D, D, bias=False)
+        self.fc1, self.fc2 = nn.Linear(D, FF, bias=False), nn.Linear(FF, D, bias=False)
+
+    def forward(self, x):
+        b, hd = x.shape[0], D // H
+        h = self.ln(x)
+        q, k, v = self.qkv(h).split([D, hd, hd], -1)
+        q = q.view(b, T, H, hd).transpose(1, 2)
+        k, v = (t.view(b, T, 1, hd).transpose(1, 2).expand(b, H, T, hd) for t in (k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + self.o(y.transpose(1, 2).reshape(b, T, D)) + self.fc2(F.gelu(self.fc1(h)))
+
+
+class Gemma2(nn.Module):
+    """Gemma 2's sandwich of RMSNorms (scaled by 1 + w) around attention and the MLP, queries
+    scaled before their product, scores soft-capped by tanh, a sliding window of T / 4 by a
+    boolean mask through `torch.where`, GeGLU."""
+
+    def __init__(self):
+        super().__init__()
+        self.ws = nn.ParameterList(nn.Parameter(torch.rand(D) - 0.5) for _ in range(4))
+        self.q, self.k, self.v, self.o = (nn.Linear(D, D, bias=False) for _ in range(4))
+        self.g, self.u = nn.Linear(D, FF, bias=False), nn.Linear(D, FF, bias=False)
+        self.d = nn.Linear(FF, D, bias=False)
+        i = torch.arange(T)
+        self.register_buffer("allowed", (i[None, :] <= i[:, None])
+                             & (i[:, None] - i[None, :] < max(T // 4, 1)))
+
+    def forward(self, x):
+        b, hd = x.shape[0], D // H
+        h = Llama.norm(x, 1 + self.ws[0])
+        q, k, v = (f(h).view(b, T, H, hd).transpose(1, 2) for f in (self.q, self.k, self.v))
+        s = torch.tanh((q * hd ** -0.5) @ k.transpose(-1, -2) / 30.0) * 30.0
+        s = torch.where(self.allowed, s, torch.tensor(float("-inf")))
+        a = self.o((torch.softmax(s, -1) @ v).transpose(1, 2).reshape(b, T, D))
+        x = x + Llama.norm(a, 1 + self.ws[1])
+        h = Llama.norm(x, 1 + self.ws[2])
+        return x + Llama.norm(self.d(F.gelu(self.g(h), approximate="tanh") * self.u(h)),
+                              1 + self.ws[3])
+
+
 class Decode(Llama):
     """One step of LLaMA's decoding: one new token at position T - 1, the keys and values of
     the T - 1 tokens before it given as inputs (a KV cache), the new token's appended by
@@ -302,6 +450,12 @@ def main() -> None:
     decode = Decode()
     past = {n: torch.randn(1, KV, T - 1, D // H) for n in ("pk", "pv")}
     models.append(("decode", decode, {"x": x[:, -1:], **past}))
+    states = T + T // 2  # the encoder's, which Cross attends to
+    encoded = {"enc": torch.randn(1, states, D // 2),
+               "keep": (torch.rand(1, states) > 0.25).float()}
+    models += [("bloom", Bloom(), {"x": x}), ("gptj", GPTJ(), {"x": x}),
+               ("phi3", Phi3(), {"x": x}), ("cross", Cross(), {"x": x, **encoded}),
+               ("falcon", Falcon(), {"x": x}), ("gemma2", Gemma2(), {"x": x})]
     for name, model, inputs in models:
         model = model.eval()
         outputs = ["y", "k", "v"] if isinstance(model, Decode) else ["y"]
