@@ -297,8 +297,8 @@ def _split_axis(kp: BlockProgram, k: Kernel) -> Axis:
     return min(splittable, key=lambda a: (repeated(a), -kp.blocks(a)))
 
 
-# The most elements a tile of a coarsened kernel may hold, all grid blocks at once (16 MiB of
-# f32; a part holds its share of the grid).
+# The most elements a tile that a coarsened kernel computes may hold, all grid blocks at once
+# (16 MiB of f32; a part holds its share of the grid).
 COARSE_TILE = 1 << 22
 
 
@@ -465,9 +465,11 @@ def _in_block(fold: Reduce) -> set[str]:
 def coarsened(p: BlockProgram, k: Kernel, capacity: int) -> Kernel:
     """`k` with each axis that its plan walks only in loops free to take larger blocks
     (`_keeps_blocks`), and in folds only of `_SAME_IN_BLOCKS` monoids, given the largest
-    block, its own times a divisor of its block count, at which no tile of the kernel holds
-    more than `COARSE_TILE` elements; and each other fold's axis the whole axis, where no tile
-    then holds more than `WHOLE_FOLD_TILE`.  Block sizes are a kernel's own (global tensors
+    block, its own times a divisor of its block count, at which no tile the kernel computes
+    holds more than `COARSE_TILE` elements (a loaded tile is a view of its tensor: Phi-3's
+    768 x 6144 gate-and-up weight had kept its product in two passes of 384 and an
+    addition); and each other fold's axis the whole axis, where no tile then holds more than
+    `WHOLE_FOLD_TILE`.  Block sizes are a kernel's own (global tensors
     are the same whatever a kernel's tiles), so this changes its loops only: sums are added
     in another order, which changes results to float rounding."""
     kp = p.in_kernel(k)
@@ -484,7 +486,8 @@ def coarsened(p: BlockProgram, k: Kernel, capacity: int) -> Kernel:
     unmade = {id(m) for n in nodes if isinstance(n, Dot) and (hot := one_hot(n)) is not None
               for m in postorder(n.y if hot[0] is n.x else n.x) if mentions(m, n.axis)}
     unmade |= {id(m) for n in nodes if isinstance(n, BlockReduce) for m in _in_matmul(n, kp)}
-    types = [t for n in nodes if isinstance(t := type_of(n), TileType) and id(n) not in unmade]
+    types = [t for n in nodes if isinstance(t := type_of(n), TileType) and id(n) not in unmade
+             and not isinstance(n, Load)]
     blocks = {a: kp.block(a) for a in free}
 
     def largest_tile() -> int:
