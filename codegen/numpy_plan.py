@@ -469,9 +469,9 @@ def coarsened(p: BlockProgram, k: Kernel, capacity: int) -> Kernel:
     holds more than `COARSE_TILE` elements (a loaded tile is a view of its tensor: Phi-3's
     768 x 6144 gate-and-up weight had kept its product in two passes of 384 and an
     addition); and each other fold's axis the whole axis, where no tile then holds more than
-    `WHOLE_FOLD_TILE`.  Block sizes are a kernel's own (global tensors
-    are the same whatever a kernel's tiles), so this changes its loops only: sums are added
-    in another order, which changes results to float rounding."""
+    `WHOLE_FOLD_TILE`.  Block sizes are a kernel's own (global tensors are the same whatever a
+    kernel's tiles), so this changes its loops only: sums are added in another order, which
+    changes results to float rounding."""
     kp = p.in_kernel(k)
     loops = [loop for _, enclosing in walk_steps(plan_for(kp, k, capacity).schedule.body)
              for loop in enclosing]
