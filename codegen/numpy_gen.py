@@ -2572,6 +2572,7 @@ def generate_module(p: BlockProgram, target: Target | str | None = None, threads
             if split is None else split):
         threads = 1
     for k in ks:
+        k = numpy_plan.balanced(p, k, threads, target)
         params = _kernel_params(p, k, names)
         outputs = {t: names[t] for t in k.tensors}
         kp = p.in_kernel(k)

@@ -208,6 +208,50 @@ def split_kernel(p: BlockProgram, k: Kernel, threads: int, target: Target
     return axis, runs
 
 
+def _makespan(runs: Sequence[tuple[int, int]], threads: int) -> int:
+    """Blocks the busiest thread computes when `run_parts` hands `runs` out in order, each to
+    the first thread free."""
+    ends = [0] * threads
+    for _, blocks in runs:
+        ends[ends.index(min(ends))] += blocks
+    return max(ends)
+
+
+# The factors by which `balanced` may tile a split axis finer, and the fewest elements a
+# finer block keeps (a product's part narrower than this runs its columns slower than whole).
+BALANCING_FACTORS = (2, 3, 4)
+MIN_BALANCED_BLOCK = 32
+
+
+def balanced(p: BlockProgram, k: Kernel, threads: int, target: Target) -> Kernel:
+    """`k` with the grid axis it is split along (`split_kernel`) in finer blocks where its
+    parts, whole blocks each, would leave a thread idle while another finishes: three blocks
+    on two threads take as long as four, and Falcon's output projection and second MLP
+    product (768 columns in blocks of 256) ran a third of their time on one core.  The
+    factor (of `BALANCING_FACTORS`) whose parts keep the busiest thread's share of the axis
+    least; none where no factor lessens it.  A grid axis the kernel also folds, or whose
+    blocks a fold's state holds, keeps its blocks, as do ragged axes."""
+    split = split_kernel(p, k, threads, target)
+    if split is None:
+        return k
+    axis, runs = split
+    kp = p.in_kernel(k)
+    folded = {n.axis for s in k.stores for n in postorder(s.value) if isinstance(n, Reduce)}
+    if axis in folded or axis in block_bound_axes(kp, k) or kp.dims[axis].ragged:
+        return k
+    best, share = k, _makespan(runs, threads) / kp.blocks(axis)
+    for f in BALANCING_FACTORS:
+        block = kp.block(axis) // f
+        if kp.block(axis) % f or block < max(MIN_BALANCED_BLOCK, target.block_granularity):
+            continue
+        finer = Kernel(k.grid, k.stores, tuple((dict(k.blocks) | {axis: block}).items()))
+        split = split_kernel(p, finer, threads, target)
+        if split is not None and split[0] == axis and \
+                (finer_share := _makespan(split[1], threads) / (kp.blocks(axis) * f)) < share:
+            best, share = finer, finer_share
+    return best
+
+
 @dataclass(frozen=True)
 class _NodeWork:
     """A node a kernel computes: the axes its elements span or depend on (a contraction's

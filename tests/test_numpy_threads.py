@@ -221,6 +221,42 @@ def test_parts_cover_the_axis_in_near_equal_runs(split_small):
             "(kernel_O_q2, 64)], 2, Q, K, V, O)") in source
 
 
+@pytest.mark.usefixtures("split_small")
+def test_parts_that_would_leave_a_thread_idle_take_finer_blocks():
+    """Three column blocks on two threads: one thread would compute the third alone while the
+    other waits.  In blocks half as large, each thread computes half the columns (2 + 1
+    blocks each); on three threads, one block each, the blocks stay."""
+    ast = parse_program("dim m = 64 / 64\ndim n = 192 / 64\ndim k = 32\n"
+                        "input X[m, k], W[k, n] : f32\n"
+                        "Y[m, n] = sum[k] X[m, k] * W[k, n]\noutput Y\n")
+    p = lower(ast)
+    (k,) = p.kernels
+    assert numpy_plan.split_kernel(p, k, 2, H100) == ("n", [(0, 1), (1, 1), (2, 1)])
+    finer = numpy_plan.balanced(p, k, 2, H100)
+    assert p.in_kernel(finer).block("n") == 32
+    assert numpy_plan.split_kernel(p, finer, 2, H100) == ("n", [(0, 2), (2, 2), (4, 1), (5, 1)])
+    assert numpy_plan.balanced(p, k, 3, H100) is k
+    assert ("run_parts([(kernel_Y_n2, 0), (kernel_Y_n2, 64), (kernel_Y_n1, 128), "
+            "(kernel_Y_n1, 160)], 2, X, W, Y)") in numpy_gen.generate(p, threads=2)
+    inputs = random_inputs(ast, seed=6)
+    whole = assert_threads_agree(p, inputs)
+    assert_close(whole["Y"], dense.evaluate(ast, inputs, np.float64)["Y"], "vs dense")
+
+
+@pytest.mark.usefixtures("split_small")
+def test_a_folded_split_axis_keeps_its_blocks_however_its_parts_fall():
+    """Statistics folded over the split axis (each part walks all of it, storing its own
+    blocks): three blocks on two threads, but the fold's blocks are the axis' blocks (a
+    Welford state holds their count), so the axis is not tiled finer."""
+    x = Load("X", ("m", "e"))
+    stats = welford_stats(x, "e", 64)
+    y = mul(sub(x, Get(0, stats)), Unary("rsqrt", add(Get(1, stats), Const(1e-5))))
+    p = program({"m": (4, 4), "e": (192, 64)}, {"X": ("m", "e")}, [Store("Y", ("m", "e"), y)])
+    (k,) = p.kernels
+    assert numpy_plan.split_kernel(p, k, 2, H100) == ("e", [(0, 1), (1, 1), (2, 1)])
+    assert numpy_plan.balanced(p, k, 2, H100) is k
+
+
 def test_small_kernels_and_one_block_grids_run_whole():
     small = flash(64, 8, 8, 16)
     assert numpy_plan.split_kernel(small, small.kernels[0], 8, H100) is None  # little work
