@@ -1318,30 +1318,45 @@ def _concat(im: Importer, node) -> list[Value]:
 
 @lowering("Conv")
 def _conv(im: Importer, node) -> list[Value]:
-    """A convolution of one group: each output position sums the kernel's taps over input
-    positions picked by a one-hot sum,
+    """A convolution: each output position sums the kernel's taps over input positions picked
+    by a one-hot sum,
     y[n, m, o] = b[m] + sum[k, c] w[m, c, k] * sum[s] where(s == o * stride + k * dilation -
     pad, 1, 0) * x[n, c, s].  Positions outside the input match nothing: zero padding for free.
 
     Both sums are contractions whose tiles span few axes: the one-hot is a factor of its own
     (a [o, k, s] tile times x's [c, s]), not a selection from x (an [o, k, c, s] tile), and the
     channels, the longer axis, are contracted innermost, with the taps looped around them, as
-    an implicit GEMM does."""
+    an implicit GEMM does.
+
+    With `group` g > 1 (a depthwise convolution: one channel a group), the channels are read
+    as (group, channel in the group), input and output alike, and each group is a convolution
+    of its own: y[n, g, m, o] = b[g, m] + sum[k, c] w[g, m, c, k] * (x[n, g, c, s] picked),
+    read back as [n, g * m, o]."""
     x, w, b = im.value(node.input[0]), im.value(node.input[1]), im.input(node, 2)
     r = len(x.shape) - 2
     kernel, spatial = w.shape[2:], x.shape[2:]
-    if _attr(node, "group", 1) != 1:
-        raise im.error("grouped convolutions are not supported")
+    n, c, m, g = x.shape[0], x.shape[1], w.shape[0], _attr(node, "group", 1)
+    if g < 1 or c % g or m % g or w.shape[1] * g != c:
+        raise im.error(f"{g} group(s) do not fit {c} input channels, {m} output channels and "
+                       f"a kernel of {w.shape[1]} input channels")
     strides, dilations, begin, _, out = _window(node, spatial, kernel)
-    # statement dims: n, m, o..., then the reduced c, k..., s...
-    o_dims = list(range(2, 2 + r))
-    c_dim = 2 + r
+    channels = [g, m // g] if g > 1 else [m]  # the output's channel dims
+    if g > 1:
+        x = im.reshape(x, (n, g, c // g, *spatial))
+        w = im.reshape(w, (g, m // g, c // g, *kernel))
+        b = None if b is None else im.reshape(b, (g, m // g))
+    # statement dims: n, the output's channels, o..., then the reduced c, k..., s...
+    lead = 1 + len(channels)
+    o_dims = list(range(lead, lead + r))
+    c_dim = lead + r
     k_dims = list(range(c_dim + 1, c_dim + 1 + r))
     s_dims = list(range(c_dim + 1 + r, c_dim + 1 + 2 * r))
-    dims = [x.shape[0], w.shape[0], *out, x.shape[1], *kernel, *spatial]
-    operands: list[Operand] = [(x, [0, c_dim, *s_dims]), (w, [1, c_dim, *k_dims])]
+    dims = [n, *channels, *out, c // g, *kernel, *spatial]
+    groups = list(range(1, lead - 1))  # the group dim, where there are groups
+    operands: list[Operand] = [(x, [0, *groups, c_dim, *s_dims]),
+                               (w, [*range(1, lead), c_dim, *k_dims])]
     if b is not None:
-        operands.append((b, [1]))
+        operands.append((b, list(range(1, lead))))
 
     def expr(refs: list[str], ix: _Index) -> str:
         hits = " and ".join(
@@ -1350,7 +1365,8 @@ def _conv(im: Importer, node) -> list[Value]:
         picked = reduce_expr("sum", ix.axes(s_dims), f"where({hits}, 1, 0) * {refs[0]}")
         total = reduce_expr("sum", ix.axes([*k_dims, c_dim]), f"{refs[1]} * {picked}")
         return f"{total} + {refs[2]}" if b is not None else total
-    return [im.statement(node.output[0], dims, range(2 + r), operands, expr)]
+    y = im.statement(node.output[0], dims, range(lead + r), operands, expr)
+    return [im.reshape(y, (n, m, *out)) if g > 1 else y]
 
 
 def _window(node, spatial: Sequence[int], kernel: Sequence[int]

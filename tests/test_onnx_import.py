@@ -361,6 +361,54 @@ def test_a_wide_convolution_fits_local_memory_and_fuses_with_its_activation(tmp_
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("x_shape, w_shape, attrs", [
+    ((1, 8, 20), (8, 1, 15), dict(group=8, pads=[7, 7])),            # depthwise (Conformer's)
+    ((2, 6, 9, 9), (12, 1, 3, 3), dict(group=6, strides=[2, 2],      # depthwise, 2 per channel
+                                       pads=[1, 1, 1, 1])),
+    ((1, 4, 7, 8), (6, 2, 3, 2), dict(group=2, dilations=[2, 1])),   # two groups of two
+], ids=["depthwise-1d", "multiplier-2d", "groups-2d"])
+def test_grouped_convolutions_agree_with_onnx(tmp_path, x_shape, w_shape, attrs):
+    """Each group convolves its own channels: the channels read as (group, channel in the
+    group), exact against onnx's reference evaluator, unfused and fused for the cpu target
+    (through the numpy backend, which gathers the taps: the interpreter would walk these
+    blocks of one a tap and a position at a time)."""
+    rng = np.random.default_rng(11)
+    w = rng.standard_normal(w_shape).astype(np.float32)
+    b = rng.standard_normal(w_shape[0]).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w", "b"], ["c"], kernel_shape=list(w_shape[2:]),
+                          **attrs),
+         helper.make_node("Sigmoid", ["c"], ["y"])], "grouped",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(x_shape))],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(w, "w"), numpy_helper.from_array(b, "b")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    onnx.save(model, str(tmp_path / "grouped.onnx"))
+    imported = import_onnx(tmp_path / "grouped.onnx")
+    from bbrules.frontend import parse_program
+    from bbrules.lower import lower
+    program = lower(parse_program(imported.text))
+    x = rng.standard_normal(x_shape).astype(np.float32)
+    want = ReferenceEvaluator(model).run(None, {"x": x})[0]
+    inputs = imported.bbp_inputs({"x": x})
+    for p in (program, fuse(program, load_packs([]), get_target("cpu")).program):
+        got = imported.onnx_outputs(numpy_gen.run(p, inputs))["y"]
+        assert got.shape == want.shape
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_groups_that_do_not_divide_the_channels_are_refused(tmp_path):
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w"], ["y"], kernel_shape=[3], group=3)], "bad",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4, 10])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(np.ones((3, 1, 3), np.float32), "w")])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]),
+              str(tmp_path / "bad.onnx"))
+    with pytest.raises(OnnxError, match=r"node 0 .*3 group\(s\) do not fit 4 input channels"):
+        import_onnx(tmp_path / "bad.onnx")
+
+
 @pytest.mark.parametrize("indices, sliced", [
     (np.array(2), True),                     # one row: a slice that drops the axis
     (np.array([[3, 3], [3, 3]]), True),      # one row, repeated: a broadcast slice
