@@ -1359,14 +1359,25 @@ def _conv(im: Importer, node) -> list[Value]:
         operands.append((b, list(range(1, lead))))
 
     def expr(refs: list[str], ix: _Index) -> str:
-        hits = " and ".join(
-            f"{ix.position(s)} == {ix.position(o)} * {st} + {ix.position(k)} * {dl} - {lo}"
-            for s, o, k, st, dl, lo in zip(s_dims, o_dims, k_dims, strides, dilations, begin))
-        picked = reduce_expr("sum", ix.axes(s_dims), f"where({hits}, 1, 0) * {refs[0]}")
+        at = [f"{ix.position(o)} * {st} + {ix.position(k)} * {dl} - {lo}"
+              for o, k, st, dl, lo in zip(o_dims, k_dims, strides, dilations, begin)]
+        picked = _picked(ix, s_dims, at, refs[0])
         total = reduce_expr("sum", ix.axes([*k_dims, c_dim]), f"{refs[1]} * {picked}")
         return f"{total} + {refs[2]}" if b is not None else total
     y = im.statement(node.output[0], dims, range(lead + r), operands, expr)
     return [im.reshape(y, (n, m, *out)) if g > 1 else y]
+
+
+def _picked(ix: _Index, s_dims: Sequence[int], at: Sequence[str], ref: str) -> str:
+    """`ref` (over input positions `s_dims`) at positions `at`, one expression of the output
+    position and tap per spatial dimension: a one-hot sum per dimension, the last innermost.
+    The shifts are separable, so each one-hot is an [o, k, s] tile of one dimension: one sum
+    over every dimension at once would compare [o..., k..., s...] (a 16 x 16 image's 2-D
+    one-hot alone, 256 KiB at whole blocks, beside a partial pick of a MiB: no blocks that
+    a 512 KiB local memory allows)."""
+    for s, a in reversed(list(zip(s_dims, at))):
+        ref = reduce_expr("sum", ix.axes([s]), f"where({ix.position(s)} == {a}, 1, 0) * {ref}")
+    return ref
 
 
 def _window(node, spatial: Sequence[int], kernel: Sequence[int]
@@ -1424,9 +1435,8 @@ def _pool(im: Importer, node) -> list[Value]:
     def expr(refs: list[str], ix: _Index) -> str:
         at = [f"({ix.position(o)} * {st} + {ix.position(k)} * {dl} - {lo})"
               for o, k, st, dl, lo in zip(o_dims, k_dims, strides, dilations, begin)]
-        hits = " and ".join(f"{ix.position(s)} == {a}" for s, a in zip(s_dims, at))
         inside = " and ".join(f"{a} >= 0 and {a} < {n}" for a, n in zip(at, spatial))
-        picked = reduce_expr("sum", ix.axes(s_dims), f"where({hits}, 1, 0) * {refs[0]}")
+        picked = _picked(ix, s_dims, at, refs[0])
         taps = ix.axes(k_dims)
         if not mean:
             return reduce_expr("max", taps, f"where({inside}, {picked}, -inf)")

@@ -397,6 +397,32 @@ def test_grouped_convolutions_agree_with_onnx(tmp_path, x_shape, w_shape, attrs)
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
+def test_a_2d_window_picks_each_dimension_by_its_own_one_hot(tmp_path):
+    """ConvNeXt's depthwise 7 x 7 on a 16 x 16 image of 64 channels: one one-hot over both
+    dimensions was a [16, 16, 16, 16] tile beside a partial pick of 1 MiB, which no blocks
+    fit in the cpu target's 512 KiB.  Picked a dimension at a time it fits as imported."""
+    rng = np.random.default_rng(12)
+    w = rng.standard_normal((64, 1, 7, 7)).astype(np.float32) / 7
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w"], ["y"], kernel_shape=[7, 7], pads=[3] * 4,
+                          group=64)], "depthwise",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 64, 16, 16])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(w, "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    onnx.save(model, str(tmp_path / "depthwise.onnx"))
+    imported = import_onnx(tmp_path / "depthwise.onnx")
+    from bbrules.cost import cost_program
+    from bbrules.frontend import parse_program
+    from bbrules.lower import lower
+    program = lower(parse_program(imported.text))
+    assert cost_program(program, get_target("cpu")).legal
+    x = rng.standard_normal((1, 64, 16, 16)).astype(np.float32)
+    want = ReferenceEvaluator(model).run(None, {"x": x})[0]
+    got = imported.onnx_outputs(numpy_gen.run(program, imported.bbp_inputs({"x": x})))["y"]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_groups_that_do_not_divide_the_channels_are_refused(tmp_path):
     graph = helper.make_graph(
         [helper.make_node("Conv", ["x", "w"], ["y"], kernel_shape=[3], group=3)], "bad",
