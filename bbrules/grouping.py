@@ -197,26 +197,28 @@ def _with_block(p: BlockProgram, k: Kernel, axis: str, block: int, make: Make) -
 
 def fitting(p: BlockProgram, k: Kernel, make: Make, target: Target) -> Kernel | None:
     """`k` with its blocks halved until its tiles fit the target's local memory, or None where
-    they cannot be halved far enough (not below the target's granularity, blocks that still
-    divide the axis).  Each step halves the axis that shrinks the tiles most (of equals, the
-    first grid axis, then loop axis): a grid axis re-reads the operands it does not span, a
-    loop axis takes more steps, but a kernel that does not fit cannot run at all.  Only where
-    no candidate fits as the search left it (`Extractor.legalize`): a kernel the program
-    itself blocks too coarsely for the target.  As in `_tilings`, a grid axis the kernel also
-    folds, and a loop axis whose blocks a fold relies on, keep their blocks."""
+    they cannot be halved far enough (blocks that still divide the axis).  Each step halves
+    the axis that shrinks the tiles most (of equals, the first grid axis, then loop axis): a
+    grid axis re-reads the operands it does not span, a loop axis takes more steps, but a
+    kernel that does not fit cannot run at all.  Blocks go below the target's granularity
+    only where no axis can be halved above it: a token axis imported as a 16 x 16 image's
+    two dimensions, each whole in a block of 16, holds 256 tokens a tile however the
+    granularity bounds each.  Only where no candidate fits as the search left it
+    (`Extractor.legalize`): a kernel the program itself blocks too coarsely for the target.
+    As in `_tilings`, a grid axis the kernel also folds, and a loop axis whose blocks a fold
+    relies on, keep their blocks."""
     folded, bound = frozenset().union(*map(_reduced, k.stores)), block_bound_axes(p, k)
     axes = [a for a in k.grid if a not in folded] + [
         a for a in _loop_axes(k) if a not in bound and p.block(a) > 1]
     cost = cost_kernel(p, k, target)
     while not cost.legal:
         own = p.in_kernel(k)
-        tiled = []
-        for a in axes:
-            block = own.block(a) // 2
-            if block < target.block_granularity or own.extent(a) % block or own.dims[a].ragged:
-                continue
-            t = _with_block(p, k, a, block, make)
-            tiled.append((cost_kernel(p, t, target), t))
+        halved = [(a, own.block(a) // 2) for a in axes]
+        halved = [(a, block) for a, block in halved
+                  if block >= 1 and not own.extent(a) % block and not own.dims[a].ragged]
+        coarse = [(a, block) for a, block in halved if block >= target.block_granularity]
+        tiled = [(cost_kernel(p, t, target), t)
+                 for t in (_with_block(p, k, a, block, make) for a, block in coarse or halved)]
         if not tiled:
             return None
         cost, k = min(tiled, key=lambda ct: ct[0].footprint)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -171,9 +172,12 @@ def test_never_costlier_than_the_input():
     assert cost.key() == cost_program(p, H100).key()
 
 
-def test_a_program_blocked_too_coarsely_for_the_target_is_tiled_until_it_fits(pack):
+@pytest.mark.parametrize("granularity", [16, 512])
+def test_a_program_blocked_too_coarsely_for_the_target_is_tiled_until_it_fits(pack, granularity):
     # A 512 x 512 output block is 1 MiB, where the cpu target holds 512 KiB: no rule changes
-    # blocks, so before, no legal program was found.
+    # blocks, so before, no legal program was found.  Blocks go below the target's
+    # granularity where none can be halved above it (as a token axis imported as two image
+    # dimensions of 16 must).
     p = lower(parse_program("""\
 dim m = 512 / 512
 dim n = 512 / 512
@@ -182,7 +186,7 @@ input A[m, k], B[k, n] : f32
 C[m, n] = sum[k] A[m, k] * B[k, n]
 output C
 """))
-    cpu = get_target("cpu")
+    cpu = replace(get_target("cpu"), block_granularity=granularity)
     assert not cost_program(p, cpu).legal
     fused, cost, _ = extract(saturated(p, pack), p, cpu)
     [k] = fused.kernels
