@@ -225,7 +225,7 @@ static void bb_split(int nd, int arrays, long *n, long *s, int threads) {
 
 /* Merge adjacent dimensions that every array walks in step (a stride is its inner
    neighbour's times that neighbour's extent): the innermost loop then runs as long as
-   memory allows.  A merged dimension is left with extent 1. */
+   memory allows.  A merged dimension is left with extent 1, outermost. */
 static void bb_merge(int nd, int arrays, long *n, long *s) {
     int inner = nd - 1;
     for (int d = nd - 2; d >= 0; d--) {
@@ -238,6 +238,28 @@ static void bb_merge(int nd, int arrays, long *n, long *s) {
         } else {
             inner = d;
         }
+    }
+    /* The dimensions left with extent 1 moved outermost, the others in their order: the last
+       two, walked as rows and columns, are then the innermost that have elements to walk (a
+       GLU's halves, channels by tokens of a transposed product, had merged into 384 x 1 x
+       256, walked by strided rows of 256 tokens: 660 µs, against 30 by contiguous columns).
+       A dimension takes the columns' place only where every array walks it as it walks the
+       columns (the C is written for the leaves that span the columns' own dimension). */
+    for (int d = nd - 1, to = nd - 1; d >= 0; d--) {
+        if (n[d] == 1)
+            continue;
+        if (d != to) {
+            int alike = 1;
+            for (int k = 0; k < arrays && to == nd - 2 && alike; k++)
+                alike = (s[k * nd + d] != 0) == (s[k * nd + to] != 0);
+            if (!alike)
+                break;
+            n[to] = n[d];
+            n[d] = 1;
+            for (int k = 0; k < arrays; k++)
+                s[k * nd + to] = s[k * nd + d];
+        }
+        to--;
     }
 }
 """

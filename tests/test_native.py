@@ -249,6 +249,31 @@ def test_a_groups_rows_on_several_threads_give_the_same_result(layout, reduce):
     np.testing.assert_allclose(alone, want, rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("added", [(6, 64, 4, 16), (6, 64, 1, 1)],
+                         ids=["alike", "per-channel"])
+@pytest.mark.parametrize("reduce", [None, ("sum", 3)], ids=["map", "sum"])
+def test_dimensions_merged_into_others_leave_the_innermost_to_be_walked(reduce, added):
+    """Channels by tokens of a transposed product, (6, 64) x (4, 16) as a kernel splits them:
+    the channels merge into one dimension and, for a map, the tokens into another, each merge
+    leaving an extent of 1 between them (`bb_merge` moves those outermost, so that the last
+    two dimensions walked are channels and tokens, unless a leaf added per channel spans the
+    channels but not the dimension whose place they would take).  A sum along the tokens'
+    last dimension keeps it last."""
+    g = native.Group(f"merged_{bool(reduce)}_{len(set(added))}", (6, 64, 4, 16),
+                     ((6, 64, 4, 16), (6, 64, 4, 16), added),
+                     ("const float v0 = l0 * l1;", "out = v0 + l2;"), reduce, False)
+    fn = native.compiled(native.source([g])).function(g.name, g.dims, g.leaves, g.reduce)
+    rng = np.random.default_rng(15)
+    x, y, z = (np.ascontiguousarray(rng.standard_normal((64, 384)).astype(np.float32)
+                                    ).T.reshape(6, 64, 4, 16) for _ in range(3))
+    z = z[..., :added[2], :added[3]]
+    want = x * y + z
+    want = want if reduce is None else want.sum(axis=3, keepdims=True)
+    for threads in (1, 2):
+        np.testing.assert_allclose(fn(None, x, y, z, threads=threads), want, rtol=1e-5,
+                                   atol=1e-5)
+
+
 def test_a_map_merged_into_one_row_is_cut_into_pieces_for_the_threads():
     """Contiguous arrays merge into one row; a map group cuts it into whole pieces (1 << 17
     elements: 8 pieces on 2 threads) that the threads share, with the same bits."""
