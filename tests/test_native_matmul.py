@@ -471,6 +471,28 @@ def test_small_products_are_numpys_unless_its_blas_would_thread_them(monkeypatch
                                np.ascontiguousarray(window) @ rand(40, 3), rtol=1e-6)
 
 
+@pytest.mark.parametrize("channels", [(2, 24), (1, 64), (3, 16)], ids=["ragged", "64", "16"])
+@pytest.mark.parametrize("taps", [3, 15])
+def test_a_depthwise_window_over_channels_laid_innermost_runs_across_them(
+        monkeypatch, channels, taps):
+    """A product of one row a channel whose window has the channels innermost (a depthwise
+    convolution after a transposed product): native, lanes of channels at a time (`across`:
+    a last run of fewer lanes than a vector's where the channels are not a multiple), with an
+    addend and a scale; never numpy's product, which copies the window and runs a product a
+    channel."""
+    monkeypatch.setattr(native_matmul, "_numpy_product", None)
+    positions = 200
+    rows = rand(positions + taps - 1, *channels, seed=taps)  # positions by channels
+    steps = rows.strides
+    window = np.lib.stride_tricks.as_strided(  # [channels..., taps, positions]
+        rows, (*channels, taps, positions), (*steps[1:], steps[0], steps[0]), writeable=False)
+    weights = rand(*channels, 1, taps, seed=1)
+    addend = rand(*channels, 1, positions, seed=2)
+    got = native_matmul.matmul(weights, window, 2, addend, 0.5)
+    want = addend + 0.5 * np.matmul(weights.astype(np.float64), window.astype(np.float64))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
 CONVOLUTION = ("dim o = 60 / 30\ndim s = 5 / 1\ndim j = 64\ndim c = 256 / 64\n"
                "dim m = 128\ninput X[j, c], W[m, c, s] : f32\n"
                "Y[o, m] = sum[s, c] W[m, c, s] * sum[j] where(j == o + s, 1, 0) * X[j, c]\n"
