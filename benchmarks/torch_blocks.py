@@ -1,10 +1,13 @@
 """Transformer blocks as torch exports them, at a model's size, fused and run against onnxruntime.
 
-`tests/models/export.py` writes fifteen blocks (GPT-2, LLaMA, BERT, Mistral, ViT, GPT-NeoX,
-T5, Gemma, Qwen, BLOOM, GPT-J, Phi-3, cross-attention, Falcon, Gemma 2) and a LLaMA decode
-step as model code is usually written (a QKV projection split three ways, a buffer mask,
-`repeat_interleave`, an additive padding mask, RoPE on interleaved pairs, a sliding window,
-SDPA, ALiBi, a KV cache grown by `torch.cat`), through torch's TorchScript exporter.  The
+`tests/models/export.py` writes seventeen transformer blocks (GPT-2, LLaMA, BERT, Mistral,
+ViT, GPT-NeoX, T5, Gemma, Qwen, BLOOM, GPT-J, Phi-3, cross-attention, Falcon, Gemma 2, OPT,
+CLIP), a LLaMA decode step and five blocks over images and convolutions (Swin, Stable
+Diffusion's attention, ConvNeXt, Conformer's convolution module, EfficientNet's MBConv; an
+image of the largest even side whose square is at most TOKENS) as model code is usually
+written (a QKV projection split three ways, a buffer mask, `repeat_interleave`, an additive
+padding mask, RoPE on interleaved pairs, a sliding window, SDPA, ALiBi, a KV cache grown by
+`torch.cat`, rolled windows, depthwise convolutions), through torch's TorchScript exporter.  The
 suite runs them at width 32; this script exports them at a model's size (default 128 tokens,
 width 768, 12 heads, 4 key/value heads in the grouped-query blocks, hidden 3072: a GPT-2
 small or BERT-base layer; the decode step's cache holds TOKENS - 1 tokens before the new
@@ -50,7 +53,8 @@ from timing import compare
 
 EXPORT = Path(__file__).resolve().parent.parent / "tests" / "models" / "export.py"
 BLOCKS = ("gpt2", "llama", "bert", "mistral", "vit", "neox", "t5", "gemma", "qwen", "decode",
-          "bloom", "gptj", "phi3", "cross", "falcon", "gemma2")
+          "bloom", "gptj", "phi3", "cross", "falcon", "gemma2", "opt", "clip", "swin",
+          "diffusion", "convnext", "conformer", "mbconv")
 # Fusion time, so that every candidate stops at its iteration limit, as on an idle machine,
 # and not at its share of the default 20 s: LLaMA's block fused into 64.77 MiB, not 56.06, in
 # an hour when the shared machine ran everything 20% slower.

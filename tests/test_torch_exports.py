@@ -1,6 +1,8 @@
 """Transformer blocks as torch exports them (`tests/models/export.py`: GPT-2, LLaMA, BERT,
-Mistral, ViT, GPT-NeoX, T5, Gemma, Qwen, BLOOM, GPT-J, Phi-3, cross-attention, Falcon and
-Gemma 2 blocks and a LLaMA decode step with a KV cache, at width 32, opset 17), imported,
+Mistral, ViT, GPT-NeoX, T5, Gemma, Qwen, BLOOM, GPT-J, Phi-3, cross-attention, Falcon, Gemma 2,
+OPT and CLIP blocks, a LLaMA decode step with a KV cache, and Swin, Stable Diffusion's
+attention, ConvNeXt, Conformer's convolution module and EfficientNet's MBConv over images and
+sequences, at width 32, opset 17), imported,
 fused and called as onnxruntime calls a model, against torch's own outputs.  Exporters write
 graphs no one writes by hand (a QKV split, a buffer mask through Where, `repeat_interleave`
 as Tile, a mask input made additive, RoPE on interleaved feature pairs, a sliding-window
@@ -61,6 +63,21 @@ MODELS = Path(__file__).parent / "models"
     ("falcon", "h100", "traffic", {}),
     # RMSNorms after attention and the MLP, a window through `torch.where`
     ("gemma2", "cpu", "time", {}),
+    # Seven more, written after those: a causal mask of float's lowest value and a clamp at
+    # it; quick GELU
+    ("opt", "h100", "traffic", {}),
+    ("clip", "cpu", "time", {}),
+    # rolled, shifted windows of an image with a gathered relative position bias
+    ("swin", "cpu", "traffic", {}),
+    # GroupNorm over an image whose positions are the tokens
+    ("diffusion", "h100", "time", {}),
+    # grouped convolutions were refused; a 2-D one-hot over both spatial dimensions did not
+    # fit local memory at a model's size (a 16 x 16 image)
+    ("convnext", "h100", "time", {}),
+    ("conformer", "cpu", "time", {}),
+    # for h100 by time, extraction picks an unsound program
+    # (test_fusion.py::test_squeeze_and_excitation_after_a_depthwise_convolution_fuses_soundly)
+    ("mbconv", "cpu", "time", {}),
 ])
 def test_an_exported_block_fused_computes_what_torch_does(name, target, objective, dims):
     saved = np.load(MODELS / f"{name}_io.npz")

@@ -1,7 +1,9 @@
-"""How the models of tests/test_torch_exports.py were made: fifteen transformer blocks and a
-decode step written as model code usually is, exported by torch's TorchScript exporter
-(torch 2.13, opset 17) with their inputs and torch's own outputs for them (`NAME_io.npz`).
-Not run by the suite (torch is no dependency):
+"""How the models of tests/test_torch_exports.py were made: seventeen transformer blocks, a
+decode step, and five blocks over images and convolutions (Swin, Stable Diffusion's
+attention, ConvNeXt, Conformer's convolution module, EfficientNet's MBConv) written as model
+code usually is, exported by torch's TorchScript exporter (torch 2.13, opset 17) with their
+inputs and torch's own outputs for them (`NAME_io.npz`).  Not run by the suite (torch is no
+dependency):
 
     python tests/models/export.py      # in an environment with torch and onnx
 
@@ -404,6 +406,176 @@ class Gemma2(nn.Module):
                               1 + self.ws[3])
 
 
+# The blocks below read an image (or tokens of one) of SIDE x SIDE positions: the largest even
+# side whose square is at most T.
+SIDE = 4
+
+
+class Swin(nn.Module):
+    """Swin's shifted-window attention: the tokens of a SIDE x SIDE image rolled by half a
+    window, cut into windows of SIDE / 2, a relative position bias gathered from a table by a
+    constant index, the shift's mask between regions, windows put back and rolled back; an
+    erf-GELU MLP."""
+
+    def __init__(self):
+        super().__init__()
+        w = SIDE // 2
+        self.ln1, self.ln2 = nn.LayerNorm(D), nn.LayerNorm(D)
+        self.qkv, self.proj = nn.Linear(D, 3 * D), nn.Linear(D, D)
+        self.fc1, self.fc2 = nn.Linear(D, FF), nn.Linear(FF, D)
+        self.table = nn.Parameter(torch.randn((2 * w - 1) ** 2, H) * 0.5)
+        at = torch.stack(torch.meshgrid(torch.arange(w), torch.arange(w), indexing="ij"))
+        rel = (at.flatten(1)[:, :, None] - at.flatten(1)[:, None, :]).permute(1, 2, 0) + w - 1
+        self.register_buffer("index", rel[..., 0] * (2 * w - 1) + rel[..., 1])
+        self.shift = w // 2
+        regions = torch.zeros(SIDE, SIDE)
+        cuts = (slice(0, -w), slice(-w, -self.shift), slice(-self.shift, None))
+        for n, (a, b) in enumerate((a, b) for a in cuts for b in cuts):
+            regions[a, b] = n
+        regions = self.windows(regions[None, :, :, None]).squeeze(-1)
+        apart = regions[:, None, :] != regions[:, :, None]
+        self.register_buffer("mask", torch.zeros(apart.shape).masked_fill(apart, -100.0))
+
+    @staticmethod
+    def windows(x):
+        """(1, SIDE, SIDE, C) -> (windows, positions in a window, C)."""
+        w, c = SIDE // 2, x.shape[-1]
+        return x.view(1, 2, w, 2, w, c).permute(0, 1, 3, 2, 4, 5).reshape(4, w * w, c)
+
+    def forward(self, x):
+        w, hd = SIDE // 2, D // H
+        h = torch.roll(self.ln1(x).view(1, SIDE, SIDE, D), (-self.shift, -self.shift), (1, 2))
+        q, k, v = self.qkv(self.windows(h)).reshape(4, w * w, 3, H, hd).permute(2, 0, 3, 1, 4)
+        bias = self.table[self.index.view(-1)].view(w * w, w * w, H).permute(2, 0, 1)
+        s = (q * hd ** -0.5) @ k.transpose(-2, -1) + bias[None] + self.mask[:, None]
+        y = self.proj((s.softmax(-1) @ v).transpose(1, 2).reshape(4, w * w, D))
+        y = y.view(1, 2, 2, w, w, D).permute(0, 1, 3, 2, 4, 5).reshape(1, SIDE, SIDE, D)
+        x = x + torch.roll(y, (self.shift, self.shift), (1, 2)).reshape(1, SIDE * SIDE, D)
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+class ConvNeXt(nn.Module):
+    """ConvNeXt's block on an image (channels first): a depthwise 7 x 7 convolution, a
+    LayerNorm over the channels laid last, an inverted MLP (erf-GELU), layer scale."""
+
+    def __init__(self):
+        super().__init__()
+        self.dw = nn.Conv2d(D, D, 7, padding=3, groups=D)
+        self.ln = nn.LayerNorm(D, eps=1e-6)
+        self.fc1, self.fc2 = nn.Linear(D, FF), nn.Linear(FF, D)
+        self.gamma = nn.Parameter(torch.rand(D) * 0.5)
+
+    def forward(self, x):
+        h = self.ln(self.dw(x).permute(0, 2, 3, 1))
+        return x + (self.gamma * self.fc2(F.gelu(self.fc1(h)))).permute(0, 3, 1, 2)
+
+
+class Conformer(nn.Module):
+    """Conformer's convolution module: LayerNorm, a pointwise convolution to twice the width,
+    GLU, a depthwise convolution of 15 taps, batch norm (running statistics), SiLU, a
+    pointwise convolution back, the residual."""
+
+    def __init__(self):
+        super().__init__()
+        self.ln = nn.LayerNorm(D)
+        self.pw1, self.pw2 = nn.Conv1d(D, 2 * D, 1), nn.Conv1d(D, D, 1)
+        self.dw = nn.Conv1d(D, D, 15, padding=7, groups=D)
+        self.bn = nn.BatchNorm1d(D)
+        for t, lo, hi in ((self.bn.running_mean, -0.5, 0.5), (self.bn.running_var, 0.5, 1.5),
+                          (self.bn.weight, 0.5, 1.5), (self.bn.bias, -0.5, 0.5)):
+            t.data.uniform_(lo, hi)
+
+    def forward(self, x):
+        h = F.glu(self.pw1(self.ln(x).transpose(1, 2)), dim=1)
+        return x + self.pw2(F.silu(self.bn(self.dw(h)))).transpose(1, 2)
+
+
+class DiffusionAttention(nn.Module):
+    """Stable Diffusion's spatial self-attention: GroupNorm of 8 groups over an image, its
+    positions as tokens, heads by `scaled_dot_product_attention`, the residual on the
+    image."""
+
+    def __init__(self):
+        super().__init__()
+        self.gn = nn.GroupNorm(8, D, eps=1e-6)
+        self.q, self.k, self.v = (nn.Linear(D, D, bias=False) for _ in range(3))
+        self.o = nn.Linear(D, D)
+
+    def forward(self, x):
+        n, hd = SIDE * SIDE, D // H
+        h = self.gn(x).view(1, D, n).transpose(1, 2)
+        q, k, v = (f(h).view(1, n, H, hd).transpose(1, 2) for f in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(1, n, D)
+        return x + self.o(y).transpose(1, 2).view(1, D, SIDE, SIDE)
+
+
+class OPT(nn.Module):
+    """OPT's decoder block: pre-LayerNorm, queries scaled before their product, a causal
+    mask of float's lowest value added and the scores clamped at it, a ReLU MLP."""
+
+    def __init__(self):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(D), nn.LayerNorm(D)
+        self.q, self.k, self.v, self.o = (nn.Linear(D, D) for _ in range(4))
+        self.fc1, self.fc2 = nn.Linear(D, FF), nn.Linear(FF, D)
+        lowest = torch.finfo(torch.float32).min
+        self.register_buffer("mask", torch.full((T, T), lowest).triu(1))
+        self.register_buffer("lowest", torch.tensor(lowest))
+
+    def forward(self, x):
+        b, hd = x.shape[0], D // H
+        h = self.ln1(x)
+        q = (self.q(h) * hd ** -0.5).view(b, T, H, hd).transpose(1, 2)
+        k, v = (f(h).view(b, T, H, hd).transpose(1, 2) for f in (self.k, self.v))
+        s = torch.max(q @ k.transpose(-1, -2) + self.mask, self.lowest)
+        x = x + self.o((s.softmax(-1) @ v).transpose(1, 2).reshape(b, T, D))
+        return x + self.fc2(F.relu(self.fc1(self.ln2(x))))
+
+
+class CLIP(nn.Module):
+    """CLIP's text block: pre-LayerNorm, causal `scaled_dot_product_attention`, quick GELU
+    (x sigmoid(1.702 x))."""
+
+    def __init__(self):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(D), nn.LayerNorm(D)
+        self.qkv, self.o = nn.Linear(D, 3 * D), nn.Linear(D, D)
+        self.fc1, self.fc2 = nn.Linear(D, FF), nn.Linear(FF, D)
+
+    def forward(self, x):
+        b, hd = x.shape[0], D // H
+        q, k, v = self.qkv(self.ln1(x)).view(b, T, 3, H, hd).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.o(y.transpose(1, 2).reshape(b, T, D))
+        h = self.fc1(self.ln2(x))
+        return x + self.fc2(h * torch.sigmoid(1.702 * h))
+
+
+class MBConv(nn.Module):
+    """EfficientNet's inverted bottleneck: a pointwise expansion, batch norm, SiLU, a depthwise
+    3 x 3 convolution, batch norm, SiLU, squeeze-and-excitation (a mean over the image, two
+    pointwise convolutions, a sigmoid gate), a pointwise projection, batch norm, the
+    residual.  The exporter folds each batch norm into its convolution."""
+
+    def __init__(self):
+        super().__init__()
+        wide = FF
+        self.expand = nn.Conv2d(D, wide, 1, bias=False)
+        self.dw = nn.Conv2d(wide, wide, 3, padding=1, groups=wide, bias=False)
+        self.project = nn.Conv2d(wide, D, 1, bias=False)
+        self.bns = nn.ModuleList([nn.BatchNorm2d(wide), nn.BatchNorm2d(wide), nn.BatchNorm2d(D)])
+        for bn in self.bns:
+            bn.running_mean.data.uniform_(-0.5, 0.5)
+            bn.running_var.data.uniform_(0.5, 1.5)
+        self.squeeze, self.excite = nn.Conv2d(wide, D // 4, 1), nn.Conv2d(D // 4, wide, 1)
+
+    def forward(self, x):
+        h = F.silu(self.bns[0](self.expand(x)))
+        h = F.silu(self.bns[1](self.dw(h)))
+        gate = torch.sigmoid(self.excite(F.silu(self.squeeze(h.mean((2, 3), keepdim=True)))))
+        return x + self.bns[2](self.project(h * gate))
+
+
 class Decode(Llama):
     """One step of LLaMA's decoding: one new token at position T - 1, the keys and values of
     the T - 1 tokens before it given as inputs (a KV cache), the new token's appended by
@@ -426,7 +598,7 @@ class Decode(Llama):
 
 
 def main() -> None:
-    global T, D, H, KV, FF, WINDOW
+    global T, D, H, KV, FF, WINDOW, SIDE
     ap = argparse.ArgumentParser(description="export the transformer blocks")
     ap.add_argument("--tokens", type=int, default=T)
     ap.add_argument("--width", type=int, default=D)
@@ -438,6 +610,7 @@ def main() -> None:
     args = ap.parse_args()
     T, D, H, KV, FF = args.tokens, args.width, args.heads, args.kv_heads, args.hidden
     WINDOW = T // 2
+    SIDE = math.isqrt(T) // 2 * 2
     out, suffix = (args.out, f"-{T}-{D}") if args.out else (Path("."), "")
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
@@ -456,6 +629,12 @@ def main() -> None:
     models += [("bloom", Bloom(), {"x": x}), ("gptj", GPTJ(), {"x": x}),
                ("phi3", Phi3(), {"x": x}), ("cross", Cross(), {"x": x, **encoded}),
                ("falcon", Falcon(), {"x": x}), ("gemma2", Gemma2(), {"x": x})]
+    image = torch.randn(1, D, SIDE, SIDE)  # channels first; Swin takes its positions as tokens
+    models += [("opt", OPT(), {"x": x}), ("clip", CLIP(), {"x": x}),
+               ("swin", Swin(), {"x": image.flatten(2).transpose(1, 2).contiguous()}),
+               ("diffusion", DiffusionAttention(), {"x": image}),
+               ("convnext", ConvNeXt(), {"x": image}), ("conformer", Conformer(), {"x": x}),
+               ("mbconv", MBConv(), {"x": image})]
     for name, model, inputs in models:
         model = model.eval()
         outputs = ["y", "k", "v"] if isinstance(model, Decode) else ["y"]
