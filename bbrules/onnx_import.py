@@ -565,7 +565,10 @@ class Importer:
         """`v` read as `shape` (the same elements, row-major): its pieces, in the order the
         dimensions list them, cut finer where needed and regrouped.  Pieces need not be in
         memory order, so a transpose followed by a reshape moves no data; only a broadcast
-        dimension is stored first."""
+        dimension is stored first, and a value whose pieces cut a dimension in a way the new
+        shape cannot refine (Swin's image of 10 x 10 rolled by 2, its rows in pieces of 5 x 2,
+        read as windows of 2 x 5) is stored again with each such dimension one axis
+        (`regrouped`)."""
         shape = tuple(int(n) for n in shape)
         if math.prod(shape) != math.prod(v.shape):
             raise self.error(f"cannot reshape {list(v.shape)} to {list(shape)}")
@@ -575,6 +578,11 @@ class Importer:
             v = self.copy(v)
         order = [p for g in v.groups for p in g]  # the pieces as row-major digits of `shape`
         new = refine(math.prod(shape), [[v.pieces[p] for p in order], squeezed(shape)])
+        if new is None and any(len(g) > 1 for g in v.groups):
+            for j in [j for j, g in enumerate(v.groups) if len(g) > 1]:
+                v = self.regrouped(v, j)
+            order = [p for g in v.groups for p in g]
+            new = refine(math.prod(shape), [[v.pieces[p] for p in order], squeezed(shape)])
         if new is None:
             raise self.error(f"cannot read {list(v.shape)} as {list(shape)}: the two shapes "
                              f"cut it in ways no view can join (the shapes interleave)")
@@ -1345,22 +1353,30 @@ def _conv(im: Importer, node) -> list[Value]:
         x = im.reshape(x, (n, g, c // g, *spatial))
         w = im.reshape(w, (g, m // g, c // g, *kernel))
         b = None if b is None else im.reshape(b, (g, m // g))
-    # statement dims: n, the output's channels, o..., then the reduced c, k..., s...
+    # the spatial dimensions whose input positions a one-hot picks: not those of one tap,
+    # unstrided and unpadded (a pointwise convolution's), where the output position is the
+    # input's
+    picks = [i for i in range(r) if (kernel[i], strides[i], begin[i], out[i]) != (1, 1, 0,
+                                                                              spatial[i])]
+    # statement dims: n, the output's channels, o..., then the reduced c, k..., s... (picked)
     lead = 1 + len(channels)
     o_dims = list(range(lead, lead + r))
     c_dim = lead + r
     k_dims = list(range(c_dim + 1, c_dim + 1 + r))
-    s_dims = list(range(c_dim + 1 + r, c_dim + 1 + 2 * r))
-    dims = [n, *channels, *out, c // g, *kernel, *spatial]
+    s_dims = list(range(c_dim + 1 + r, c_dim + 1 + r + len(picks)))
+    dims = [n, *channels, *out, c // g, *kernel, *(spatial[i] for i in picks)]
+    positions = [o_dims[i] for i in range(r)]  # x's, by the output's or a picked one
+    for i, s_dim in zip(picks, s_dims):
+        positions[i] = s_dim
     groups = list(range(1, lead - 1))  # the group dim, where there are groups
-    operands: list[Operand] = [(x, [0, *groups, c_dim, *s_dims]),
+    operands: list[Operand] = [(x, [0, *groups, c_dim, *positions]),
                                (w, [*range(1, lead), c_dim, *k_dims])]
     if b is not None:
         operands.append((b, list(range(1, lead))))
 
     def expr(refs: list[str], ix: _Index) -> str:
-        at = [f"{ix.position(o)} * {st} + {ix.position(k)} * {dl} - {lo}"
-              for o, k, st, dl, lo in zip(o_dims, k_dims, strides, dilations, begin)]
+        at = [f"{ix.position(o_dims[i])} * {strides[i]} + {ix.position(k_dims[i])} * "
+              f"{dilations[i]} - {begin[i]}" for i in picks]
         picked = _picked(ix, s_dims, at, refs[0])
         total = reduce_expr("sum", ix.axes([*k_dims, c_dim]), f"{refs[1]} * {picked}")
         return f"{total} + {refs[2]}" if b is not None else total

@@ -492,6 +492,35 @@ def test_operands_that_factor_a_dimension_two_ways_are_read_through_one_regroupe
     got = imported.onnx_outputs(interp.run(program, imported.bbp_inputs({"x": x})))["y"]
     np.testing.assert_array_equal(got, ReferenceEvaluator(model).run(None, {"x": x})[0])
 
+
+def test_a_rolled_axis_read_in_windows_its_pieces_do_not_refine(tmp_path):
+    """Swin's roll of a 10-row image by 2 (a Slice and a Concat: the rows in pieces of 5 x 2)
+    read as 2 windows of 5 rows: no view joins the two cuts, so the rolled image is stored
+    again with its rows one axis, and the result is the reference's."""
+    shape = helper.make_tensor_value_info
+    consts = {"lo": [2], "hi": [10], "zero": [0], "two": [2], "axis": [0],
+              "windows": [2, 5, 3]}
+    graph = helper.make_graph(
+        [helper.make_node("Slice", ["x", "lo", "hi", "axis"], ["tail"]),
+         helper.make_node("Slice", ["x", "zero", "two", "axis"], ["head"]),
+         helper.make_node("Concat", ["tail", "head"], ["rolled"], axis=0),
+         helper.make_node("Reshape", ["rolled", "windows"], ["w"]),
+         helper.make_node("ReduceSum", ["w", "axis"], ["y"], keepdims=0)], "roll",
+        [shape("x", TensorProto.FLOAT, [10, 3])], [shape("y", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(np.array(v, np.int64), n) for n, v in consts.items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    onnx.save(model, str(tmp_path / "roll.onnx"))
+    imported = import_onnx(tmp_path / "roll.onnx")
+    assert "_regrouped[" in imported.text, imported.text
+    from bbrules.frontend import parse_program
+    from bbrules.lower import lower
+    x = np.random.default_rng(7).standard_normal((10, 3)).astype(np.float32)
+    program = lower(parse_program(imported.text))
+    got = imported.onnx_outputs(interp.run(program, imported.bbp_inputs({"x": x})))["y"]
+    np.testing.assert_allclose(got, ReferenceEvaluator(model).run(None, {"x": x})[0],
+                               rtol=1e-6)
+
+
 def test_gather_index_out_of_range_is_refused(tmp_path):
     graph = helper.make_graph(
         [helper.make_node("Gather", ["x", "i"], ["y"])], "gather",
