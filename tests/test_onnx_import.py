@@ -462,63 +462,59 @@ def test_gather_with_constant_indices(tmp_path, indices, sliced):
 
 
 
+def regrouped_and_reference(tmp_path, nodes, consts: dict[str, list[int]], x: np.ndarray
+                            ) -> tuple[np.ndarray, np.ndarray]:
+    """A graph of `nodes` over input x and int64 constants `consts`, imported (it must store
+    a regrouped copy) and run by the interpreter, beside onnx's reference evaluation."""
+    shape = helper.make_tensor_value_info
+    graph = helper.make_graph(
+        nodes, "regrouped", [shape("x", TensorProto.FLOAT, list(x.shape))],
+        [shape("y", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(np.array(v, np.int64), n) for n, v in consts.items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    onnx.save(model, str(tmp_path / "regrouped.onnx"))
+    imported = import_onnx(tmp_path / "regrouped.onnx")
+    assert "_regrouped[" in imported.text, imported.text
+    from bbrules.frontend import parse_program
+    from bbrules.lower import lower
+    program = lower(parse_program(imported.text))
+    got = imported.onnx_outputs(interp.run(program, imported.bbp_inputs({"x": x})))["y"]
+    return got, ReferenceEvaluator(model).run(None, {"x": x})[0]
+
+
 def test_operands_that_factor_a_dimension_two_ways_are_read_through_one_regrouped(tmp_path):
     """Phi-3's grouped-query heads: 6 query heads sliced from a fused projection (12 of its 20
     features, in thirds of 4) and viewed as heads of 2 are (3, 2); 2 key heads repeated 3
     times by Tile are (2, 3).  Their product had been refused ("operands factor a dimension
     in incompatible ways"); one operand is stored again with its heads one axis, and the
     result is the reference's."""
-    shape = helper.make_tensor_value_info
-    consts = {"sizes": [12, 4, 4], "heads": [4, 6, 2], "kv": [4, 2, 2], "axis": [2],
-              "repeats": [1, 1, 3, 1]}
-    graph = helper.make_graph(
-        [helper.make_node("Split", ["x", "sizes"], ["q", "k", "v"], axis=1),
-         helper.make_node("Reshape", ["q", "heads"], ["qh"]),
-         helper.make_node("Reshape", ["k", "kv"], ["kh"]),
-         helper.make_node("Unsqueeze", ["kh", "axis"], ["k1"]),
-         helper.make_node("Tile", ["k1", "repeats"], ["kt"]),
-         helper.make_node("Reshape", ["kt", "heads"], ["kr"]),
-         helper.make_node("Mul", ["qh", "kr"], ["y"])], "grouped",
-        [shape("x", TensorProto.FLOAT, [4, 20])], [shape("y", TensorProto.FLOAT, None)],
-        [numpy_helper.from_array(np.array(v, np.int64), n) for n, v in consts.items()])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
-    onnx.save(model, str(tmp_path / "grouped.onnx"))
-    imported = import_onnx(tmp_path / "grouped.onnx")
-    assert "_regrouped[" in imported.text, imported.text
-    from bbrules.frontend import parse_program
-    from bbrules.lower import lower
-    x = np.random.default_rng(6).standard_normal((4, 20)).astype(np.float32)
-    program = lower(parse_program(imported.text))
-    got = imported.onnx_outputs(interp.run(program, imported.bbp_inputs({"x": x})))["y"]
-    np.testing.assert_array_equal(got, ReferenceEvaluator(model).run(None, {"x": x})[0])
+    got, want = regrouped_and_reference(tmp_path, [
+        helper.make_node("Split", ["x", "sizes"], ["q", "k", "v"], axis=1),
+        helper.make_node("Reshape", ["q", "heads"], ["qh"]),
+        helper.make_node("Reshape", ["k", "kv"], ["kh"]),
+        helper.make_node("Unsqueeze", ["kh", "axis"], ["k1"]),
+        helper.make_node("Tile", ["k1", "repeats"], ["kt"]),
+        helper.make_node("Reshape", ["kt", "heads"], ["kr"]),
+        helper.make_node("Mul", ["qh", "kr"], ["y"])],
+        {"sizes": [12, 4, 4], "heads": [4, 6, 2], "kv": [4, 2, 2], "axis": [2],
+         "repeats": [1, 1, 3, 1]},
+        np.random.default_rng(6).standard_normal((4, 20)).astype(np.float32))
+    np.testing.assert_array_equal(got, want)
 
 
 def test_a_rolled_axis_read_in_windows_its_pieces_do_not_refine(tmp_path):
     """Swin's roll of a 10-row image by 2 (a Slice and a Concat: the rows in pieces of 5 x 2)
     read as 2 windows of 5 rows: no view joins the two cuts, so the rolled image is stored
     again with its rows one axis, and the result is the reference's."""
-    shape = helper.make_tensor_value_info
-    consts = {"lo": [2], "hi": [10], "zero": [0], "two": [2], "axis": [0],
-              "windows": [2, 5, 3]}
-    graph = helper.make_graph(
-        [helper.make_node("Slice", ["x", "lo", "hi", "axis"], ["tail"]),
-         helper.make_node("Slice", ["x", "zero", "two", "axis"], ["head"]),
-         helper.make_node("Concat", ["tail", "head"], ["rolled"], axis=0),
-         helper.make_node("Reshape", ["rolled", "windows"], ["w"]),
-         helper.make_node("ReduceSum", ["w", "axis"], ["y"], keepdims=0)], "roll",
-        [shape("x", TensorProto.FLOAT, [10, 3])], [shape("y", TensorProto.FLOAT, None)],
-        [numpy_helper.from_array(np.array(v, np.int64), n) for n, v in consts.items()])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
-    onnx.save(model, str(tmp_path / "roll.onnx"))
-    imported = import_onnx(tmp_path / "roll.onnx")
-    assert "_regrouped[" in imported.text, imported.text
-    from bbrules.frontend import parse_program
-    from bbrules.lower import lower
-    x = np.random.default_rng(7).standard_normal((10, 3)).astype(np.float32)
-    program = lower(parse_program(imported.text))
-    got = imported.onnx_outputs(interp.run(program, imported.bbp_inputs({"x": x})))["y"]
-    np.testing.assert_allclose(got, ReferenceEvaluator(model).run(None, {"x": x})[0],
-                               rtol=1e-6)
+    got, want = regrouped_and_reference(tmp_path, [
+        helper.make_node("Slice", ["x", "lo", "hi", "axis"], ["tail"]),
+        helper.make_node("Slice", ["x", "zero", "two", "axis"], ["head"]),
+        helper.make_node("Concat", ["tail", "head"], ["rolled"], axis=0),
+        helper.make_node("Reshape", ["rolled", "windows"], ["w"]),
+        helper.make_node("ReduceSum", ["w", "axis"], ["y"], keepdims=0)],
+        {"lo": [2], "hi": [10], "zero": [0], "two": [2], "axis": [0], "windows": [2, 5, 3]},
+        np.random.default_rng(7).standard_normal((10, 3)).astype(np.float32))
+    np.testing.assert_allclose(got, want, rtol=1e-6)
 
 
 def test_gather_index_out_of_range_is_refused(tmp_path):
