@@ -3,9 +3,9 @@ rewrites that make it cheaper in numpy (an additive mask as an offset, in-block 
 inside the loop they commute with, short selecting grid axes walked as unrolled loops), the
 blocks its loops walk (`coarsened`: larger than a GPU's local memory allows, where the loop
 means the same at any block size) and the parts it runs in on several threads
-(`split_kernel`, `parts_pay`, and `balanced`: finer grid blocks where whole blocks would leave
-a thread idle).  Each is a function of the kernel and the program alone; the
-writer and `bbrules.memory` (which bounds a coarsened tile) read them."""
+(`split_kernel`, `parts_pay`; `balanced`: finer grid blocks where whole ones would leave a
+thread idle).  Each is a function of the kernel and the program alone; the writer and
+`bbrules.memory` (which bounds a coarsened tile) read them."""
 
 from __future__ import annotations
 
