@@ -284,9 +284,12 @@ def _analysis_rules(monoids: Iterable[Monoid]) -> list[str]:
     """Rules computing shape and deps of every constructor from its children's.
 
     Derived from the kind declarations: a node spans and depends on what its children do,
-    less the axis it works along from its shape (an in-tile reduction, a contraction).  A load
-    gets its sets as facts when it is added; tuples are typed per component through `Get`;
-    a reduction's results are typed per monoid.
+    less the axis it works along from its shape (an in-tile reduction, a contraction); a
+    position spans and depends on its own axis (it had neither: a depthwise convolution's
+    output, which depends on its positions only through the one-hot that picks its window,
+    then merged with its load lost them, and `hoist_mul` took the image's gate out of a sum
+    over the image).  A load gets its sets as facts when it is added; tuples are typed per
+    component through `Get`; a reduction's results are typed per monoid.
     """
     def rule(query: str, kids: Iterable[str], shape: str, deps: str) -> str:
         binds = " ".join(f"(= ?s{k} (shape ?{k})) (= ?d{k} (deps ?{k}))" for k in kids)
@@ -307,12 +310,14 @@ def _analysis_rules(monoids: Iterable[Monoid]) -> list[str]:
             continue
         names = [f"?{f}" for f in kind.attr_fields]
         kids = [f for f, _ in kind.child_fields]
-        shape = union([f"?s{k}" for k in kids])
+        shape, deps = union([f"?s{k}" for k in kids]), union([f"?d{k}" for k in kids])
         axis = next((f for f in kind.attr_fields if kind.sort_of(f) is Sort.AXIS), None)
-        if axis is not None:
+        if axis is not None and not kids:  # a position: a tile over its axis
+            shape = deps = f"(set-of ?{axis})"
+        elif axis is not None:
             shape = f"(set-remove {shape} ?{axis})"
         query = f"({' '.join([kind.egg, *names, *('?' + k for k in kids)])})"
-        out.append(rule(query, kids, shape, union([f"?d{k}" for k in kids])))
+        out.append(rule(query, kids, shape, deps))
     for n in range(MIN_TUPLE, MAX_TUPLE + 1):
         names = [f"x{i}" for i in range(n)]
         tup = f"(Tup{n} {' '.join('?' + x for x in names)})"
