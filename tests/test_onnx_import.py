@@ -423,6 +423,30 @@ def test_a_2d_window_picks_each_dimension_by_its_own_one_hot(tmp_path):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_a_pointwise_convolution_is_a_product_over_channels(tmp_path):
+    """One tap, unstrided and unpadded (MobileNet's and Conformer's pointwise convolutions): the
+    output position is the input's, so nothing picks it, and the convolution is a product over
+    the channels alone; a strided one still picks its positions."""
+    rng = np.random.default_rng(13)
+    for strides, picks in (([1, 1], False), ([2, 2], True)):
+        graph = helper.make_graph(
+            [helper.make_node("Conv", ["x", "w"], ["y"], kernel_shape=[1, 1], strides=strides)],
+            "pointwise", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8, 6, 6])],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+            [numpy_helper.from_array(rng.standard_normal((5, 8, 1, 1)).astype(np.float32), "w")])
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+        onnx.save(model, str(tmp_path / "pointwise.onnx"))
+        imported = import_onnx(tmp_path / "pointwise.onnx")
+        assert ("where(" in imported.text) == picks, imported.text
+        from bbrules.frontend import parse_program
+        from bbrules.lower import lower
+        x = rng.standard_normal((1, 8, 6, 6)).astype(np.float32)
+        program = lower(parse_program(imported.text))
+        got = imported.onnx_outputs(interp.run(program, imported.bbp_inputs({"x": x})))["y"]
+        np.testing.assert_allclose(got, ReferenceEvaluator(model).run(None, {"x": x})[0],
+                                   rtol=1e-5, atol=1e-5)
+
+
 def test_groups_that_do_not_divide_the_channels_are_refused(tmp_path):
     graph = helper.make_graph(
         [helper.make_node("Conv", ["x", "w"], ["y"], kernel_shape=[3], group=3)], "bad",
