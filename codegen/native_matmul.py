@@ -39,7 +39,7 @@ from typing import Callable
 import numpy as np
 
 from bbrules.codegen.native import NativeUnavailable, build, builtin_functions, exported
-from bbrules.codegen.numpy_runtime import constant_relaid
+from bbrules.codegen.numpy_runtime import constant_relaid, is_constant
 
 # -ffp-contract=fast (gcc's default, named): the micro-kernel's `acc += x * row` are fused
 # multiply-adds
@@ -149,6 +149,10 @@ BLAS_THREADS_VECTOR = 9216
 
 _F32 = np.dtype(np.float32)
 
+# The rows of matmul.c's micro-kernel (its MR): a product of fewer is a thin one, its operand
+# read in place
+THIN_ROWS = 6
+
 # Products `matmuls` runs as one job at most (matmul.c's MAX_PRODUCTS)
 MAX_PRODUCTS = 8
 
@@ -160,6 +164,8 @@ def matmul(x: np.ndarray, y: np.ndarray, threads: int = 1, add: np.ndarray | Non
     where both are float32 arrays of two or more dimensions, on `threads` threads where the
     product is large enough; through numpy (given operands BLAS can read: a window whose rows
     overlap is copied) where numpy's call costs less and its BLAS stays on one thread."""
+    if _swapped(x, y, add):
+        return matmul(y.T, x.T, threads, None if add is None else add.T, scale).T
     native = _native(x, y)
     if native is None:
         return _numpy_product(x, y, add, scale)
@@ -178,8 +184,12 @@ def matmuls(*operands: tuple[np.ndarray, ...], threads: int = 1) -> list[np.ndar
     then share the threads' start and finish."""
     results: list[np.ndarray | None] = [None] * len(operands)
     native = []  # (index, (out, x, y, add, scale), multiply-adds)
+    swapped = set()  # the products computed transposed (`_swapped`)
     for i, (x, y, *extra) in enumerate(operands):
         add, scale = extra[0] if extra else None, extra[1] if len(extra) > 1 else 1.0
+        if _swapped(x, y, add):
+            swapped.add(i)
+            x, y, add = y.T, x.T, None if add is None else add.T
         if (got := _native(x, y)) is None:
             results[i] = _numpy_product(x, y, add, scale)
         else:
@@ -195,7 +205,25 @@ def matmuls(*operands: tuple[np.ndarray, ...], threads: int = 1) -> list[np.ndar
         else:
             for i, arrays, _ in job:
                 results[i] = arrays[0]
-    return results
+    return [r.T if i in swapped else r for i, r in enumerate(results)]
+
+
+def _swapped(x: np.ndarray, y: np.ndarray, add: np.ndarray | None) -> bool:
+    """Is x @ y better computed as (y^T @ x^T)^T, its result a transposed view?  Where x
+    is a constant and y is not (a convolution's weight times an image laid channels first),
+    x is then packed once into panels as the right operand (`_constant_panels`), and the
+    image's columns, a few hundred positions, lie along the micro-kernel's rows, MR of them,
+    where as the panels' columns they were padded to NR and packed every call: 768 x 3072
+    by 3072 x 100 took 2.8 ms on 2 cores of an AMD EPYC, 2.1 swapped; 512 x 512 by 512 x
+    200, 0.59 and 0.46; a width of whole panels, 768 x 3072 by 3072 x 1024, 22.4 and 22.1.
+    And where y has fewer columns than the micro-kernel has rows (a matrix times a vector:
+    squeeze-and-excitation's pointwise convolutions), which one panel pads to NR: the
+    product is then a thin one (3072 x 192 by 192 x 1, 336 µs, swapped 27).  Not for an
+    addend whose rows repeat (its period would fall on the columns)."""
+    if x.ndim != 2 or y.ndim != 2 or x.dtype != _F32 or x.shape[0] < panel_width() or \
+            (add is not None and np.shape(add)[0] not in (1, x.shape[0])):
+        return False
+    return y.shape[1] < THIN_ROWS or (PACK_CONSTANTS and is_constant(x) and not is_constant(y))
 
 
 def _numpy_product(x: np.ndarray, y: np.ndarray, add: np.ndarray | None, scale: float

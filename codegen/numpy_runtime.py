@@ -60,6 +60,11 @@ def constant_relaid(array: np.ndarray, relayout: Callable[[np.ndarray], np.ndarr
     return value
 
 
+def is_constant(array: np.ndarray) -> bool:
+    """Is `array` a view of a constant (the array owning its memory is read-only)?"""
+    return not _owner(array).flags.writeable
+
+
 def _owner(array: np.ndarray) -> np.ndarray:
     """The array that owns `array`'s memory (a view's base, through views of views): read-only
     there, the memory is a constant."""
@@ -202,7 +207,7 @@ _GEOMETRY: dict[tuple, tuple[weakref.ref, _Geometry | None]] = {}
 def _geometry(values: np.ndarray, axis: int, at: np.ndarray) -> _Geometry | None:
     """The window of `values` that positions `at` pick along `axis` (`_window`), or None where
     they do not step evenly along dimensions the values do not span."""
-    fixed = not _owner(at).flags.writeable
+    fixed = is_constant(at)
     spot = (id(at), at.shape, at.strides, values.shape, values.strides, values.dtype.str, axis)
     if fixed and (kept := _GEOMETRY.get(spot)) is not None and kept[0]() is at:
         return kept[1]

@@ -232,6 +232,28 @@ def test_a_constant_operand_is_packed_once(monkeypatch):
     close_to_float64(got, x, w)
 
 
+@pytest.mark.parametrize("addend", [None, (1, 1), (150, 1), (1, 70), (150, 70)])
+def test_a_constant_left_operand_is_the_transposed_products_packed_right(addend):
+    """A constant times a product's result (a convolution's weight times an image laid
+    channels first) is computed as (y^T W^T)^T, W^T packed once, and comes back transposed
+    (a view of the row-major y^T W^T); with a writeable weight too where y has fewer
+    columns than the micro-kernel has rows (a matrix times a vector); an addend is added
+    transposed with it."""
+    w, y = rand(150, 90, seed=1), rand(90, 70, seed=2)
+    c = None if addend is None else rand(*addend, seed=3)
+    got = native_matmul.matmul(constant(w), y, 2, c, 0.5)
+    want = 0.5 * (w.astype(np.float64) @ y.astype(np.float64)) + (0 if c is None else c)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    assert got.flags.f_contiguous and not got.flags.c_contiguous
+    assert native_matmul.matmul(w, y, 2, c, 0.5).flags.c_contiguous  # (packed each call)
+    vector = native_matmul.matmul(w, y[:, :1], 2)
+    close_to_float64(vector, w, y[:, :1])
+    assert vector.base is not None  # (the transposed view of a product of one row)
+    got, = native_matmul.matmuls((constant(w), y, c, 0.5), threads=2)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    assert got.flags.f_contiguous
+
+
 @pytest.mark.parametrize("threads", [1, 2, 3, 8])
 def test_any_number_of_threads(threads):
     check(rand(300, 257, seed=8), rand(257, 190, seed=9), threads)
