@@ -1106,6 +1106,30 @@ def test_a_window_is_a_view_with_what_the_gather_picks(start, step):
     assert np.shares_memory(got, x) == inside
 
 
+@pytest.mark.parametrize("side, taps, pad", [(10, 3, 1), (7, 5, 2), (6, 3, 0)])
+def test_a_window_of_a_window_pads_the_memory_they_view(side, taps, pad):
+    """A 2-D convolution's window, picked a spatial dimension at a time: the second pick pads
+    the memory the first one's window views (the padded image), not a copy of that window,
+    which would hold each element once per tap; what it holds is what the gathers pick."""
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((4, side, side + 1)).astype(np.float32)
+    values = x.reshape(4, 1, 1, 1, 1, side, side + 1)  # [c, i, j, s, t, h, w]
+    out = side + 2 * pad - taps + 1
+    cols = np.arange(out + 1).reshape(1, 1, out + 1, 1, 1, 1, 1) + \
+        np.arange(taps).reshape(1, 1, 1, 1, taps, 1, 1) - pad
+    rows = np.arange(out).reshape(1, out, 1, 1, 1, 1, 1) + \
+        np.arange(taps).reshape(1, 1, 1, taps, 1, 1, 1) - pad
+    cols, rows = (numpy_runtime.constant(a.astype(np.float32)) for a in (cols, rows))
+    first = numpy_runtime.gather_one_hot(values, 6, ((cols, ()),), window=True)
+    got = numpy_runtime.gather_one_hot(first, 5, ((rows, ()),), window=True)
+    padded = np.pad(x, ((0, 0), (pad, pad), (pad, pad)))
+    want = np.stack([np.stack([padded[:, i:i + taps, j:j + taps] for j in range(out + 1)], 1)
+                     for i in range(out)], 1)  # [c, i, j, s, t]
+    np.testing.assert_array_equal(got.reshape(want.shape), want)
+    reach = 4 + sum((n - 1) * abs(step) for n, step in zip(got.shape, got.strides))
+    assert reach <= padded.nbytes  # (the bytes from its first element to its last)
+
+
 def test_the_steps_of_read_only_positions_are_found_once():
     """Positions a module computes once (`constant`, read-only) are checked for even steps on
     the first call, and what was found is kept while they live; positions that may change
