@@ -19,6 +19,10 @@ threads need.  Rounding differs from BLAS's: fused multiply-adds, accumulated al
 blocks.  The library is compiled once per machine, as native groups are (`codegen.native`);
 `compiled_matmul()` raises `NativeUnavailable` where it cannot be.
 
+`window_product(x, y, batch, threads)` is a product of one row per batch entry whose right
+operand is a window of taps and positions that no view merges into a matrix (a depthwise 2-D
+convolution's), read where it lies.
+
 A constant right operand (a view of a read-only array, as `Imported` gives a model's weights:
 `numpy_runtime.relaid`) is packed into the micro-kernel's panels once (`panels`) and the
 panels kept while it lives, as onnxruntime packs its initializers when a session starts: each
@@ -51,14 +55,16 @@ _SOURCE = Path(__file__).with_name("matmul.c")
 
 @lru_cache(maxsize=None)
 def library() -> ctypes.CDLL:
-    """`matmul.c` compiled for this machine, with `bb_matmul`, `bb_matmuls`, `bb_pack` and
-    `bb_panel_width` as builtins (`product`, `products`, `panels`), and `bb_address`."""
+    """`matmul.c` compiled for this machine, with `bb_matmul`, `bb_matmuls`, `bb_pack`,
+    `bb_window` and `bb_panel_width` as builtins (`product`, `products`, `panels`,
+    `window_product`), and `bb_address`."""
     try:
         text = _SOURCE.read_text()
     except OSError as e:
         raise NativeUnavailable(f"reading {_SOURCE} failed: {e}") from e
     return build(text + exported([("bb_matmul", 6), ("bb_matmuls", None), ("bb_pack", 2),
-                                  ("bb_address", 1), ("bb_panel_width", 0)]), [], FLAGS)
+                                  ("bb_window", 4), ("bb_address", 1), ("bb_panel_width", 0)]),
+                 [], FLAGS)
 
 
 @lru_cache(maxsize=None)
@@ -206,6 +212,27 @@ def matmuls(*operands: tuple[np.ndarray, ...], threads: int = 1) -> list[np.ndar
             for i, arrays, _ in job:
                 results[i] = arrays[0]
     return [r.T if i in swapped else r for i, r in enumerate(results)]
+
+
+def window_product(x: np.ndarray, y: np.ndarray, batch: int, threads: int = 1) -> np.ndarray:
+    """The product of one row per batch entry by a window (`matmul.c`'s `bb_window`): `x` of
+    the batch's `batch` dimensions then the taps', `y` of the batch's, the taps' and the
+    positions', each dimension of either the result's extent or 1; the result, of the batch's
+    then the positions' dimensions, is x's taps times y's, summed.  A depthwise convolution
+    over two spatial dimensions reads its window so without copying it (a copy merges the
+    taps and the positions that a product asks for: `bb_window`).  Through numpy's einsum
+    where the arrays do not fit `bb_window`."""
+    taps = x.ndim - batch
+    shape = tuple(max(a, b) for a, b in zip(x.shape[:batch], y.shape[:batch])) + \
+        y.shape[batch + taps:]
+    out = np.empty(shape, _F32)
+    if x.dtype != _F32 or y.dtype != _F32 or \
+            builtin_functions(library())["bb_window"](out, x, y, batch, threads):
+        letters = [chr(ord("a") + i) for i in range(y.ndim)]
+        got = np.einsum(f"{''.join(letters[:batch + taps])},{''.join(letters)}->"
+                        f"{''.join(letters[:batch] + letters[batch + taps:])}", x, y)
+        out[...] = got
+    return out
 
 
 def _swapped(x: np.ndarray, y: np.ndarray, add: np.ndarray | None) -> bool:

@@ -254,6 +254,34 @@ def test_a_constant_left_operand_is_the_transposed_products_packed_right(addend)
     assert got.flags.f_contiguous
 
 
+@pytest.mark.parametrize("inner", ["contiguous", "strided"])
+def test_a_window_product_reads_taps_and_positions_of_several_dimensions(inner):
+    """A depthwise 2-D convolution's window (channels in two dimensions, a 3 x 3 tap, a 7 x 9
+    image padded by 1): out[c, i, j] = sum over (s, t) of w[c, s, t] x[c, i + s, j + t], the
+    window a view whose rows and taps step along the same dimension; a weight broadcast
+    along a tap, positions more than a vector long and strided, against float64; numpy's
+    einsum where the arrays are not float32."""
+    x = np.pad(rand(3, 5, 7, 9, seed=4), ((0, 0), (0, 0), (1, 1), (1, 1)))
+    if inner == "strided":
+        x = np.repeat(x, 2, axis=-1)[..., ::2]
+    s = x.strides
+    window = np.lib.stride_tricks.as_strided(x, (3, 5, 3, 3, 7, 9), s[:2] + s[2:] * 2,
+                                             writeable=False)
+    w = rand(3, 5, 3, 3, seed=5)
+    for weight in (w[:, :, :1], w):
+        got = native_matmul.window_product(weight, window, 2, 2)
+        want = np.einsum("abst,abstij->abij", np.broadcast_to(weight, w.shape).astype(np.float64),
+                         window.astype(np.float64))
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    flat = np.lib.stride_tricks.as_strided(x, (15, 3, 3, 7, 9), s[1:2] + s[2:] * 2,
+                                           writeable=False)  # (one batch dimension, one thread)
+    np.testing.assert_allclose(native_matmul.window_product(w.reshape(15, 3, 3), flat, 1, 1),
+                               want.reshape(15, 7, 9), rtol=1e-5, atol=1e-5)
+    doubled = native_matmul.window_product(w.astype(np.float64), window, 2, 2)
+    np.testing.assert_allclose(doubled, native_matmul.window_product(w, window, 2, 2),
+                               rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("threads", [1, 2, 3, 8])
 def test_any_number_of_threads(threads):
     check(rand(300, 257, seed=8), rand(257, 190, seed=9), threads)
@@ -579,6 +607,31 @@ def products(source: str) -> list[tuple[str, str | None, bool]]:
                 found += [(t.elts[0], t.elts[2:3], t.elts[3:]) for t in call.args]
     return [(ast.unparse(x), ast.unparse(add[0]) if add else None,
              any(ast.unparse(s) == "f32(-1.0)" for s in scale)) for x, add, scale in found]
+
+
+DEPTHWISE = ("dim c = 64 / 32\ndim i = 10\ndim j = 12\ndim h = 10\ndim w = 12\n"
+             "dim s = 3\ndim t = 3\ninput X[c, h, w], W[c, s, t] : f32\n"
+             "Y[c, i, j] = sum[s, t] W[c, s, t] * sum[h] where(h == i + s - 1, 1, 0) * "
+             "sum[w] where(w == j + t - 1, 1, 0) * X[c, h, w]\noutput Y\n")
+
+
+def test_a_depthwise_2d_convolution_is_a_window_product():
+    """A depthwise 3 x 3 convolution, padded by 1, as a native module: its window (rows and
+    taps stepping along one dimension of the padded image) is read in place by
+    `window_product`, never copied to merge its taps and positions; what it computes is
+    the interpreter's and a float64 reference's."""
+    ast = parse_program(DEPTHWISE)
+    p = lower(ast)
+    source = numpy_gen.generate_module(p, threads=2, split=False, native=True).source
+    assert "window_product(" in source and "= matmul(" not in source
+    module = numpy_gen.module_from_source(source)
+    inputs = random_inputs(ast, seed=15)
+    got = module.run(**inputs)["Y"]
+    x = np.pad(inputs["X"].astype(np.float64), ((0, 0), (1, 1), (1, 1)))
+    want = sum(inputs["W"][:, s, t, None, None] * x[:, s:s + 10, t:t + 12]
+               for s in range(3) for t in range(3))
+    assert_close(got, want, "vs numpy")
+    assert_close(got, interp.run(p, inputs)["Y"], "vs interpreter")
 
 
 def test_a_tile_added_to_a_product_is_its_addend():
