@@ -3,8 +3,10 @@
    dimensions; numpy_gen's `matmul` broadcasts the batch beforehand, broadcast dimensions have
    stride 0).  Any strides: a's elements are broadcast one at a time, so its layout does not
    matter; b is copied into panels of NR columns (`pack`), except in products of fewer rows
-   than MR, which read it in place unless it comes packed (`thin`); out's rows must be
-   contiguous.
+   than MR, which read it in place unless it comes packed (`thin`); out's blocks are stored
+   a vector at a time where its rows are contiguous, else an element at a time (a product
+   computed transposed, y^T x^T, into x y's rows: a few hundred stores a block of 6 x 64 x
+   1024 multiply-adds).
 
    Why not numpy's BLAS: on small products, the ones a transformer layer at a few hundred tokens
    is made of (128 x 256 by 256 x 512), OpenBLAS reached 227 GFLOP/s on 2 cores of an AVX-512
@@ -114,14 +116,14 @@ static inline __attribute__((always_inline)) vec addend_row(const float *c, long
     return x;
 }
 
-/* out's block of m <= MR rows and n <= NR columns (+)= `scale` times a's m rows (kc long)
-   times the panel: added to out where `add`, else to the addend `c` (rows scm apart, columns
+/* out's block of m <= MR rows and n <= NR columns (rows so apart, columns son) (+)= `scale`
+   times a's m rows (kc long) times the panel: added to out where `add`, else to the addend `c` (rows scm apart, columns
    scn; 0 where it is broadcast; the block's first row `row` of out adds its row row % period)
    where there is one (the contraction's first block). */
 static inline __attribute__((always_inline)) void
 block(const float *a, long sm, long sk, const float *panel, long kc, float *out, long so,
-      long m, long n, int add, const float *c, long row, long period, long scm, long scn,
-      float scale) {
+      long son, long m, long n, int add, const float *c, long row, long period, long scm,
+      long scn, float scale) {
     const float *rows[MR];
     for (int r = 0; r < MR; r++)  /* rows past m repeat the last one; they are not stored */
         rows[r] = a + (r < m ? r : m - 1) * sm;
@@ -149,16 +151,16 @@ block(const float *a, long sm, long sk, const float *panel, long kc, float *out,
     for (long r = 0; r < m; r++) {
         float *o = out + r * so;
         const float *cr = c == NULL ? NULL : c + (row + r) % period * scm;
-        if (n == NR) {
+        if (n == NR && son == 1) {
 #pragma GCC unroll 4
             for (int v = 0; v < NV; v++)
                 *(vec *)(o + W * v) = (add ? *(vec *)(o + W * v)
                                        : cr ? addend_row(cr + W * v * scn, scn) : (vec){0})
                                       + scale * acc[r][v];
-        } else {
+        } else {  /* (out's columns apart: a transposed product's, `Product.so`) */
             const float *s = (const float *)acc[r];
             for (long j = 0; j < n; j++)
-                o[j] = (add ? o[j] : cr ? cr[j * scn] : 0.0f) + scale * s[j];
+                o[j * son] = (add ? o[j * son] : cr ? cr[j * scn] : 0.0f) + scale * s[j];
         }
     }
 }
@@ -168,7 +170,9 @@ typedef struct {
     long chunks;                      /* runs of rows a panel is cut into (`run`) */
     int dims;                         /* batch dimensions */
     long shape[MAX_DIMS];             /* the batch's shape */
-    long sa[MAX_DIMS + 2], sb[MAX_DIMS + 2], so[MAX_DIMS + 2];  /* strides in floats */
+    long sa[MAX_DIMS + 2], sb[MAX_DIMS + 2], so[MAX_DIMS + 2];  /* strides in floats: out's
+                                         columns may lie apart (a product computed transposed,
+                                         y^T x^T, written into x y's rows) */
     const float *a, *b;
     float *out;
     const float *c;                   /* the addend (out = c + scale a @ b), NULL where none */
@@ -204,11 +208,21 @@ static long offset(const Product *p, const long *strides, long index) {
    against 723 in place (onnxruntime, which packs its weights too: 380).  M is a constant at
    each call (`thin`), so the loops over rows unroll. */
 
+/* `n` floats from `s` into a row of out whose columns are `son` apart. */
+static inline __attribute__((always_inline)) void
+store_row(float *o, long son, const float *s, long n) {
+    if (son == 1)
+        memcpy(o, s, sizeof(float) * n);
+    else
+        for (long j = 0; j < n; j++)
+            o[j * son] = s[j];
+}
+
 /* out's M rows, columns [0, n), n <= NR, from b's rows (columns contiguous), of which
    `readable` columns may be read (NR in a panel, whose columns past n are zeros). */
 static inline __attribute__((always_inline)) void
 thin_rows(const float *a, long sm, long sk, const float *b, long sbk, long k, float *out,
-          long so, long n, long readable, const int M) {
+          long so, long son, long n, long readable, const int M) {
     avec acc[MR][NV];
     for (int r = 0; r < M; r++)
         for (int v = 0; v < NV; v++)
@@ -230,7 +244,7 @@ thin_rows(const float *a, long sm, long sk, const float *b, long sbk, long k, fl
         }
     }
     for (int r = 0; r < M; r++)
-        memcpy(out + r * so, acc[r], sizeof(float) * n);
+        store_row(out + r * so, son, (const float *)acc[r], n);
 }
 
 /* The sum of v's W floats: halves added log2(W) times. */
@@ -246,11 +260,10 @@ static inline __attribute__((always_inline)) float hsum(vec v) {
 }
 
 /* out's M rows, columns [0, n), each a dot product of a's row and b's column, both
-   contiguous along k: four columns at a time, each in a vector of partial sums.  (out's
-   columns are contiguous: bb_matmul asks that of any out with more than one.) */
+   contiguous along k: four columns at a time, each in a vector of partial sums. */
 static inline __attribute__((always_inline)) void
 thin_dots(const float *a, long sm, const float *b, long sbn, long k, float *out, long so,
-          long n, const int M) {
+          long son, long n, const int M) {
     for (int r = 0; r < M; r++) {
         const float *ar = a + r * sm;
         for (long j = 0; j < n; j += 4) {
@@ -271,7 +284,7 @@ thin_dots(const float *a, long sm, const float *b, long sbn, long k, float *out,
                 for (long t = kk; t < k; t++)
                     sums[c] += ar[t] * col[c][t];
             }
-            memcpy(out + r * so + j, sums, sizeof(float) * cols);
+            store_row(out + r * so + j * son, son, sums, cols);
         }
     }
 }
@@ -294,9 +307,9 @@ static int thin(const Product *p, const float *a, const float *b, const float *p
 #define THIN(M) \
     case M: \
         if (rowwise) \
-            thin_rows(a, sm, sk, b, sbk, p->k, out, p->so[d], n, readable, M); \
+            thin_rows(a, sm, sk, b, sbk, p->k, out, p->so[d], p->so[d + 1], n, readable, M); \
         else \
-            thin_dots(a, sm, b, sbn, p->k, out, p->so[d], n, M); \
+            thin_dots(a, sm, b, sbn, p->k, out, p->so[d], p->so[d + 1], n, M); \
         return 1;
     THIN(1) THIN(2) THIN(3) THIN(4) THIN(5)
 #undef THIN
@@ -365,21 +378,21 @@ static void across_item(const Product *p, long item) {
    the addend where there is one (after a thin product, which writes a @ b as a whole; into
    an empty product's zeros). */
 static void finish(const Product *p, float scale, long e, long j, long r0, long r1, long n) {
-    const long d = p->dims;
+    const long d = p->dims, son = p->so[d + 1];
     const float *c = p->c == NULL ? NULL : p->c + offset(p, p->sc, e) + j * p->sc[d + 1];
-    float *out = p->out + offset(p, p->so, e) + j;
+    float *out = p->out + offset(p, p->so, e) + j * son;
     for (long r = r0; r < r1; r++)
         for (long t = 0; t < n; t++)
-            out[r * p->so[d] + t] =
+            out[r * p->so[d] + t * son] =
                 (c ? c[r % p->period * p->sc[d] + t * p->sc[d + 1]] : 0.0f) +
-                scale * out[r * p->so[d] + t];
+                scale * out[r * p->so[d] + t * son];
 }
 
 /* Rows [r0, r1) of batch entry e's panel of columns from j (`packed`: `panel` holds it). */
 static void rows(const Product *p, long e, long j, long r0, long r1, float *panel, int packed) {
     const long n = p->n - j < NR ? p->n - j : NR, d = p->dims;
     const float *a = p->a + offset(p, p->sa, e), *b = p->b + offset(p, p->sb, e) + j * p->sb[d + 1];
-    float *out = p->out + offset(p, p->so, e) + j;
+    float *out = p->out + offset(p, p->so, e) + j * p->so[d + 1];
     const float *c = p->c == NULL ? NULL : p->c + offset(p, p->sc, e) + j * p->sc[d + 1];
     const long scm = p->sc[d], scn = p->sc[d + 1];
     const float *held = p->panels == NULL ? panel : p->panels + j * p->k;
@@ -397,11 +410,11 @@ static void rows(const Product *p, long e, long j, long r0, long r1, float *pane
             const long m = r1 - r < MR ? r1 - r : MR;
             const float *ar = a + r * p->sa[d] + k0 * p->sa[d + 1];
             if (p->sa[d + 1] == 1)  /* (the common case, specialised: unit steps along k) */
-                block(ar, p->sa[d], 1, from, kc, out + r * p->so[d], p->so[d], m, n, k0 > 0,
-                      c, r, p->period, scm, scn, p->scale);
+                block(ar, p->sa[d], 1, from, kc, out + r * p->so[d], p->so[d], p->so[d + 1],
+                      m, n, k0 > 0, c, r, p->period, scm, scn, p->scale);
             else
-                block(ar, p->sa[d], p->sa[d + 1], from, kc, out + r * p->so[d], p->so[d], m,
-                      n, k0 > 0, c, r, p->period, scm, scn, p->scale);
+                block(ar, p->sa[d], p->sa[d + 1], from, kc, out + r * p->so[d], p->so[d],
+                      p->so[d + 1], m, n, k0 > 0, c, r, p->period, scm, scn, p->scale);
         }
     }
 }
@@ -683,7 +696,7 @@ static int fits(const Py_buffer *v, int nd) {
 }
 
 /* Product `p` of out = a @ b from their buffers: 0 where they are not float32 arrays of the
-   same number of dimensions and matching shapes, or out's rows are not contiguous. */
+   same number of dimensions and matching shapes. */
 static int product_of(const Py_buffer *v, Product *p) {
     const int nd = v[0].ndim;
     if (nd < 2 || nd - 2 > MAX_DIMS || !fits(&v[0], nd) || !fits(&v[1], nd) || !fits(&v[2], nd))
@@ -691,8 +704,7 @@ static int product_of(const Py_buffer *v, Product *p) {
     memset(p, 0, sizeof *p);
     p->dims = nd - 2;
     p->m = v[1].shape[nd - 2], p->k = v[1].shape[nd - 1], p->n = v[2].shape[nd - 1];
-    if (v[2].shape[nd - 2] != p->k || v[0].shape[nd - 2] != p->m || v[0].shape[nd - 1] != p->n ||
-        (p->n >= 2 && v[0].strides[nd - 1] != 4))
+    if (v[2].shape[nd - 2] != p->k || v[0].shape[nd - 2] != p->m || v[0].shape[nd - 1] != p->n)
         return 0;
     p->batch = 1;
     for (int d = 0; d < nd; d++) {
@@ -781,8 +793,10 @@ int bb_matmuls(PyObject *const *arrays, long n, int threads) {
             const Product *p = &set.p[q];
             if (p->k == 0) {
                 for (long e = 0; e < p->batch; e++) {
+                    float *out = p->out + offset(p, p->so, e);
                     for (long r = 0; r < p->m; r++)
-                        memset(p->out + offset(p, p->so, e) + r * p->so[p->dims], 0, 4 * p->n);
+                        for (long j = 0; j < p->n; j++)
+                            out[r * p->so[p->dims] + j * p->so[p->dims + 1]] = 0.0f;
                     finish(p, 1.0f, e, 0, 0, p->m, p->n);
                 }
             } else if (p->m > 0 && p->n > 0) {

@@ -170,16 +170,18 @@ def matmul(x: np.ndarray, y: np.ndarray, threads: int = 1, add: np.ndarray | Non
     where both are float32 arrays of two or more dimensions, on `threads` threads where the
     product is large enough; through numpy (given operands BLAS can read: a window whose rows
     overlap is copied) where numpy's call costs less and its BLAS stays on one thread."""
-    if _swapped(x, y, add):
-        return matmul(y.T, x.T, threads, None if add is None else add.T, scale).T
-    native = _native(x, y)
+    swapped = _swapped(x, y, add)
+    if swapped:
+        x, y, add = y.T, x.T, None if add is None else add.T
+    native = _native(x, y, swapped)
     if native is None:
-        return _numpy_product(x, y, add, scale)
-    out, x, y, macs = native
-    if product()(out, x, y, add, float(scale), _constant_panels(x, y),
-                 threads if macs >= MIN_MACS else 1):
-        return _numpy_product(x, y, add, scale)  # (numpy's error, if any)
-    return out
+        out = _numpy_product(x, y, add, scale)
+    else:
+        out, x, y, macs = native
+        if product()(out, x, y, add, float(scale), _constant_panels(x, y),
+                     threads if macs >= MIN_MACS else 1):
+            out = _numpy_product(x, y, add, scale)  # (numpy's error, if any)
+    return out.T if swapped else out
 
 
 def matmuls(*operands: tuple[np.ndarray, ...], threads: int = 1) -> list[np.ndarray]:
@@ -196,7 +198,7 @@ def matmuls(*operands: tuple[np.ndarray, ...], threads: int = 1) -> list[np.ndar
         if _swapped(x, y, add):
             swapped.add(i)
             x, y, add = y.T, x.T, None if add is None else add.T
-        if (got := _native(x, y)) is None:
+        if (got := _native(x, y, i in swapped)) is None:
             results[i] = _numpy_product(x, y, add, scale)
         else:
             native.append((i, (*got[:3], add, float(scale), _constant_panels(*got[1:3])),
@@ -236,7 +238,7 @@ def window_product(x: np.ndarray, y: np.ndarray, batch: int, threads: int = 1) -
 
 
 def _swapped(x: np.ndarray, y: np.ndarray, add: np.ndarray | None) -> bool:
-    """Is x @ y better computed as (y^T @ x^T)^T, its result a transposed view?  Where x
+    """Is x @ y better computed as (y^T @ x^T)^T, written into the rows of x @ y?  Where x
     is a constant and y is not (a convolution's weight times an image laid channels first),
     x is then packed once into panels as the right operand (`_constant_panels`), and the
     image's columns, a few hundred positions, lie along the micro-kernel's rows, MR of them,
@@ -270,10 +272,12 @@ def _numpy_product(x: np.ndarray, y: np.ndarray, add: np.ndarray | None, scale: 
     return out
 
 
-def _native(x: np.ndarray, y: np.ndarray
+def _native(x: np.ndarray, y: np.ndarray, transposed: bool = False
             ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int] | None:
     """(out, x, y, multiply-adds) for `matmul.c`'s product of `x` and `y`, their batch
-    broadcast and `out` allocated; None where numpy's product is the one to call."""
+    broadcast and `out` allocated (`transposed`: the transposed view of a row-major array,
+    for a product computed transposed, `_swapped`); None where numpy's product is the one
+    to call."""
     # (each step a few hundred ns warm, several times that in a run)
     if x.dtype != _F32 or y.dtype != _F32 or x.ndim < 2 or y.ndim < 2:
         return None
@@ -291,7 +295,7 @@ def _native(x: np.ndarray, y: np.ndarray
             x = np.broadcast_to(x, batch + xs[-2:])
             y = np.broadcast_to(y, batch + ys[-2:])
         return np.empty(x.shape[:-1] + (n,), _F32), x, y, macs
-    return np.empty((m, n), _F32), x, y, macs
+    return np.empty((n, m), _F32).T if transposed else np.empty((m, n), _F32), x, y, macs
 
 
 # The longest contraction and the fewest batch entries in a row of a product `matmul.c` runs

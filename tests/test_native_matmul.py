@@ -233,25 +233,46 @@ def test_a_constant_operand_is_packed_once(monkeypatch):
 
 
 @pytest.mark.parametrize("addend", [None, (1, 1), (150, 1), (1, 70), (150, 70)])
-def test_a_constant_left_operand_is_the_transposed_products_packed_right(addend):
+def test_a_constant_left_operand_is_the_transposed_products_packed_right(addend, monkeypatch):
     """A constant times a product's result (a convolution's weight times an image laid
-    channels first) is computed as (y^T W^T)^T, W^T packed once, and comes back transposed
-    (a view of the row-major y^T W^T); with a writeable weight too where y has fewer
-    columns than the micro-kernel has rows (a matrix times a vector); an addend is added
-    transposed with it."""
+    channels first) is computed as y^T W^T, W^T's panels packed once, written into the rows
+    of W y (row-major, as any product's result); with a writeable weight too where y has
+    fewer columns than the micro-kernel has rows (a matrix times a vector); an addend is
+    added transposed with it."""
+    calls = []
+    real = native_matmul.product()
+    monkeypatch.setattr(native_matmul, "product", lambda: lambda *args: calls.append(args) or
+                        real(*args))
     w, y = rand(150, 90, seed=1), rand(90, 70, seed=2)
     c = None if addend is None else rand(*addend, seed=3)
     got = native_matmul.matmul(constant(w), y, 2, c, 0.5)
     want = 0.5 * (w.astype(np.float64) @ y.astype(np.float64)) + (0 if c is None else c)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
-    assert got.flags.f_contiguous and not got.flags.c_contiguous
-    assert native_matmul.matmul(w, y, 2, c, 0.5).flags.c_contiguous  # (packed each call)
+    assert got.flags.c_contiguous
+    _, a, _, _, _, panels, _ = calls[-1]
+    assert a.shape == (70, 90) and np.shares_memory(a, y) and panels is not None
+    native_matmul.matmul(w, y, 2, c, 0.5)  # (writeable: packed each call, not swapped)
+    assert calls[-1][1] is w and calls[-1][5] is None
     vector = native_matmul.matmul(w, y[:, :1], 2)
     close_to_float64(vector, w, y[:, :1])
-    assert vector.base is not None  # (the transposed view of a product of one row)
+    assert calls[-1][1].shape == (1, 90)
     got, = native_matmul.matmuls((constant(w), y, c, 0.5), threads=2)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
-    assert got.flags.f_contiguous
+    assert got.flags.c_contiguous
+
+
+@pytest.mark.parametrize("m", [1, 5, 7, 61])
+@pytest.mark.parametrize("n", [1, 15, 64, 65])
+@pytest.mark.parametrize("k", [0, 9, 1100])
+def test_a_products_result_may_have_its_columns_apart(m, n, k):
+    """out's columns need not be contiguous (a product computed transposed writes into the
+    rows of the one asked for): every kernel, thin ones and a contraction past a block and
+    an empty one, with an addend and a scale, stores an element at a time."""
+    x, y, c = rand(m, k, seed=m), rand(k, n, seed=n), rand(1, n, seed=k)
+    out = np.full((n, m), np.nan, np.float32).T
+    assert native_matmul.product()(out, x, y, c, 0.5, None, 2) == 0
+    want = c.astype(np.float64) + 0.5 * (x.astype(np.float64) @ y.astype(np.float64))
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5 * max(1.0, np.abs(want).max()))
 
 
 @pytest.mark.parametrize("inner", ["contiguous", "strided"])
