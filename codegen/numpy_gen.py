@@ -615,7 +615,37 @@ def _(n: BlockReduce, w: _KernelWriter) -> _Stmt | None:
         # a contraction summed over axes both operands span: one matmul over all of them (the
         # steps in between are then read by no one, and dropped)
         return w.contraction(n, *summed)
+    if (chain := _sums_within(n, w)) is not None:
+        # sums over several dimensions of a tile (a norm's over an image's positions and a
+        # group's channels): one numpy call over all of them (the steps in between are then
+        # read by no one, and dropped)
+        x, dims = chain
+        fn = w.fns.ref(TILE_REDUCE["sum"], "TILE_REDUCE")
+        return w.array(n, w.fresh("bsum"), f"{fn}({w.tile(x)}, axis={dims}, keepdims=True)")
     return w.array(n, w.fresh(f"b{n.op}"), w.block_reduce(n))
+
+
+def _sums_within(n: BlockReduce, w: _KernelWriter) -> tuple[Node, tuple[int, ...]] | None:
+    """`n`, a sum within blocks of a chain of others (through sums over one block of an
+    axis, each its block's own sum), as (the tile summed, the layout dimensions summed),
+    where the chain has a sum besides n's: one numpy call in place of one per dimension
+    (Stable Diffusion's group norm summed 8 groups of 96 channels over 10 x 10 positions in
+    three, 200 µs).  The chain stops at a sum that a native group computes, that is stored
+    or that another node reads."""
+    if n.op != "sum":
+        return None
+    dims, x = [], n
+    while True:
+        if isinstance(x, BlockReduce) and x.op == "sum":
+            dims.append(w.layout.element_dim(x.axis))
+        elif not (isinstance(x, Reduce) and x.monoid.name == "sum" and w.p.blocks(x.axis) == 1):
+            break
+        below = x.x
+        if below in w.groups or below in w.stored or len(w.users.get(below, ())) > 1:
+            x = below
+            break
+        x = below
+    return (x, tuple(sorted(dims))) if len(dims) > 1 else None
 
 
 def _summed_contraction(n: BlockReduce, w: _KernelWriter) -> tuple[Dot, tuple[Axis, ...]] | None:

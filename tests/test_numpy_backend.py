@@ -1130,6 +1130,27 @@ def test_a_window_of_a_window_pads_the_memory_they_view(side, taps, pad):
     assert reach <= padded.nbytes  # (the bytes from its first element to its last)
 
 
+def test_sums_over_several_dimensions_of_a_tile_are_one_call():
+    """A sum over a group's channels and an image's positions (a group norm's mean), each
+    dimension one block: one numpy sum over the three, where it was one a dimension; what
+    it computes is the interpreter's.  A sum another node reads too keeps its own step."""
+    ast = parse_program("dim g = 4\ndim c = 6\ndim h = 5\ndim w = 7\ninput X[g, c, h, w] : f32\n"
+                        "M[g] = sum[c, h, w] exp(X[g, c, h, w])\noutput M\n")
+    p = lower(ast)
+    source = numpy_gen.generate(p)
+    assert len(re.findall(r"np\.sum\(", source)) == 1 and "axis=(2, 3, 4)" in source
+    inputs = random_inputs(ast, seed=3)
+    np.testing.assert_allclose(numpy_gen.run(p, inputs)["M"], interp.run(p, inputs)["M"],
+                               rtol=1e-5)
+    shared = parse_program("dim c = 6\ndim h = 5\ndim w = 7\ninput X[c, h, w] : f32\n"
+                           "S[c, h] = sum[w] exp(X[c, h, w])\nM[c] = sum[h] S[c, h] * S[c, h]\n"
+                           "output M\n")
+    p = fuse(lower(shared), load_packs([]), get_target("cpu")).program
+    inputs = random_inputs(shared, seed=4)
+    np.testing.assert_allclose(numpy_gen.run(p, inputs)["M"], interp.run(p, inputs)["M"],
+                               rtol=1e-5)
+
+
 def test_the_steps_of_read_only_positions_are_found_once():
     """Positions a module computes once (`constant`, read-only) are checked for even steps on
     the first call, and what was found is kept while they live; positions that may change
