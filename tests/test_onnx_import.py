@@ -423,6 +423,46 @@ def test_a_2d_window_picks_each_dimension_by_its_own_one_hot(tmp_path):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("shape, taps, attrs", [
+    ((32, 10, 12), 3, {"pads": [1] * 4}),
+    ((32, 11, 9), 3, {"pads": [1] * 4, "strides": [2, 2]}),
+    ((16, 12, 12), 3, {"pads": [2] * 4, "dilations": [2, 2]}),
+    ((16, 9, 9), 5, {"pads": [2, 1, 2, 1]}),
+    ((16, 8, 8), 3, {"pads": [0] * 4})], ids=["padded", "strided", "dilated", "uneven", "valid"])
+def test_depthwise_2d_convolutions_are_window_products_that_agree_with_onnx(
+        tmp_path, shape, taps, attrs):
+    """A depthwise 2-D convolution (and a ReLU) in a native module, unfused and fused for
+    cpu: its window, read in place, is a window product (`native_matmul.window_product`),
+    padded, strided, dilated or unevenly padded, against onnx's reference evaluator."""
+    from bbrules.codegen import native
+    if not native.available():
+        pytest.skip("no C compiler")
+    from bbrules.frontend import parse_program
+    from bbrules.lower import lower
+    rng = np.random.default_rng(14)
+    channels = shape[0]
+    w = rng.standard_normal((channels, 1, taps, taps)).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w"], ["c"], kernel_shape=[taps, taps], group=channels,
+                          **attrs),
+         helper.make_node("Relu", ["c"], ["y"])], "depthwise",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, *shape])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(w, "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    onnx.save(model, str(tmp_path / "depthwise.onnx"))
+    imported = import_onnx(tmp_path / "depthwise.onnx")
+    program = lower(parse_program(imported.text))
+    x = rng.standard_normal((1, *shape)).astype(np.float32)
+    want = ReferenceEvaluator(model).run(None, {"x": x})[0]
+    for p in (program, fuse(program, load_packs([]), get_target("cpu")).program):
+        source = numpy_gen.generate_module(p, threads=2, split=False, native=True).source
+        assert "window_product(" in source
+        module = numpy_gen.module_from_source(source)
+        got = imported.onnx_outputs(module.run(**imported.bbp_inputs({"x": x})))["y"]
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_a_pointwise_convolution_is_a_product_over_channels(tmp_path):
     """One tap, unstrided and unpadded (MobileNet's and Conformer's pointwise convolutions): the
     output position is the input's, so nothing picks it, and the convolution is a product over
