@@ -613,8 +613,17 @@ def _(n: BlockReduce, w: _KernelWriter) -> _Stmt | None:
         return w.native(n, w.groups[n], w.fresh(f"b{n.op}"))
     if (summed := _summed_contraction(n, w)) is not None:
         # a contraction summed over axes both operands span: one matmul over all of them (the
-        # steps in between are then read by no one, and dropped)
-        return w.contraction(n, *summed)
+        # steps in between are then read by no one, and dropped), then divided where the sum
+        # was of quotients
+        dot, also, divisor = summed
+        stmt = w.contraction(n, dot, also)
+        if divisor is None:
+            return stmt
+        name = stmt.defs[0]
+        w.products_written.pop(name, None)  # (no addend joins a product divided after it)
+        quotient = f"{name} = {name} / {w.tile(divisor)}"
+        return replace(stmt, lines=[*stmt.lines, quotient], uses=stmt.uses | w.reads,
+                       product=None)
     if (chain := _sums_within(n, w)) is not None:
         # sums over several dimensions of a tile (a norm's over an image's positions and a
         # group's channels): one numpy call over all of them (the steps in between are then
@@ -648,19 +657,30 @@ def _sums_within(n: BlockReduce, w: _KernelWriter) -> tuple[Node, tuple[int, ...
     return (x, tuple(sorted(dims))) if len(dims) > 1 else None
 
 
-def _summed_contraction(n: BlockReduce, w: _KernelWriter) -> tuple[Dot, tuple[Axis, ...]] | None:
-    """`n` as a contraction and the axes it is summed over besides its own, where `n` sums a
-    contraction within blocks, through sums over one block of an axis (each its block's own
-    sum): `bsum(h, reduce(e, sum, bsum(e, dot(d, x, y))))` with e in one block is the
-    contraction of x and y over (h, e, d), provided both x and y span h and e."""
+def _summed_contraction(n: BlockReduce, w: _KernelWriter
+                        ) -> tuple[Dot, tuple[Axis, ...], Node | None] | None:
+    """`n` as a contraction, the axes it is summed over besides its own and a tile it is
+    divided by (or None), where `n` sums a contraction within blocks, through sums over one
+    block of an axis (each its block's own sum): `bsum(h, reduce(e, sum, bsum(e, dot(d, x,
+    y))))` with e in one block is the contraction of x and y over (h, e, d), provided both x
+    and y span h and e.  Through a quotient by a tile that spans none of the summed axes too:
+    `bsum(h, reduce(e, sum, dot(e, x, y)) / b)` is the contraction over (h, e), divided by b
+    (a softmax's weights times values over keys laid as two image dimensions, normalised
+    inside the sum over the first: Stable Diffusion's attention ran 120 products of 10 keys
+    and a sum, 390 µs)."""
     axes, x = numpy_plan.summed_chain(n, w.p)
+    divisor = None
+    if isinstance(x, Binary) and x.op == "div":
+        more, below = numpy_plan.summed_chain(x.x, w.p)
+        if all(w.dims(x.y)[w.layout.element_dim(a)] == 1 for a in (*axes, *more)):
+            axes, divisor, x = axes + more, x.y, below
     if not isinstance(x, Dot) or one_hot(x) is not None:
         return None
     xs, ys = w.dims(x.x), w.dims(x.y)
     spans = {a: (xs[c], ys[c]) for a in axes for c in [w.layout.element_dim(a)]}
     if any(nx != ny for nx, ny in spans.values()):
         return None
-    return x, tuple(a for a in axes if a != x.axis and spans[a][0] > 1)
+    return x, tuple(a for a in axes if a != x.axis and spans[a][0] > 1), divisor
 
 
 def _adds_to_product(n: Node, p: BlockProgram) -> bool:
@@ -1109,7 +1129,7 @@ class _KernelWriter:
         for n in body:  # a group a reduction within the tile reads: the reduction's, or both
             x = n.x if isinstance(n, BlockReduce) else None
             if x not in members or n.op not in native_c.REDUCTIONS or \
-                    not self.innermost(x, n.axis):
+                    not self.innermost(x, n.axis) or _summed_contraction(n, self) is not None:
                 continue
             if self.users.get(x) == {n} and x not in self.stored:
                 members[n] = members.pop(x)

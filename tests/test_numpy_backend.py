@@ -1130,6 +1130,24 @@ def test_a_window_of_a_window_pads_the_memory_they_view(side, taps, pad):
     assert reach <= padded.nbytes  # (the bytes from its first element to its last)
 
 
+def test_a_sum_of_quotients_of_a_contraction_is_one_product_divided():
+    """`bsum(a, reduce(e, sum, dot(e, P, V)) / B)` with B constant along a and e (a softmax's
+    weights times values over keys laid as two dimensions, normalised inside the sum over
+    the first): one product over (a, e), divided once, where it was a product per a and a
+    sum; what it computes is the interpreter's."""
+    text = ("# bbrules block program\ndim q = 32 / 32\ndim a = 8 / 8\ndim e = 8 / 8\n"
+            "dim d = 16 / 16\ninput P[q, a, e] : f32\ninput V[a, e, d] : f32\n"
+            "input B[q] : f32\noutput O[q, d] : f32\n\nkernel [q]:\n  O[q, d] = reduce(a, sum, "
+            "bsum(a, reduce(e, sum, dot(e, load(P[q, a, e]), load(V[a, e, d]))) / load(B[q])))\n")
+    p = parse_block_program(text).program
+    body = kernel_body(numpy_gen.generate(p), "kernel_O")
+    assert body.count("np.matmul(") == 1 and "P.reshape(32, 64)" in body, body
+    assert python_loops(body) == 0 and "np.sum(" not in body
+    inputs = random_inputs(p, seed=5)
+    inputs["B"] = np.abs(inputs["B"]) + 1  # (a softmax's sums: away from zero)
+    assert_close(numpy_gen.run(p, inputs)["O"], interp.run(p, inputs)["O"], "vs interpreter")
+
+
 def test_sums_over_several_dimensions_of_a_tile_are_one_call():
     """A sum over a group's channels and an image's positions (a group norm's mean), each
     dimension one block: one numpy sum over the three, where it was one a dimension; what
