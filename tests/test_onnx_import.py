@@ -397,21 +397,31 @@ def test_grouped_convolutions_agree_with_onnx(tmp_path, x_shape, w_shape, attrs)
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
+def _depthwise(tmp_path, w: np.ndarray, shape: tuple[int, ...], attrs: dict,
+               then: str | None = None):
+    """A depthwise 2-D convolution of weight `w` over an image of `shape` (channels first;
+    `attrs`: its pads, strides, dilations), then a unary operator `then` where given, saved
+    and imported: (the model, the import)."""
+    taps = list(w.shape[2:])
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c" if then else "y"], kernel_shape=taps,
+                              group=shape[0], **attrs)]
+    nodes += [helper.make_node(then, ["c"], ["y"])] if then else []
+    graph = helper.make_graph(
+        nodes, "depthwise", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, *shape])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(w, "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    onnx.save(model, str(tmp_path / "depthwise.onnx"))
+    return model, import_onnx(tmp_path / "depthwise.onnx")
+
+
 def test_a_2d_window_picks_each_dimension_by_its_own_one_hot(tmp_path):
     """ConvNeXt's depthwise 7 x 7 on a 16 x 16 image of 64 channels: one one-hot over both
     dimensions was a [16, 16, 16, 16] tile beside a partial pick of 1 MiB, which no blocks
     fit in the cpu target's 512 KiB.  Picked a dimension at a time it fits as imported."""
     rng = np.random.default_rng(12)
     w = rng.standard_normal((64, 1, 7, 7)).astype(np.float32) / 7
-    graph = helper.make_graph(
-        [helper.make_node("Conv", ["x", "w"], ["y"], kernel_shape=[7, 7], pads=[3] * 4,
-                          group=64)], "depthwise",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 64, 16, 16])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
-        [numpy_helper.from_array(w, "w")])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
-    onnx.save(model, str(tmp_path / "depthwise.onnx"))
-    imported = import_onnx(tmp_path / "depthwise.onnx")
+    model, imported = _depthwise(tmp_path, w, (64, 16, 16), {"pads": [3] * 4})
     from bbrules.cost import cost_program
     from bbrules.frontend import parse_program
     from bbrules.lower import lower
@@ -440,18 +450,8 @@ def test_depthwise_2d_convolutions_are_window_products_that_agree_with_onnx(
     from bbrules.frontend import parse_program
     from bbrules.lower import lower
     rng = np.random.default_rng(14)
-    channels = shape[0]
-    w = rng.standard_normal((channels, 1, taps, taps)).astype(np.float32)
-    graph = helper.make_graph(
-        [helper.make_node("Conv", ["x", "w"], ["c"], kernel_shape=[taps, taps], group=channels,
-                          **attrs),
-         helper.make_node("Relu", ["c"], ["y"])], "depthwise",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, *shape])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
-        [numpy_helper.from_array(w, "w")])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
-    onnx.save(model, str(tmp_path / "depthwise.onnx"))
-    imported = import_onnx(tmp_path / "depthwise.onnx")
+    w = rng.standard_normal((shape[0], 1, taps, taps)).astype(np.float32)
+    model, imported = _depthwise(tmp_path, w, shape, attrs, then="Relu")
     program = lower(parse_program(imported.text))
     x = rng.standard_normal((1, *shape)).astype(np.float32)
     want = ReferenceEvaluator(model).run(None, {"x": x})[0]
