@@ -117,9 +117,9 @@ static inline __attribute__((always_inline)) vec addend_row(const float *c, long
 }
 
 /* out's block of m <= MR rows and n <= NR columns (rows so apart, columns son) (+)= `scale`
-   times a's m rows (kc long) times the panel: added to out where `add`, else to the addend `c` (rows scm apart, columns
-   scn; 0 where it is broadcast; the block's first row `row` of out adds its row row % period)
-   where there is one (the contraction's first block). */
+   times a's m rows (kc long) times the panel: added to out where `add`, else to the addend
+   `c` (rows scm apart, columns scn; 0 where it is broadcast; the block's first row `row` of
+   out adds its row row % period) where there is one (the contraction's first block). */
 static inline __attribute__((always_inline)) void
 block(const float *a, long sm, long sk, const float *panel, long kc, float *out, long so,
       long son, long m, long n, int add, const float *c, long row, long period, long scm,
@@ -170,9 +170,9 @@ typedef struct {
     long chunks;                      /* runs of rows a panel is cut into (`run`) */
     int dims;                         /* batch dimensions */
     long shape[MAX_DIMS];             /* the batch's shape */
-    long sa[MAX_DIMS + 2], sb[MAX_DIMS + 2], so[MAX_DIMS + 2];  /* strides in floats: out's
-                                         columns may lie apart (a product computed transposed,
-                                         y^T x^T, written into x y's rows) */
+    /* strides in floats (out's columns may lie apart: a product computed transposed, y^T x^T,
+       written into the rows of x y) */
+    long sa[MAX_DIMS + 2], sb[MAX_DIMS + 2], so[MAX_DIMS + 2];
     const float *a, *b;
     float *out;
     const float *c;                   /* the addend (out = c + scale a @ b), NULL where none */
@@ -207,6 +207,22 @@ static long offset(const Product *p, const long *strides, long index) {
    product, weights beyond the cache, took 339 µs on 2 cores of the AMD EPYC from panels
    against 723 in place (onnxruntime, which packs its weights too: 380).  M is a constant at
    each call (`thin`), so the loops over rows unroll. */
+
+/* The first `count` (<= W) floats from p, `step` apart, in a vector (zeros past them): a
+   masked load with AVX-512, which reads nothing past them. */
+static inline __attribute__((always_inline)) vec first_floats(const float *p, long count,
+                                                                long step) {
+#if defined(__AVX512F__)
+    if (step == 1)
+        return (vec)_mm512_maskz_loadu_ps((__mmask16)((1u << count) - 1), p);
+#endif
+    float t[W] = {0};
+    for (long i = 0; i < count; i++)
+        t[i] = p[i * step];
+    vec x;
+    memcpy(&x, t, sizeof x);
+    return x;
+}
 
 /* `n` floats from `s` into a row of out whose columns are `son` apart. */
 static inline __attribute__((always_inline)) void
@@ -356,17 +372,9 @@ static void across_item(const Product *p, long item) {
     for (long j = 0; j < p->n; j++) {
         const float *bj = b + j * sbn;
         avec acc = {0};
-        for (long k = 0; k < p->k; k++) {
-            vec x;
-            if (count == W) {
-                x = *(const vec *)(bj + k * sbk);
-            } else {  /* past the lanes: not b's to read */
-                float t[W] = {0};
-                memcpy(t, bj + k * sbk, sizeof(float) * count);
-                memcpy(&x, t, sizeof x);
-            }
-            acc += ak[k] * x;
-        }
+        for (long k = 0; k < p->k; k++)  /* (of a last run of fewer lanes, only theirs read) */
+            acc += ak[k] * (count == W ? *(const vec *)(bj + k * sbk)
+                                       : first_floats(bj + k * sbk, count, 1));
         const float *sums = (const float *)&acc;
         for (long l = 0; l < count; l++)
             out[l * p->so[d] + j * son] =
@@ -841,22 +849,6 @@ typedef struct {
     const float *a, *b;
     float *out;
 } Window;
-
-/* The first `count` (<= W) floats from p, `step` apart, in a vector (zeros past them): a
-   masked load with AVX-512, which reads nothing past them. */
-static inline __attribute__((always_inline)) vec first_floats(const float *p, long count,
-                                                                long step) {
-#if defined(__AVX512F__)
-    if (step == 1)
-        return (vec)_mm512_maskz_loadu_ps((__mmask16)((1u << count) - 1), p);
-#endif
-    float t[W] = {0};
-    for (long i = 0; i < count; i++)
-        t[i] = p[i * step];
-    vec x;
-    memcpy(&x, t, sizeof x);
-    return x;
-}
 
 /* Entries [item * per, (item + 1) * per) of a window product: each W positions of a row
    summed over the taps in a register. */

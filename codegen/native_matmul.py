@@ -228,13 +228,12 @@ def window_product(x: np.ndarray, y: np.ndarray, batch: int, threads: int = 1) -
     shape = tuple(max(a, b) for a, b in zip(x.shape[:batch], y.shape[:batch])) + \
         y.shape[batch + taps:]
     out = np.empty(shape, _F32)
-    if x.dtype != _F32 or y.dtype != _F32 or \
-            builtin_functions(library())["bb_window"](out, x, y, batch, threads):
-        letters = [chr(ord("a") + i) for i in range(y.ndim)]
-        got = np.einsum(f"{''.join(letters[:batch + taps])},{''.join(letters)}->"
-                        f"{''.join(letters[:batch] + letters[batch + taps:])}", x, y)
-        out[...] = got
-    return out
+    if x.dtype == _F32 and y.dtype == _F32 and \
+            not builtin_functions(library())["bb_window"](out, x, y, batch, threads):
+        return out
+    letters = [chr(ord("a") + i) for i in range(y.ndim)]
+    return np.einsum(f"{''.join(letters[:batch + taps])},{''.join(letters)}->"
+                     f"{''.join(letters[:batch] + letters[batch + taps:])}", x, y).astype(_F32)
 
 
 def _swapped(x: np.ndarray, y: np.ndarray, add: np.ndarray | None) -> bool:

@@ -1493,8 +1493,8 @@ class _KernelWriter:
         product 0.3).  None for any other contraction."""
         if not self.fns.native:
             return None
-        for window, other, free in ((y, x, cols), (x, y, rows)):
-            if (rows if window is y else cols) or not free:
+        for window, other, free, others in ((y, x, cols, rows), (x, y, rows, cols)):
+            if others or not free:  # (the other operand one row a batch entry)
                 continue
             code = self.tile(window)  # (gathers it: `windows` then holds its gather)
             have = self.dims(window)

@@ -182,18 +182,18 @@ def _window(values: np.ndarray, axis: int, at: np.ndarray, guards: Sequence[np.n
 
 def _grown(values: np.ndarray, axis: int, below: int, above: int) -> np.ndarray | None:
     """`values` grown by `below` zeros before and `above` after along `axis`, as a read-only
-    view of a padded copy of the memory it views; else None.  Where `values` is a view of a
-    C-contiguous array no larger than itself (a window: a convolution's taps along another
-    spatial dimension) that walks each dimension of that memory in whole steps of it without
-    passing its end, and `axis` one dimension of it whole and alone.  Where the values'
-    elements overlap, a padded copy of them holds each element once per tap: MBConv's 3 x 3
-    window over 3072 channels of a 10 x 10 image took 1.6 ms so, its memory 0.1."""
+    view of a padded copy of the memory it views, where `values` views a C-contiguous array
+    no larger than itself (a window: a convolution's taps along another spatial dimension),
+    walks each dimension of that array in whole steps of it without passing its end, and
+    walks one of them, whole and alone, along `axis`; else None.  Where the values' elements
+    overlap, a padded copy of them holds each element once per tap: MBConv's 3 x 3 window
+    over 3072 channels of a 10 x 10 image took 1.6 ms so, its memory 0.1."""
     memory = values.base
     if not isinstance(memory, np.ndarray):  # (`as_strided`'s view has a holder between)
         memory = getattr(memory, "base", None)
     if not isinstance(memory, np.ndarray) or not memory.flags.c_contiguous or \
             memory.dtype != values.dtype or memory.size > values.size or \
-            values.shape[axis] < 2:
+            memory.size == 0 or values.shape[axis] < 2:
         return None
     memory = memory.reshape([n for n in memory.shape if n > 1])
     if memory.ndim == 0:
