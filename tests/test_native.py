@@ -194,6 +194,45 @@ def test_a_group_ends_in_a_reduction_along_rows_columns_or_strides(op, keeps):
         assert np.isnan(got[1, 0, 5, 0])
 
 
+@pytest.mark.parametrize("reduce", [None, ("sum", 1), ("max", 1)], ids=["map", "sum", "max"])
+def test_a_rows_last_elements_past_whole_vectors_are_computed_as_one_vector(reduce):
+    """Rows of 3 to 33 elements: the elements past the last whole vector (`LANES`) are
+    computed in a vector of lanes filled past the row (`_tail`), and only the row's are
+    written or reduced: the memory beside the rows keeps its sentinels, a NaN in a tail is
+    its row's maximum, log(x) of positive x (where a lane of 0 would be -inf) matches
+    float64, and every element of a row of one value has one result."""
+    for m in (3, 5, 15, 16, 17, 31, 33):
+        g = native.Group(f"tail_{m}_{bool(reduce)}", (3, m), ((3, m), (3, 1)),
+                         ("const float v0 = logf(l0) * l1;", "out = tanhf(v0);"), reduce,
+                         reduce is not None)
+        fn = native.compiled(native.source([g])).function(g.name, g.dims, g.leaves, g.reduce,
+                                                          g.keeps)
+        rng = np.random.default_rng(m)
+        x = rng.uniform(0.1, 3.0, (3, m)).astype(np.float32)
+        x[2, -1] = np.nan
+        scale = rng.standard_normal((3, 1)).astype(np.float32)
+        want = np.tanh(np.log(x.astype(np.float64)) * scale)
+        memory = np.full((3, m + 40), 7.0, np.float32)
+        out = memory[:, 20:20 + m]
+        got = fn(out, x, scale)
+        values = got[0] if reduce else got
+        assert values is out
+        np.testing.assert_allclose(values, want, rtol=2e-6, atol=1e-6, equal_nan=True)
+        assert (memory[:, :20] == 7.0).all() and (memory[:, 20 + m:] == 7.0).all()
+        if reduce:
+            total = {"sum": np.sum, "max": np.max}[reduce[0]](want, axis=1, keepdims=True)
+            np.testing.assert_allclose(got[1], total, rtol=2e-6, atol=1e-5, equal_nan=True)
+            assert np.isnan(got[1][2, 0])
+    # the tail's lanes call the vector function the whole vectors call: a row of one value
+    # gives one result, bit for bit (glibc's scalar tanhf differs from it in the last place)
+    g = native.Group("tail_alike", (400, 21), ((400, 21), (400, 1)),
+                     ("const float v0 = l0 * l1;", "out = tanhf(v0);"), None, False)
+    fn = native.compiled(native.source([g])).function(g.name, g.dims, g.leaves)
+    rows = np.random.default_rng(0).uniform(-3.0, 3.0, (400, 1)).astype(np.float32)
+    got = fn(None, np.repeat(rows, 21, axis=1), np.ones((400, 1), np.float32))
+    np.testing.assert_array_equal(got, np.repeat(got[:, :1], 21, axis=1))
+
+
 @pytest.mark.parametrize("reduce", [None, ("max", 2)], ids=["map", "max"])
 def test_column_major_scores_beside_a_row_major_mask_are_walked_by_columns(reduce):
     """Scores computed column-major (the product's result transposed) beside a mask laid out
