@@ -1422,3 +1422,40 @@ def test_a_temporary_only_reshaped_later_is_computed_where_it_is_read():
         [["y = matmul(a, b).reshape(4, 8)"]]
     assert once([view, S(["y = t1.reshape(4, 8)"], ("y",), frozenset({"t1"}))], {"t1"})[0] == \
         view.lines
+
+
+def test_a_store_that_regroups_dimensions_is_a_reshape():
+    """Stores that regroup a tensor's dimensions, as the importer writes them where two
+    operators cut one dimension two ways (`regroup`): a tensor's pieces merged in memory order
+    (a view of its memory), in another order (a transposed copy), three at once, and an
+    input's (a copy: the caller's array is not the program's).  Each is a reshape, without a
+    loop; so is the regrouping of values a store computes (a concatenation of two pieces),
+    after a kernel of its own stores them.  A selection that looks alike but picks some
+    positions twice and others never is not one.  Every value is the interpreter's."""
+    source = ("dim a = 5 / 1\ndim b = 2 / 1\ndim c = 3 / 1\ndim r = 10 / 1\ndim q = 30 / 1\n"
+              "dim e = 16\ninput X[a, b, e] : f32\ninput U[a, c, b, e] : f32\n"
+              "T[a, b, e] = exp(X[a, b, e])\n"
+              "R[r, e] = (sum[a, b] where((a * 2 + b) == (r), T[a, b, e], 0))\n"
+              "S[r, e] = (sum[b, a] where((b * 5 + a) == (r), T[a, b, e], 0))\n"
+              "V[a, c, b, e] = U[a, c, b, e] * 2\n"
+              "Q[q, e] = (sum[a, c, b] where((a * 6 + c * 2 + b) == (q), V[a, c, b, e], 0))\n"
+              "I[r, e] = (sum[a, b] where((a * 2 + b) == (r), X[a, b, e], 0))\n"
+              "N[r, e] = (sum[a, b] where((a * 3 + b) == (r), T[a, b, e], 0))\n"
+              "W[r, e] = (sum[a, b] where((a * 2 + b) == (r), where(a < 3, T[a, b, e], "
+              "X[a, b, e] * 3), 0))\n"
+              "Y[r, e] = R[r, e] + S[r, e]\n"
+              "output Y\noutput Q\noutput I\noutput N\noutput W\n")
+    ast = parse_program(source)
+    p = lower(ast)
+    code = numpy_gen.generate(p)
+    for fn in ("kernel_R", "kernel_S", "kernel_Q", "kernel_I"):
+        assert python_loops(kernel_body(code, fn)) == 0 and ".reshape(" in kernel_body(code, fn)
+    assert "regrouped" not in kernel_body(code, "kernel_N")
+    assert "W_values = kernel_W_values(" in kernel_body(code, "kernel_W")
+    inputs = random_inputs(ast, seed=8)
+    got, ref = numpy_gen.run(p, inputs), interp.run(p, inputs)
+    for name in ("R", "S", "Q", "I", "N", "W", "Y"):
+        np.testing.assert_array_equal(got[name], ref[name], err_msg=name)
+    t = np.exp(inputs["X"])
+    np.testing.assert_allclose(got["S"], t.transpose(1, 0, 2).reshape(10, 16), rtol=1e-6)
+    assert np.shares_memory(got["R"], got["T"]) and not np.shares_memory(got["I"], inputs["X"])
