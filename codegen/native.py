@@ -536,11 +536,13 @@ def _map_loop(g: Group, inner: Sequence[int], contiguous: bool, values: str, _: 
         return [*_row_leaves(g, inner, p), *(["#pragma omp simd"] if contiguous else []),
                 "for (long i = 0; i < m; i++)",
                 *_element(g, reads, [f"{at(values, 't')} = out;"])]
+    whole = [*(["#pragma omp simd"] if contiguous else []), "for (long i = h; i < m; i++)",
+             *_element(g, reads, [f"{at(values, 't')} = out;"])]
     return [*_row_leaves(g, inner, p), "#pragma omp simd",
             f"for (long i = 0; i < m - m % {LANES}; i++)",
             *_element(g, reads, [f"{at(values, 't')} = out;"]),
             *_tail(g, inner, p, f"m - m % {LANES}", [f"{at(values, 't', 'h + l')} = tail[l];"],
-                   lambda q, t: at(q, t, "h + l"))]
+                   lambda q, t: at(q, t, "h + l"), whole)]
 
 
 def _row(g: Group, inner: Sequence[int], contiguous: bool, values: str, result: str, p: str
@@ -575,7 +577,9 @@ def _row(g: Group, inner: Sequence[int], contiguous: bool, values: str, result: 
             kept = [f"{values}[h + l] = tail[l];"] if g.keeps else []
             lines += _tail(g, inner, p, "i",
                            [*kept, f"acc = {combine.format(x='acc', y='tail[l]')};"],
-                           lambda q, _: f"{q}[h + l]")
+                           lambda q, _: f"{q}[h + l]",
+                           ["for (long i = h; i < m; i++)",
+                            *_element(g, reads("i"), fold("i", "acc"))])
         else:
             lines += ["for (; i < m; i++)", *_element(g, reads("i"), fold("i", "acc"))]
     else:
@@ -591,17 +595,21 @@ def _calls_vector_math(g: Group) -> bool:
 
 
 def _tail(g: Group, inner: Sequence[int], p: str, start: str, done: Sequence[str],
-          at: Callable[[str, str], str]) -> list[str]:
+          at: Callable[[str, str], str], short: Sequence[str]) -> list[str]:
     """The last `m - h` < `LANES` elements of a row (from h = `start`; leaf i's element l
     `at(p<i>, t<i>)`) as one vector: the leaves' elements copied into `LANES` lanes (ones
     past the row: no lane is a special case, as log(0) is, that libmvec computes through the
     scalar function), the group's statements over every lane, and `done` (of `tail[l]`, lane
     l's result) for the lanes in the row.  A scalar remainder calls glibc's scalar functions:
     MBConv's SiLU over rows of 100 positions spent more time on the 4 elements past 96 than
-    on the 96."""
+    on the 96.  A row shorter than a vector runs `short` (its elements from h, one at a time,
+    as the compiler vectorises them): copying each row into lanes made a softmax's exp and
+    sum over rows of 10 take twice as long."""
     return ["{",
             f"    const long h = {start}, rest = m - h;",
-            "    if (rest > 0) {",
+            "    if (h == 0) {",
+            *(f"        {s}" for s in short),
+            "    } else if (rest > 0) {",
             *(f"        float b{i}[{LANES}];" for i in inner),
             f"        float tail[{LANES}];",
             f"        for (int l = 0; l < {LANES}; l++) {{",

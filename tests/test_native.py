@@ -197,7 +197,8 @@ def test_a_group_ends_in_a_reduction_along_rows_columns_or_strides(op, keeps):
 @pytest.mark.parametrize("reduce", [None, ("sum", 1), ("max", 1)], ids=["map", "sum", "max"])
 def test_a_rows_last_elements_past_whole_vectors_are_computed_as_one_vector(reduce):
     """Rows of 3 to 33 elements: the elements past the last whole vector (`LANES`) are
-    computed in a vector of lanes filled past the row (`_tail`), and only the row's are
+    computed in a vector of lanes filled past the row (`_tail`; a row shorter than a vector
+    one element at a time), and only the row's are
     written or reduced: the memory beside the rows keeps its sentinels, a NaN in a tail is
     its row's maximum, log(x) of positive x (where a lane of 0 would be -inf) matches
     float64, and every element of a row of one value has one result."""
