@@ -303,6 +303,21 @@ def test_a_window_product_reads_taps_and_positions_of_several_dimensions(inner):
                                rtol=1e-5, atol=1e-5)
 
 
+def test_a_window_products_rows_are_summed_in_groups_of_any_size():
+    """Rows of a window summed a few at once (`window_rows`), in groups as even as can be:
+    1, 2, 5, 6 (3 and 3), 11 (4, 4 and 3) and 16 (four of 4) rows of 20 positions (a whole
+    vector and a masked remainder), against float64."""
+    for rows in (1, 2, 5, 6, 11, 16):
+        x = np.pad(rand(4, rows, 20, seed=rows), ((0, 0), (1, 1), (1, 1)))
+        s = x.strides
+        window = np.lib.stride_tricks.as_strided(x, (4, 3, 3, rows, 20), s[:1] + s[1:] * 2,
+                                                 writeable=False)
+        w = rand(4, 3, 3, seed=rows + 1)
+        want = np.einsum("cst,cstij->cij", w.astype(np.float64), window.astype(np.float64))
+        np.testing.assert_allclose(native_matmul.window_product(w, window, 1, 2), want,
+                                   rtol=1e-5, atol=1e-5, err_msg=f"{rows} rows")
+
+
 @pytest.mark.parametrize("threads", [1, 2, 3, 8])
 def test_any_number_of_threads(threads):
     check(rand(300, 257, seed=8), rand(257, 190, seed=9), threads)
