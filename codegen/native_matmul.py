@@ -56,14 +56,15 @@ _SOURCE = Path(__file__).with_name("matmul.c")
 @lru_cache(maxsize=None)
 def library() -> ctypes.CDLL:
     """`matmul.c` compiled for this machine, with `bb_matmul`, `bb_matmuls`, `bb_pack`,
-    `bb_window` and `bb_panel_width` as builtins (`product`, `products`, `panels`,
-    `window_product`), and `bb_address`."""
+    `bb_window`, `bb_copy` and `bb_panel_width` as builtins (`product`, `products`, `panels`,
+    `window_product`, `copy_into`), and `bb_address`."""
     try:
         text = _SOURCE.read_text()
     except OSError as e:
         raise NativeUnavailable(f"reading {_SOURCE} failed: {e}") from e
     return build(text + exported([("bb_matmul", 6), ("bb_matmuls", None), ("bb_pack", 2),
-                                  ("bb_window", 4), ("bb_address", 1), ("bb_panel_width", 0)]),
+                                  ("bb_window", 4), ("bb_copy", 2), ("bb_address", 1),
+                                  ("bb_panel_width", 0)]),
                  [], FLAGS)
 
 
@@ -81,6 +82,19 @@ def products() -> Callable[..., int]:
     = c + scale a @ b (one job on the threads), 1 where some group does not fit or there are
     more than `MAX_PRODUCTS`."""
     return builtin_functions(library())["bb_matmuls"]
+
+
+@lru_cache(maxsize=None)
+def _copy() -> Callable[..., int]:
+    return builtin_functions(library())["bb_copy"]
+
+
+def copy_into(out: np.ndarray, values: np.ndarray | None, threads: int = 1) -> None:
+    """`out[...] = values` (zeros where values is None) for float32 arrays of one shape, in C
+    (`bb_copy`: rows of a few floats, which numpy copies one short run at a time, a masked
+    vector each), else by numpy."""
+    if _copy()(out, values, threads):
+        out[...] = 0 if values is None else values
 
 
 @lru_cache(maxsize=None)

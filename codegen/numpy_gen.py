@@ -1745,8 +1745,10 @@ class _KernelWriter:
         if window:
             self.windows.add(n)
         own = ", own=True" if window and n in self.owning else ""
+        threads = f", threads={self.fns.threads}" if window and self.part is None and \
+            self.fns.threads > 1 else ""  # (a part's copies stay on its thread)
         return (f"gather_one_hot({self.tile(values)}, {c}, ({', '.join(codes)},)"
-                f"{', window=True' if window else ''}{own})")
+                f"{', window=True' if window else ''}{own}{threads})")
 
     def loop(self, loop: Loop) -> list[_Stmt]:
         """Accumulators, the loop over the axis' blocks, the finalizers.

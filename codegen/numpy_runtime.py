@@ -12,6 +12,7 @@ import weakref
 from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
+from functools import lru_cache
 from math import prod
 from typing import AbstractSet, Callable, Iterator, Sequence
 
@@ -83,19 +84,20 @@ def constant(tile: np.ndarray) -> np.ndarray:
 
 def gather_one_hot(values: np.ndarray, axis: int,
                    picks: Sequence[tuple[np.ndarray, Sequence[np.ndarray]]],
-                   window: bool = False, own: bool = False) -> np.ndarray:
+                   window: bool = False, own: bool = False, threads: int = 1) -> np.ndarray:
     """The sum along `axis` of `values` times a one-hot that is 1 at each pick's position
     (relative to the block `values` holds: a position outside it, or not a whole number,
     picks nothing) where the pick's guards hold; two picks of one position count once, as the
     one-hot's `or` does.  With `window`, one pick that steps evenly is a read-only view of the
     values (`_window`): for the native product, which reads any strides (numpy's matmul,
     given magika's window, whose rows overlap, took 3.9 ms; 1.9 given a copy of it); with
-    `own` too, an array of its own, which the caller may write into.  A position known while
-    generating may be a number, not a tile: one position everywhere."""
+    `own` too, an array of its own, which the caller may write into; a padded copy on
+    `threads` threads.  A position known while generating may be a number, not a tile: one
+    position everywhere."""
     picks = [(np.reshape(at, (1,) * values.ndim) if np.ndim(at) == 0 else at, guards)
              for at, guards in picks]
     if window and len(picks) == 1 and \
-            (view := _window(values, axis, *picks[0], own=own)) is not None:
+            (view := _window(values, axis, *picks[0], own=own, threads=threads)) is not None:
         return view
     size = values.shape[axis]
     total, zeroed = None, None
@@ -145,7 +147,7 @@ def gather_one_hot(values: np.ndarray, axis: int,
 
 
 def _window(values: np.ndarray, axis: int, at: np.ndarray, guards: Sequence[np.ndarray],
-            own: bool = False) -> np.ndarray | None:
+            own: bool = False, threads: int = 1) -> np.ndarray | None:
     """The pick as a read-only strided view of `values` where its positions are whole numbers
     that step evenly (forwards) along each of their dimensions the values do not span, and its
     guards all hold: a convolution's window (position + tap), a slice, a shift; else None.
@@ -162,7 +164,7 @@ def _window(values: np.ndarray, axis: int, at: np.ndarray, guards: Sequence[np.n
             (w := _geometry(values, axis, at)) is None:
         return None
     if w.pad is not None and not own and \
-            (grown := _grown(values, axis, w.pad.below, w.pad.above)) is not None:
+            (grown := _grown(values, axis, w.pad.below, w.pad.above, threads)) is not None:
         values = grown
         if (w := _geometry(values, axis, at, shift=w.pad.below)) is None:
             return None
@@ -172,15 +174,17 @@ def _window(values: np.ndarray, axis: int, at: np.ndarray, guards: Sequence[np.n
         return view.copy(order="K") if own else view
     memory = np.empty(w.pad.shape, values.dtype)  # (in the values' own order: the window's
     padded = memory.transpose(w.pad.order)  # strides then merge as theirs)
-    padded[w.pad.middle] = values
+    copy_into = _native_copy()
+    copy_into(padded[w.pad.middle], values, threads)
     for end in w.pad.ends:  # (only the pads: zeroing the whole copy first was a pass of its own)
-        padded[end] = 0
+        copy_into(padded[end], None, threads)
     view = np.ndarray(w.shape, values.dtype, memory, w.offset, w.strides)
     view.flags.writeable = own and w.apart
     return view if w.apart or not own else view.copy(order="K")
 
 
-def _grown(values: np.ndarray, axis: int, below: int, above: int) -> np.ndarray | None:
+def _grown(values: np.ndarray, axis: int, below: int, above: int, threads: int = 1
+           ) -> np.ndarray | None:
     """`values` grown by `below` zeros before and `above` after along `axis`, as a read-only
     view of a padded copy of the memory it views, where `values` views a C-contiguous array
     no larger than itself (a window: a convolution's taps along another spatial dimension),
@@ -225,15 +229,31 @@ def _grown(values: np.ndarray, axis: int, below: int, above: int) -> np.ndarray 
     shape[m] += below + above
     grown = np.empty(shape, memory.dtype)
     ahead = (slice(None),) * m
-    grown[ahead + (slice(below, below + memory.shape[m]),)] = memory
+    copy_into = _native_copy()
+    copy_into(grown[ahead + (slice(below, below + memory.shape[m]),)], memory, threads)
     for end in (slice(0, below), slice(below + memory.shape[m], shape[m])):
-        grown[ahead + (end,)] = 0
+        copy_into(grown[ahead + (end,)], None, threads)
     view = np.ndarray(values.shape[:axis] + (shape[m],) + values.shape[axis + 1:],
                       values.dtype, grown, sum(i * s for i, s in zip(start, grown.strides)),
                       tuple(walks[d][1] * grown.strides[walks[d][0]] if d in walks else 0
                             for d in range(values.ndim)))
     view.flags.writeable = False
     return view
+
+
+@lru_cache(maxsize=None)
+def _native_copy() -> Callable[[np.ndarray, np.ndarray | None, int], None]:
+    """`native_matmul.copy_into` where the native product's library loads (a window is a view
+    only native modules ask for, which load it), else numpy's assignment: a padded copy's rows
+    and pads are short runs, which numpy copies one at a time."""
+    from bbrules.codegen import native_matmul
+    try:
+        native_matmul.library()
+        return native_matmul.copy_into
+    except native_matmul.NativeUnavailable:
+        def assign(out: np.ndarray, values: np.ndarray | None, threads: int) -> None:
+            out[...] = 0 if values is None else values
+        return assign
 
 
 @dataclass(frozen=True)

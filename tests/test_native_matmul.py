@@ -318,6 +318,29 @@ def test_a_window_products_rows_are_summed_in_groups_of_any_size():
                                    rtol=1e-5, atol=1e-5, err_msg=f"{rows} rows")
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_copy_between_views_of_any_strides_is_numpys_assignment(threads):
+    """`copy_into`: rows shorter than a vector, longer, strided and transposed, dimensions of
+    one element between others, zeros where no values are given, each against numpy's
+    assignment, nothing written outside the view; arrays that are not float32 go to numpy."""
+    rng = np.random.default_rng(21)
+    cases = [((40, 10, 10), (slice(None), slice(None), slice(1, 11)), (40, 10, 12)),
+             ((6, 1, 37), (slice(None), slice(None), slice(2, 39)), (6, 1, 41)),
+             ((9, 13), (slice(None, None, 2), slice(None)), (18, 13)),
+             ((5, 7, 3), (slice(1, 6), slice(None), slice(None, None, -1)), (7, 7, 3))]
+    for shape, where, memory_shape in cases:
+        values = rng.standard_normal(shape).astype(np.float32)
+        for given in (values, np.ascontiguousarray(values.T).T, None):  # (C, F order)
+            memory = np.full(memory_shape, 7.0, np.float32)
+            want = memory.copy()
+            want[where] = 0 if given is None else given
+            native_matmul.copy_into(memory[where], given, threads)
+            np.testing.assert_array_equal(memory, want)
+    doubled = np.zeros((4, 3))
+    native_matmul.copy_into(doubled[:, 1:], np.ones((4, 2)), threads)
+    assert doubled.sum() == 8
+
+
 @pytest.mark.parametrize("threads", [1, 2, 3, 8])
 def test_any_number_of_threads(threads):
     check(rand(300, 257, seed=8), rand(257, 190, seed=9), threads)
@@ -591,7 +614,7 @@ def test_a_convolutions_window_is_read_in_place():
     ast = parse_program(CONVOLUTION)
     p = lower(ast)
     source = numpy_gen.generate(p, threads=2, native=True)
-    assert "window=True)" in source
+    assert "window=True" in source
     assert "window=True" not in numpy_gen.generate(p)
     lookup = parse_program("dim t = 64 / 16\ndim v = 100\ndim e = 32\ninput IDS[t] : f32\n"
                            "input E[v, e] : f32\n"
