@@ -1479,6 +1479,14 @@ class _KernelWriter:
             x = _from_layout(self.tile(xn), xs, [[i] for i in batch] + [cs, xfree])
             y = _from_layout(self.tile(yn), ys, [[i] for i in batch] + [yfree, cs])
             return _to_layout(f"{self.matmul(y, x)}.swapaxes(-1, -2)", parts, dims)
+        rows, cols = ([p for p in free if dims[p] > 1] for free in (xfree, yfree))
+        if self.fns.native and rows and cols and min(cols) < min(rows):
+            # the layout holds y's free dimensions outside x's: computed as y^T x^T, the
+            # result in the layout's order (the native product reads any operand's strides),
+            # not transposed after it: Conformer's pointwise convolution, W x^T, left its
+            # result column-major, and the residual added to it walked it element by element
+            xn, yn, xs, ys, xfree, yfree = yn, xn, ys, xs, yfree, xfree
+            parts = [*parts[:-2], parts[-1], parts[-2]]
         x = self.operand(xn, xs, batch, xfree, cs)
         y = self.operand(yn, ys, batch, cs, yfree)
         addend = None if add is None else _from_layout(
@@ -1491,8 +1499,10 @@ class _KernelWriter:
         """In native modules, a contraction of one row per batch entry by a windowed gather
         (`gather`) of several tap or position dimensions, which no view merges into a
         product's rows and columns (a window's rows and taps step along one dimension of its
-        values), as `window_product` (`native_matmul`), which reads the window where it lies:
-        a depthwise convolution over two spatial dimensions (a copy that merged them took
+        values), or of many batch entries (products of one row, which the native product
+        leaves to numpy: Conformer's 15 taps over 768 channels took 450 µs so), as
+        `window_product` (`native_matmul`), which reads the window where it lies: a
+        depthwise convolution over two spatial dimensions (a copy that merged them took
         MBConv's 3 x 3 window over 3072 channels of a 10 x 10 image 4.6 ms, the window
         product 0.3).  None for any other contraction."""
         if not self.fns.native:
@@ -1503,7 +1513,8 @@ class _KernelWriter:
             code = self.tile(window)  # (gathers it: `windows` then holds its gather)
             have = self.dims(window)
             if self.gather_below(window) not in self.windows or \
-                    max(sum(have[i] > 1 for i in cs), sum(have[i] > 1 for i in free)) < 2:
+                    max(sum(have[i] > 1 for i in cs), sum(have[i] > 1 for i in free)) < 2 and \
+                    prod(dims[i] for i in batch) == 1:
                 return None
             taps = [[i] for i in batch] + [[c] for c in cs]
             self.fns.products = True

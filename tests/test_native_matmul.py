@@ -608,6 +608,25 @@ CONVOLUTION = ("dim o = 60 / 30\ndim s = 5 / 1\ndim j = 64\ndim c = 256 / 64\n"
                "output Y\n")
 
 
+def test_a_product_is_computed_in_the_order_its_result_is_laid_out():
+    """W M stored as Y[t, c] (a pointwise convolution's result read back by tokens): the
+    layout holds M's free axis outside W's, so the product is computed as M^T W^T, its
+    result in the layout's order, not computed as W M and transposed after (the residual
+    added to it then walked it element by element)."""
+    ast = parse_program("dim t = 48\ndim c = 64\ndim k = 96\ninput W[c, k] : f32\n"
+                        "input M[k, t] : f32\ninput R[t, c] : f32\n"
+                        "Y[t, c] = (sum[k] W[c, k] * M[k, t]) + R[t, c]\noutput Y\n")
+    p = lower(ast)
+    source = numpy_gen.generate_module(p, threads=2, split=False, native=True).source
+    product = next(line.split(" = ", 1)[1] for line in source.splitlines()
+                   if " = matmul(" in line)
+    assert product.startswith("matmul(M") and ".T" not in product.split(", 2", 1)[1], product
+    inputs = random_inputs(ast, seed=3)
+    got = numpy_gen.module_from_source(source).run(**inputs)["Y"]
+    want = inputs["W"].astype(np.float64) @ inputs["M"] + inputs["R"].T
+    np.testing.assert_allclose(got, want.T, rtol=1e-5, atol=1e-5)
+
+
 def test_a_convolutions_window_is_read_in_place():
     """In native modules a gather by positions that step evenly is a view of its values: the
     product reads the convolution's window from X itself (numpy code gathers it)."""
