@@ -444,23 +444,9 @@ def test_depthwise_2d_convolutions_are_window_products_that_agree_with_onnx(
     """A depthwise 2-D convolution (and a ReLU) in a native module, unfused and fused for
     cpu: its window, read in place, is a window product (`native_matmul.window_product`),
     padded, strided, dilated or unevenly padded, against onnx's reference evaluator."""
-    from bbrules.codegen import native
-    if not native.available():
-        pytest.skip("no C compiler")
-    from bbrules.frontend import parse_program
-    from bbrules.lower import lower
     rng = np.random.default_rng(14)
-    w = rng.standard_normal((shape[0], 1, taps, taps)).astype(np.float32)
-    model, imported = _depthwise(tmp_path, w, shape, attrs, then="Relu")
-    program = lower(parse_program(imported.text))
-    x = rng.standard_normal((1, *shape)).astype(np.float32)
-    want = ReferenceEvaluator(model).run(None, {"x": x})[0]
-    for p in (program, fuse(program, load_packs([]), get_target("cpu")).program):
-        source = numpy_gen.generate_module(p, threads=2, split=False, native=True).source
-        assert "window_product(" in source
-        module = numpy_gen.module_from_source(source)
-        got = imported.onnx_outputs(module.run(**imported.bbp_inputs({"x": x})))["y"]
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    _assert_window_products(tmp_path, rng.standard_normal(
+        (shape[0], 1, taps, taps)).astype(np.float32), shape, attrs, "Relu", rng)
 
 
 def test_a_depthwise_1d_convolution_over_many_channels_is_a_window_product(tmp_path):
@@ -468,16 +454,23 @@ def test_a_depthwise_1d_convolution_over_many_channels_is_a_window_product(tmp_p
     of one row per channel, which the native product leaves to numpy (Conformer's 768
     channels took 450 µs so), is one window product, unfused and fused, against onnx's
     reference evaluator."""
+    rng = np.random.default_rng(15)
+    _assert_window_products(tmp_path, rng.standard_normal((64, 1, 15)).astype(np.float32),
+                            (64, 40), {"pads": [7, 7]}, "Sigmoid", rng)
+
+
+def _assert_window_products(tmp_path, w: np.ndarray, shape: tuple[int, ...], attrs: dict,
+                            then: str, rng: np.random.Generator) -> None:
+    """`_depthwise`'s convolution then `then`, in native modules unfused and fused for cpu:
+    each a window product, each agreeing with onnx's reference evaluator."""
     from bbrules.codegen import native
     if not native.available():
         pytest.skip("no C compiler")
     from bbrules.frontend import parse_program
     from bbrules.lower import lower
-    rng = np.random.default_rng(15)
-    w = rng.standard_normal((64, 1, 15)).astype(np.float32)
-    model, imported = _depthwise(tmp_path, w, (64, 40), {"pads": [7, 7]}, then="Sigmoid")
+    model, imported = _depthwise(tmp_path, w, shape, attrs, then=then)
     program = lower(parse_program(imported.text))
-    x = rng.standard_normal((1, 64, 40)).astype(np.float32)
+    x = rng.standard_normal((1, *shape)).astype(np.float32)
     want = ReferenceEvaluator(model).run(None, {"x": x})[0]
     for p in (program, fuse(program, load_packs([]), get_target("cpu")).program):
         source = numpy_gen.generate_module(p, threads=2, split=False, native=True).source
