@@ -2620,14 +2620,14 @@ def _regrouping(p: BlockProgram, k: Kernel, names: Mapping[str, str], taken: set
     params = _kernel_params(p, k, names)
     body, done = [], {}
     for s, r in zip(k.stores, found):
-        out = names[s.tensor]
-        if s.value in done:  # (stores of one value: one array)
-            body.append(f"    {out} = {done[s.value]}")
+        out, output = names[s.tensor], p.tensors[s.tensor].role == "output"
+        if s.value in done and not output:  # (stores of one value: one array, unless the
+            body.append(f"    {out} = {done[s.value]}")  # caller gets it)
             continue
-        done[s.value] = out
-        shared = {p.tensors[p.tensors[r.values.tensor].storage].role, p.tensors[s.tensor].role}
+        done.setdefault(s.value, out)
+        role = p.tensors[p.tensors[r.values.tensor].storage].role
         body.append(f"    {out} = " + _regrouped(p, s, r, params[r.values.tensor],
-                                                 copy=bool(shared & {"input", "output"})))
+                                                 copy=output or role == "input"))
     stored = ", ".join(f"{s.tensor}[{', '.join(s.axes)}]" for s in k.stores)
     return _Code(k, [f"def {fn}({', '.join(params.values())}):",
                      f'    """Kernel {stored}: loaded dimensions regrouped."""', *body,
@@ -2640,7 +2640,8 @@ def _regrouped(p: BlockProgram, s: Store, r: Regroup, array: str, copy: bool) ->
     held = r.values.axes if isinstance(r.values, Load) else r.axes
     order = tuple(held.index(a) for a in r.axes)
     if order != tuple(range(len(order))):
-        array = f"np.ascontiguousarray({array}.transpose{order!r})"
+        array = f"{array}.transpose{order!r}.copy()" if copy else \
+            f"np.ascontiguousarray({array}.transpose{order!r})"
     elif copy:
         array = f"{array}.copy()"
     return f"{array}.reshape({tuple(p.extent(a) for a in s.axes)!r})"
@@ -2669,14 +2670,13 @@ def _values_regrouped(p: BlockProgram, k: Kernel, names: Mapping[str, str], take
     inner_params = _kernel_params(values, inner, names)
     writer = _KernelWriter(values.in_kernel(inner), inner, inner_fn, inner_params,
                            {tensor: tensor}, fns, capacity)
-    out = names[s.tensor]
-    copy = p.tensors[s.tensor].role == "output"
+    out = names[s.tensor]  # (a view of the values' array, which nothing else holds)
     return _Code(k, [*writer.write(), "", "",
                      f"def {fn}({', '.join(params.values())}):",
                      f'    """Kernel {s.tensor}[{", ".join(s.axes)}]: values that {inner_fn} '
                      'stores, regrouped."""',
                      f"    {tensor} = {inner_fn}({', '.join(inner_params.values())})",
-                     f"    {out} = {_regrouped(p, s, r, tensor, copy)}",
+                     f"    {out} = {_regrouped(p, s, r, tensor, copy=False)}",
                      f"    return {out}"], whole=fn)
 
 

@@ -1459,3 +1459,24 @@ def test_a_store_that_regroups_dimensions_is_a_reshape():
     t = np.exp(inputs["X"])
     np.testing.assert_allclose(got["S"], t.transpose(1, 0, 2).reshape(10, 16), rtol=1e-6)
     assert np.shares_memory(got["R"], got["T"]) and not np.shares_memory(got["I"], inputs["X"])
+
+
+
+def test_stores_of_one_regrouping_share_an_array_only_where_the_caller_gets_neither():
+    """A kernel storing one regrouping twice (a fused program's two readers of it): one
+    array for a temporary, but each output an array of its own, as any two outputs are."""
+    regrouped = ("reduce(a, sum, bsum(a, reduce(b, sum, bsum(b, where(eq(pos(a) * 2.0 + "
+                 "pos(b), pos(r)), load(X[a, b, e]), 0.0)))))")
+    dims = "dim a = 5 / 1\ndim b = 2 / 1\ndim r = 10 / 1\ndim e = 16\n"
+    for roles, shared in (("temp Q[r, e]", True), ("output Q[r, e]", False)):
+        p = bbk(f"input X[a, b, e] : f32\noutput P[r, e] : f32\n{roles} : f32\n"
+                f"output Y[r, e] : f32\nkernel [r, e]:\n  P[r, e] = {regrouped}\n"
+                f"  Q[r, e] = {regrouped}\nkernel [r, e]:\n  Y[r, e] = load(Q[r, e]) * 2.0\n",
+                dims)
+        inputs = random_inputs(p, seed=9)
+        got = numpy_gen.run(p, inputs)
+        want = inputs["X"].reshape(10, 16)
+        for name in ("P", "Q"):
+            np.testing.assert_array_equal(got[name], want)
+        assert np.shares_memory(got["P"], got["Q"]) == shared
+        assert not np.shares_memory(got["P"], inputs["X"])
